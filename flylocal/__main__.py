@@ -1,0 +1,5 @@
+import sys
+
+from flylocal.cli import main
+
+sys.exit(main())

@@ -1,0 +1,236 @@
+"""The `flylocal` command: rendering and commands only. Text goes to stdout; stats, notes
+and errors go to stderr, errors as one line with a non-zero exit code."""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import functools
+import json
+import sys
+
+import click
+
+from flylocal import __version__
+from flylocal.drafters import DRAFTERS
+from flylocal.errors import FlylocalError
+from flylocal.verifiers import VERIFIERS
+
+
+def note(message: str) -> None:
+    click.echo(f"flylocal: {message}", err=True)
+
+
+def model_options(f):
+    """Options shared by every command that generates."""
+    options = [
+        click.option("--target", default="smollm2-135m-instruct", show_default=True, metavar="NAME|PATH",
+                     help="Target model: a models.txt name or a GGUF path."),
+        click.option("--draft", default=None, metavar="NAME|PATH",
+                     help="Draft model for --drafter model/mla (same vocabulary as the target)."),
+        click.option("--drafter", type=click.Choice(DRAFTERS), default=None,
+                     help="Where drafts come from. Default: mla with --draft, pld without."),
+        click.option("--verifier", type=click.Choice(VERIFIERS), default="strict", show_default=True,
+                     help="How drafts are accepted. strict is lossless: the target's own greedy output."),
+        click.option("--k", "k", type=click.IntRange(min=0), default=None,
+                     help="Draft length per round. Default: up to 8, shortened each round from measured "
+                          "cost and acceptance (prompt lookup). Given explicitly, it is used as is."),
+        click.option("--pld-ngram", type=click.IntRange(min=1), default=4, show_default=True,
+                     help="Longest n-gram prompt lookup tries (it falls back down to 1)."),
+        click.option("--pld-tokens", type=click.IntRange(min=1), default=None,
+                     help="Most tokens one prompt lookup proposes. Default: --k for pld, 6 for mla."),
+        click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+                     help="Most tokens to generate."),
+        click.option("--ctx", type=click.IntRange(min=16), default=4096, show_default=True,
+                     help="Context size in tokens (prompt + output)."),
+        click.option("--threads", type=click.IntRange(min=0), default=0,
+                     help="CPU threads. Default: all cores."),
+        click.option("--gpu-layers", type=click.IntRange(min=-1), default=0, show_default=True,
+                     help="Layers to offload to the GPU (-1: all), in a GPU build."),
+        click.option("--seed", type=int, default=None,
+                     help="Random seed, for sampling; greedy decoding (the only mode so far) is deterministic."),
+    ]
+    return functools.reduce(lambda g, opt: opt(g), reversed(options), f)
+
+
+def settings_from(opts: dict):
+    from flylocal.loader import Settings
+
+    return Settings(
+        target=opts["target"], draft=opts["draft"], drafter=opts["drafter"], verifier=opts["verifier"],
+        k=opts["k"], max_tokens=opts["max_tokens"], ctx=opts["ctx"], threads=opts["threads"],
+        gpu_layers=999 if opts["gpu_layers"] == -1 else opts["gpu_layers"],
+        pld_ngram=opts["pld_ngram"], pld_tokens=opts["pld_tokens"], seed=opts["seed"],
+    )
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="flylocal")
+def cli():
+    """flylocal: speculative decoding on llama.cpp, with loose training-free verification."""
+
+
+class TextStream:
+    """Token ids in, text out, never splitting a multibyte character."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def feed(self, tokens) -> str:
+        return self.decoder.decode(b"".join(self.runtime.piece(t) for t in tokens))
+
+    def flush(self) -> str:
+        return self.decoder.decode(b"", final=True)
+
+
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    if prompt is not None and prompt_file is not None:
+        raise FlylocalError("give either PROMPT or --prompt-file, not both")
+    if prompt_file is not None:
+        if prompt_file == "-":
+            return sys.stdin.read()
+        try:
+            with open(prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise FlylocalError(f"cannot read prompt file {prompt_file}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise FlylocalError(f"prompt file {prompt_file} is not UTF-8 text") from None
+    if prompt is None:
+        raise FlylocalError("no prompt: give PROMPT or --prompt-file FILE (- for stdin)")
+    return prompt
+
+
+@cli.command()
+@click.argument("prompt", required=False)
+@click.option("--prompt-file", metavar="FILE|-", default=None, help="Read the prompt from a file, or stdin with -.")
+@click.option("--raw", is_flag=True, help="Use the prompt text as is, without the model's chat template.")
+@model_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, prompt_tokens, stats).")
+@click.option("--trace", "trace_file", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Write one JSON row per round (SPEC.md trace format) to FILE.")
+def generate(prompt, prompt_file, raw, as_json, trace_file, **opts):
+    """Generate a reply to PROMPT, streaming text to stdout and a stats line to stderr."""
+    from flylocal.engine import DoneEvent
+    from flylocal.loader import encode_prompt, load
+
+    text = read_prompt(prompt, prompt_file)
+    settings = dataclasses.replace(settings_from(opts), trace=trace_file is not None)
+    loaded = load(settings, log=note)
+    try:
+        ids, message = encode_prompt(loaded.target, text, raw)
+        if message:
+            note(message)
+        trace_out = open(trace_file, "w") if trace_file else None
+        engine = loaded.engine
+        stream = TextStream(loaded.target)
+        out = sys.stdout
+        try:
+            for event in engine.generate(ids):
+                if isinstance(event, DoneEvent):
+                    stats, tokens = event.stats, event.tokens
+                    break
+                if trace_out is not None:
+                    trace_out.write(json.dumps(event.trace) + "\n")
+                if not as_json:
+                    out.write(stream.feed(t for t in event.tokens if not loaded.target.is_eog(t)))
+                    out.flush()
+        finally:
+            if trace_out is not None:
+                trace_out.close()
+        if as_json:
+            result = {
+                "text": loaded.target.detokenize(tokens),
+                "tokens": list(tokens),
+                "prompt_tokens": len(ids),
+                "stats": stats.to_dict(),
+            }
+            out.write(json.dumps(result) + "\n")
+        else:
+            out.write(stream.flush() + "\n")
+            out.flush()
+            note(stats.summary())
+    finally:
+        loaded.close()
+
+
+@cli.group()
+def models():
+    """The model registry (models.txt): list, fetch, path."""
+
+
+@models.command("list")
+def models_list():
+    """List registry models and whether each is fetched."""
+    from flylocal import models as registry
+
+    for entry in registry.load_registry().values():
+        path = registry.local_path(entry.name)
+        state = "fetched" if path.exists() else "not fetched"
+        click.echo(f"{entry.name:30} {entry.kind:8} {state:12} {entry.note}")
+
+
+@models.command("fetch")
+@click.argument("names", nargs=-1)
+@click.option("--force", is_flag=True, help="Fetch again even if present.")
+def models_fetch(names, force):
+    """Fetch NAMES (default: every model that needs no URL) and check their sha256."""
+    from flylocal import models as registry
+
+    entries = registry.load_registry()
+    for name in names or [e.name for e in entries.values() if e.kind != "url"]:
+        path = registry.fetch(name, force=force, log=note)
+        click.echo(f"{name}: {path}")
+
+
+@models.command("path")
+@click.argument("name")
+def models_path(name):
+    """Print the local path of model NAME."""
+    from flylocal import models as registry
+
+    click.echo(str(registry.resolve(name)))
+
+
+@cli.command()
+@click.option("--model", "model", default=None, metavar="NAME|PATH",
+              help="Also measure whether this model's logits are batch-invariant in this build.")
+@click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads. Default: all cores.")
+def doctor(model, threads):
+    """Print the llama.cpp build, and check a model for batch invariance."""
+    from flylocal import doctor as checks
+
+    for line in checks.build_report():
+        click.echo(line)
+    if model:
+        for line in checks.model_report(model, threads):
+            click.echo(line)
+
+
+def main(argv=None) -> int:
+    """Console entry point: one-line errors, no tracebacks, non-zero exit codes."""
+    try:
+        cli.main(args=argv, prog_name="flylocal", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.exceptions.Abort:
+        click.echo("", err=True)
+        return 130
+    except click.ClickException as e:
+        click.echo(f"flylocal: error: {e.format_message()}", err=True)
+        return e.exit_code
+    except FlylocalError as e:
+        click.echo(f"flylocal: error: {e}", err=True)
+        return 1
+    except KeyboardInterrupt:
+        click.echo("", err=True)
+        return 130
+    except BrokenPipeError:
+        sys.stderr.close()
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

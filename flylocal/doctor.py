@@ -1,0 +1,72 @@
+"""`flylocal doctor`: what this build is, and whether a model is batch-invariant in it.
+
+Strict verification equals plain greedy decoding token for token only when the target gives
+the same logits for a position whether it is decoded alone or inside a batch (ENV.md). This
+is measured, not assumed: the same tokens are teacher-forced one at a time and then as one
+batch, and the logits compared.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from flylocal import models
+from flylocal.runtime import Runtime, RuntimeConfig, build_info
+
+PROBE_TEXT = (
+    "The committee met on Tuesday to review the budget. After a long discussion, the members "
+    "agreed to postpone the vote until the next meeting, when the final figures would be ready."
+)
+PROBE_ROWS = 16
+
+
+def build_report() -> list[str]:
+    info = build_info()
+    stamp = Path(sys.prefix) / "flylocal-build.txt"
+    flags = stamp.read_text().strip() if stamp.exists() else "unknown (not built by scripts/setup.sh)"
+    system = info["system_info"]
+    lines = [
+        f"llama-cpp-python {info['llama_cpp_python']}",
+        f"backend: {'GPU offload available' if info['gpu_offload'] else 'CPU only'}",
+        f"system: {system}",
+        f"build flags: {flags}",
+    ]
+    hints = []
+    if "LLAMAFILE=1" in system.replace(" ", ""):
+        hints.append("llamafile kernels are on: batched logits may differ from single-token logits")
+    if "REPACK=1" in system.replace(" ", ""):
+        hints.append("CPU weight repacking is on: batched logits may differ from single-token logits")
+    lines += [f"note: {h}" for h in hints]
+    return lines
+
+
+def batch_invariance(rt: Runtime, text: str = PROBE_TEXT, rows: int = PROBE_ROWS) -> tuple[float, int, int]:
+    """(max |delta logit|, argmax flips, rows compared) between single-token and batched decoding."""
+    ids = rt.tokenize(text)
+    prefix, probe = ids[: len(ids) - rows], ids[len(ids) - rows:]
+    rt.reset()
+    rt.decode(prefix)
+    single = np.stack([rt.decode(probe[i : i + 1], logits_from=0)[0].copy() for i in range(rows)])  # [rows, V]
+    rt.truncate(len(prefix))
+    batched = rt.decode(probe, logits_from=0).copy()                                               # [rows, V]
+    rt.reset()
+    delta = float(np.abs(single - batched).max())
+    flips = int((single.argmax(axis=1) != batched.argmax(axis=1)).sum())
+    return delta, flips, rows
+
+
+def model_report(spec: str, threads: int = 0) -> list[str]:
+    path = models.resolve(spec)
+    with Runtime(path, RuntimeConfig(n_ctx=512, n_threads=threads)) as rt:
+        delta, flips, rows = batch_invariance(rt)
+        lines = [f"model: {path} ({rt.description()}, vocab {rt.n_vocab})"]
+    if delta == 0.0:
+        lines.append(f"batch-invariant: yes ({rows} positions, single vs batched logits bitwise equal); "
+                     "strict output equals plain greedy output token for token")
+    else:
+        lines.append(f"batch-invariant: no (max |delta logit| {delta:.4g}, argmax flips {flips}/{rows}); "
+                     "strict output can leave plain greedy output at numerical near-ties")
+    return lines

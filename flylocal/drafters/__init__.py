@@ -1,0 +1,72 @@
+"""Drafters: where the k proposed tokens of a round come from (SPEC.md).
+
+Every drafter has one method,
+
+    propose(context, k) -> Draft
+
+where `context` [n] int32 is the prompt plus everything committed so far (its last token is
+not yet in the target's cache) and `k` is the most tokens the round may verify. A drafter
+that holds a model keeps its own KV cache and catches up on whatever it has not seen
+(`Runtime.reuse_prefix`), so no separate accept step is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+EMPTY = np.zeros(0, dtype=np.int32)
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: np.ndarray      # [k'] int32, k' <= k
+    level: int = 0          # confidence bucket for draft-length control (PLD: n-gram size)
+
+
+class Drafter(Protocol):
+    name: str
+    adaptive: bool          # whether the engine may shorten its drafts from measured cost
+
+    def propose(self, context: np.ndarray, k: int) -> Draft: ...
+
+
+def stop_at_eog(tokens: np.ndarray, eog: np.ndarray) -> np.ndarray:
+    """Cut a draft after its first end-of-generation token (kept: it can be accepted)."""
+    hits = np.flatnonzero(eog[tokens])
+    return tokens[: hits[0] + 1] if hits.size else tokens
+
+
+class NoDraft:
+    """Every round is a plain autoregressive step."""
+
+    name = "none"
+    adaptive = False
+
+    def propose(self, context: np.ndarray, k: int) -> Draft:
+        return Draft(EMPTY)
+
+
+def make_drafter(name: str, target, draft_model=None, *, pld_ngram: int = 4, pld_tokens: int | None = None):
+    """Build a drafter by name. `target` and `draft_model` are Runtimes."""
+    from flylocal.drafters.mla import MLADrafter
+    from flylocal.drafters.model import ModelDrafter
+    from flylocal.drafters.pld import PromptLookup
+
+    if name == "none":
+        return NoDraft()
+    if name == "pld":
+        return PromptLookup(target.eog_mask, max_ngram=pld_ngram, max_tokens=pld_tokens)
+    if draft_model is None:
+        raise ValueError(f"drafter {name} needs a draft model (--draft)")
+    if name == "model":
+        return ModelDrafter(draft_model, target.n_vocab, target.eog_mask)
+    if name == "mla":
+        return MLADrafter(draft_model, target.n_vocab, target.eog_mask, max_ngram=pld_ngram,
+                          max_tokens=pld_tokens or 6)
+    raise ValueError(f"unknown drafter {name}")
+
+
+DRAFTERS = ("none", "pld", "model", "mla")

@@ -1,0 +1,191 @@
+"""The round loop: draft, score on the target in one decode, decide, commit, roll back.
+
+    context -> drafter.propose -> target.decode([last, *draft], all k+1 rows)
+            -> verifier(draft, target_argmax, logits) -> target.truncate(n_past + L + 1)
+
+The target's cache always holds the committed tokens but the last one (`last`), which is
+decoded at the head of the next round's batch. `generate` is a generator of events; it prints
+nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Union
+
+import numpy as np
+
+from flylocal.adaptive import DraftLength
+from flylocal.errors import FlylocalError
+from flylocal.stats import Stats
+from flylocal.verifiers import Decision, Verifier
+
+# How each committed token came to be.
+ACCEPTED, LOOSE, TARGET = "accepted", "loose", "target"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_tokens: int = 256
+    k: int = 8                 # draft length (the most, when adaptive)
+    adaptive: bool = True      # let measured cost and acceptance shorten drafts (adaptive drafters only)
+    trace: bool = False        # attach SPEC.md trace rows to round events
+
+
+@dataclass(frozen=True)
+class RoundEvent:
+    index: int
+    tokens: tuple[int, ...]    # committed this round, cut at EOG / max_tokens
+    kinds: tuple[str, ...]     # ACCEPTED, LOOSE or TARGET per committed token
+    trace: dict | None = None
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    stats: Stats
+    tokens: tuple[int, ...] = field(default=())   # all generated ids, EOG excluded
+
+
+Event = Union[RoundEvent, DoneEvent]
+
+
+class Engine:
+    def __init__(self, target, drafter, verifier: Verifier, config: EngineConfig = EngineConfig()):
+        self.target = target          # Runtime
+        self.drafter = drafter
+        self.verifier = verifier
+        self.config = config
+        self.length = DraftLength(config.k, drafter.level_prior) if config.adaptive and drafter.adaptive else None
+
+    def generate(self, prompt: np.ndarray) -> Iterator[Event]:
+        """Generate after `prompt` [n] int32. Yields a RoundEvent per round, then a DoneEvent.
+        Closing the generator early (Ctrl-C) leaves the caches consistent with what was yielded."""
+        cfg, target = self.config, self.target
+        prompt = np.asarray(prompt, dtype=np.int32)
+        if len(prompt) == 0:
+            raise FlylocalError("the prompt is empty")
+        if len(prompt) >= target.n_ctx:
+            raise FlylocalError(
+                f"the prompt is {len(prompt)} tokens, longer than the context (--ctx {target.n_ctx})")
+        stats = Stats(prompt_tokens=len(prompt))
+        t_start = time.perf_counter()
+        reused = target.reuse_prefix(prompt)
+        target.decode(prompt[reused:-1])
+        if self.length is not None and not self.length.calibrated:
+            self.length.calibrate(lambda rows: self._timed_decode(prompt[-1], rows))
+        stats.prompt_reused, stats.prompt_evaluated = reused, len(prompt) - reused
+        stats.prefill_s = time.perf_counter() - t_start
+
+        context = np.zeros(target.n_ctx, dtype=np.int32)    # [n_ctx] prompt + committed
+        n = len(prompt)
+        context[:n] = prompt
+        generated: list[int] = []
+        stats.stop = "max_tokens"
+        try:
+            while len(generated) < cfg.max_tokens:
+                if n >= target.n_ctx:
+                    stats.stop = "context"
+                    break
+                # Room: the batch [last, *draft] needs k+1 cells, and drafting past max_tokens is waste.
+                k = max(0, min(cfg.k, target.n_ctx - n, cfg.max_tokens - len(generated) - 1))
+                t0 = time.perf_counter()
+                proposal = self.drafter.propose(context[:n], k) if k else None
+                draft = proposal.tokens[:k] if proposal is not None else context[:0]
+                if self.length is not None and len(draft):
+                    draft = draft[: self.length.choose(proposal.level, len(draft))]
+                t1 = time.perf_counter()
+                batch = np.empty(len(draft) + 1, dtype=np.int32)
+                batch[0] = context[n - 1]
+                batch[1:] = draft
+                n_past = target.n_past
+                logits = target.decode(batch, logits_from=0)          # [k+1, n_vocab]
+                t2 = time.perf_counter()
+                target_argmax = logits.argmax(axis=1).astype(np.int32)  # [k+1]
+                decision = self.verifier(draft, target_argmax, logits)
+                L = decision.accepted
+                emitted = np.append(draft[:L], target_argmax[L]).astype(np.int32)   # [L+1]
+                t3 = time.perf_counter()
+
+                # Cut at the first end-of-generation token and at max_tokens.
+                eog = np.flatnonzero(target.eog_mask[emitted])
+                m = int(eog[0]) + 1 if eog.size else len(emitted)
+                m = min(m, cfg.max_tokens - len(generated))
+                committed = emitted[:m]
+                target.truncate(n_past + m)        # [last, *committed[:-1]] stay; committed[-1] is the new last
+                t4 = time.perf_counter()
+
+                context[n : n + m] = committed
+                n += m
+                loose = set(decision.loose)
+                kinds = tuple(LOOSE if j in loose else ACCEPTED if j < L else TARGET for j in range(m))
+                stats.rounds += 1
+                stats.drafted += len(draft)
+                stats.accepted += min(L, m)
+                stats.loose += sum(1 for j in loose if j < m)
+                stats.emitted += m
+                stats.draft_s += t1 - t0
+                stats.target_s += (t2 - t1) + (t4 - t3)
+                stats.verify_s += t3 - t2
+                if self.length is not None:
+                    self.length.update(proposal.level if proposal else 0, len(draft), L, t4 - t1)
+                trace = self._trace_row(stats.rounds - 1, n_past, draft, target_argmax, logits,
+                                        decision, emitted) if cfg.trace else None
+                stop = bool(eog.size) and int(eog[0]) < m
+                if stop:
+                    generated.extend(int(t) for t in committed[:-1])
+                else:
+                    generated.extend(int(t) for t in committed)
+                yield RoundEvent(stats.rounds - 1, tuple(int(t) for t in committed), kinds, trace)
+                if stop:
+                    stats.stop = "eog"
+                    break
+        except GeneratorExit:
+            stats.stop = "interrupted"
+            raise
+        finally:
+            stats.wall_s = time.perf_counter() - t_start
+            self.last_stats = stats
+        yield DoneEvent(stats, tuple(generated))
+
+    def _timed_decode(self, token: int, rows: int) -> float:
+        """Seconds for one target decode of `rows` rows (all with logits), rolled back after."""
+        n_past = self.target.n_past
+        if n_past + rows > self.target.n_ctx:
+            return float("nan")
+        t0 = time.perf_counter()
+        logits = self.target.decode(np.full(rows, token, dtype=np.int32), logits_from=0)
+        logits.argmax(axis=1)
+        self.target.truncate(n_past)
+        return time.perf_counter() - t0
+
+    def _trace_row(self, index, n_past, draft, target_argmax, logits, decision: Decision, emitted) -> dict:
+        k = len(draft)
+        rows = np.arange(k)
+        regret = logits[rows, target_argmax[:k]] - logits[rows, draft]     # [k] float32
+        entropy = decision.entropy
+        row = {
+            "round": index,
+            "n_past": int(n_past),
+            "draft": [int(t) for t in draft],
+            "target_argmax": [int(t) for t in target_argmax],
+            "entropy": [None if entropy is None or np.isnan(e) else float(e) for e in
+                        (entropy if entropy is not None else [np.nan] * k)],
+            "regret": [float(r) for r in regret],
+            "accepted": int(decision.accepted),
+            "loose": [int(j) for j in decision.loose],
+            "emitted": [int(t) for t in emitted],
+        }
+        row.update(decision.trace)
+        return row
+
+
+def generate_all(engine: Engine, prompt: np.ndarray) -> tuple[list[int], Stats, list[dict]]:
+    """Run to completion: (generated ids, stats, trace rows)."""
+    traces = []
+    for event in engine.generate(prompt):
+        if isinstance(event, RoundEvent) and event.trace is not None:
+            traces.append(event.trace)
+        elif isinstance(event, DoneEvent):
+            return list(event.tokens), event.stats, traces
+    raise RuntimeError("generation ended without a DoneEvent")

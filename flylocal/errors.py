@@ -1,0 +1,5 @@
+"""The one exception type the command line turns into a one-line error."""
+
+
+class FlylocalError(Exception):
+    """A problem with the user's input or setup, reported as one line without a traceback."""

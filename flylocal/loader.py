@@ -1,0 +1,100 @@
+"""Turning command-line settings into loaded models and an engine, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from flylocal import models
+from flylocal.drafters import make_drafter
+from flylocal.engine import Engine, EngineConfig
+from flylocal.errors import FlylocalError
+from flylocal.runtime import Runtime, RuntimeConfig
+from flylocal.verifiers import make_verifier
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_K = 8
+
+
+@dataclass(frozen=True)
+class Settings:
+    target: str = DEFAULT_TARGET
+    draft: str | None = None
+    drafter: str | None = None        # None: mla with a draft, pld without
+    verifier: str = "strict"
+    k: int | None = None              # None: adaptive up to DEFAULT_K for drafters that adapt
+    max_tokens: int = 256
+    ctx: int = 4096
+    threads: int = 0
+    gpu_layers: int = 0
+    pld_ngram: int = 4
+    pld_tokens: int | None = None
+    seed: int | None = None
+    trace: bool = False               # attach SPEC.md trace rows to round events
+
+    @property
+    def drafter_name(self) -> str:
+        return self.drafter or ("mla" if self.draft else "pld")
+
+
+@dataclass
+class Loaded:
+    settings: Settings
+    target: Runtime
+    draft: Runtime | None
+    engine: Engine
+
+    def close(self):
+        for rt in (self.draft, self.target):
+            if rt is not None:
+                rt.close()
+
+
+def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Loaded:
+    """Resolve and load the models, check the pair, and build the engine."""
+    drafter_name = settings.drafter_name
+    if drafter_name in ("model", "mla") and not settings.draft:
+        raise FlylocalError(f"--drafter {drafter_name} needs a draft model (--draft NAME|PATH)")
+    rconf = RuntimeConfig(n_ctx=settings.ctx, n_threads=settings.threads, n_gpu_layers=settings.gpu_layers)
+    target_path = models.resolve(settings.target, log)
+    draft_path = models.resolve(settings.draft, log) if settings.draft else None
+    target = Runtime(target_path, rconf)
+    draft = None
+    try:
+        if draft_path is not None and drafter_name in ("model", "mla"):
+            draft = Runtime(draft_path, rconf)
+            models.check_compatible(target, draft)
+        engine = build_engine(settings, target, draft)
+    except BaseException:
+        if draft is not None:
+            draft.close()
+        target.close()
+        raise
+    return Loaded(settings, target, draft, engine)
+
+
+def build_engine(settings: Settings, target: Runtime, draft: Runtime | None) -> Engine:
+    drafter = make_drafter(settings.drafter_name, target, draft,
+                           pld_ngram=settings.pld_ngram, pld_tokens=settings.pld_tokens)
+    config = EngineConfig(
+        max_tokens=settings.max_tokens,
+        k=DEFAULT_K if settings.k is None else settings.k,
+        adaptive=settings.k is None,
+        trace=settings.trace,
+    )
+    return Engine(target, drafter, make_verifier(settings.verifier), config)
+
+
+def encode_prompt(target: Runtime, text: str, raw: bool, system: str | None = None) -> tuple[np.ndarray, str | None]:
+    """The prompt's token ids, through the model's chat template unless `raw`.
+    Returns (ids, note); the note says when a model has no template and the text is used as is."""
+    note = None
+    if not raw:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        rendered = target.format_chat(messages)
+        if rendered is not None:
+            return target.tokenize(rendered, add_special=True, parse_special=True), None
+        note = f"{target.name} has no chat template; using the prompt as plain text"
+    return target.tokenize(text, add_special=True, parse_special=True), note

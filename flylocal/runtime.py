@@ -1,0 +1,357 @@
+"""One GGUF model and its context, driven through llama-cpp-python's low-level API.
+
+This is the only module that imports llama_cpp. It owns:
+- loading (with one-line errors for missing, non-GGUF and truncated files);
+- tokenize / detokenize, with special tokens and multibyte-safe streaming;
+- `decode(tokens, logits_from)`: one batched decode that asks llama.cpp for logits only on
+  the rows from `logits_from` on, returned as a zero-copy numpy view;
+- `truncate(n_keep)`: the one way to roll the KV cache back (llama_memory_seq_rm, checked,
+  with a re-evaluating fallback where partial removal is refused);
+- `reuse_prefix(tokens)`: keeps the longest cached prefix of a token sequence, which gives
+  drafters their catch-up and chat its prompt reuse.
+
+The runtime keeps the token ids that are in its KV cache (`tokens`), so the cache can always
+be rebuilt and compared.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import llama_cpp
+
+from flylocal.errors import FlylocalError
+
+GGUF_MAGIC = b"GGUF"
+
+
+class ModelError(FlylocalError):
+    """A model file that cannot be used."""
+
+
+# llama.cpp logs to stderr by default. flylocal keeps its stderr for its own one-line
+# messages, so llama.cpp's log goes to a small ring; load errors quote its last error.
+_LOG_LOCK = threading.Lock()
+_LOG_TAIL: list[str] = []
+_VERBOSE = bool(os.environ.get("FLYLOCAL_VERBOSE"))
+
+
+@llama_cpp.llama_log_callback
+def _log_callback(level, text, user_data):  # noqa: ARG001 - ctypes signature
+    message = text.decode("utf-8", "replace") if text else ""
+    if _VERBOSE:
+        os.write(2, message.encode())
+    with _LOG_LOCK:
+        _LOG_TAIL.append(message)
+        del _LOG_TAIL[:-64]
+
+
+llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+llama_cpp.llama_backend_init()
+
+
+def _last_log_error() -> str:
+    with _LOG_LOCK:
+        lines = [line.strip() for line in "".join(_LOG_TAIL).splitlines() if line.strip()]
+    for line in reversed(lines):
+        if any(word in line for word in ("error", "failed", "invalid", "corrupt", "not within")):
+            return line.split(": ", 1)[-1] if line.startswith("llama_") else line
+    return lines[-1] if lines else "llama.cpp gave no reason"
+
+
+def check_gguf_file(path: Path) -> None:
+    """Raise ModelError unless `path` is a readable file that starts like a GGUF file."""
+    if not path.exists():
+        raise ModelError(f"model file not found: {path}")
+    if not path.is_file():
+        raise ModelError(f"model path is not a file: {path}")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise ModelError(f"cannot read model file {path}: {e.strerror}") from None
+    if len(head) < 8 or head[:4] != GGUF_MAGIC:
+        raise ModelError(f"not a GGUF file: {path}")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_threads: int = 0          # 0: all cores
+    n_gpu_layers: int = 0
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+class Runtime:
+    """A loaded model with one context (sequence 0) and its KV bookkeeping."""
+
+    def __init__(self, path: str | os.PathLike, config: RuntimeConfig = RuntimeConfig()):
+        self.path = Path(path)
+        self.name = self.path.name
+        self.config = config
+        check_gguf_file(self.path)
+
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = config.n_gpu_layers
+        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self._model:
+            raise ModelError(f"cannot load {self.path}: {_last_log_error()}")
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+
+        threads = config.n_threads or default_threads()
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = config.n_ctx
+        cparams.n_batch = config.n_batch
+        cparams.n_ubatch = config.n_batch
+        cparams.n_seq_max = 1
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        # A full-size sliding-window cache keeps every position, so rolling back a draft
+        # never needs a position the window already evicted (Gemma 3).
+        cparams.swa_full = True
+        cparams.no_perf = True
+        self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+            raise ModelError(f"cannot create a context for {self.path}: {_last_log_error()}")
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        # llama.cpp may round the context up (padding); the user's size is the limit.
+        self.n_ctx = min(config.n_ctx, llama_cpp.llama_n_ctx(self._ctx))
+        self.n_batch = llama_cpp.llama_n_batch(self._ctx)
+
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        n = self.n_batch
+        self._b_token = np.ctypeslib.as_array(self._batch.token, shape=(n,))     # [n_batch] int32
+        self._b_pos = np.ctypeslib.as_array(self._batch.pos, shape=(n,))         # [n_batch] int32
+        self._b_logits = np.ctypeslib.as_array(self._batch.logits, shape=(n,))   # [n_batch] int8
+        np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n,))[:] = 1
+        for i in range(n):
+            self._batch.seq_id[i][0] = 0
+
+        self._tokens = np.zeros(self.n_ctx, dtype=np.int32)  # [n_ctx] ids held in the KV cache
+        self.n_past = 0
+        self.bos = llama_cpp.llama_vocab_bos(self._vocab)
+        self.eos = llama_cpp.llama_vocab_eos(self._vocab)
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+        self.vocab_type = llama_cpp.llama_vocab_type(self._vocab)
+        self._eog = np.zeros(self.n_vocab, dtype=bool)
+        for t in range(self.n_vocab):
+            if llama_cpp.llama_vocab_is_eog(self._vocab, t):
+                self._eog[t] = True
+
+    # ----- lifetime -----
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            llama_cpp.llama_batch_free(self._batch)
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ----- metadata -----
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    def chat_template(self) -> str | None:
+        raw = llama_cpp.llama_model_chat_template(self._model, None)
+        return raw.decode("utf-8", "replace") if raw else None
+
+    def format_chat(self, messages: list[dict]) -> str | None:
+        """Render `messages` with the model's GGUF chat template (Jinja2, as llama-cpp-python
+        does), ending with the assistant's turn; None when the model has no template."""
+        template = self.chat_template()
+        if template is None:
+            return None
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        formatter = Jinja2ChatFormatter(
+            template=template,
+            eos_token=self.piece(self.eos, special=True).decode("utf-8", "replace"),
+            bos_token=self.piece(self.bos, special=True).decode("utf-8", "replace"),
+            add_generation_prompt=True,
+        )
+        try:
+            return formatter(messages=messages).prompt
+        except Exception as e:  # a template may raise for unsupported roles or orderings
+            raise FlylocalError(f"the chat template of {self.name} failed: {e}") from None
+
+    def description(self) -> str:
+        buf = ctypes.create_string_buffer(128)
+        llama_cpp.llama_model_desc(self._model, buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    def token_text(self, token: int) -> bytes:
+        """The vocabulary's stored text for a token (as used by the compatibility rule)."""
+        return llama_cpp.llama_vocab_get_text(self._vocab, token) or b""
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._eog[token]) if 0 <= token < self.n_vocab else False
+
+    @property
+    def eog_mask(self) -> np.ndarray:  # [n_vocab] bool
+        return self._eog
+
+    # ----- text -----
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> np.ndarray:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        out = (llama_cpp.llama_token * cap)()
+        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), out, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            out = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), out, cap, add_special, parse_special)
+        ids = np.ctypeslib.as_array(out)[:n].astype(np.int32)
+        if len(ids) >= 2 and ids[0] == self.bos and ids[1] == self.bos:
+            ids = ids[1:]  # a template that writes BOS itself, plus the tokenizer's own
+        return ids
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens, special: bool = False) -> str:
+        return b"".join(self.piece(int(t), special) for t in tokens).decode("utf-8", "replace")
+
+    # ----- KV cache -----
+    @property
+    def tokens(self) -> np.ndarray:  # [n_past] int32, a view
+        return self._tokens[: self.n_past]
+
+    def decode(self, tokens, logits_from: int | None = None) -> np.ndarray | None:
+        """Append `tokens` to the cache. Return the logits of rows `logits_from:` as a
+        zero-copy view `[n_rows, n_vocab] float32`, valid until the next decode.
+
+        Rows before `logits_from` are evaluated in chunks of n_batch without logits, so only
+        the requested rows ever reach the output buffer. `logits_from=None` asks for none.
+        """
+        tokens = np.asarray(tokens, dtype=np.int32)
+        n = len(tokens)
+        if self.n_past + n > self.n_ctx:
+            raise FlylocalError(f"context full: {self.n_past} + {n} tokens exceed --ctx {self.n_ctx}")
+        start = n if logits_from is None else logits_from
+        if n - start > self.n_batch:
+            raise ValueError(f"logits requested for {n - start} rows; at most n_batch={self.n_batch}")
+        i = 0
+        while i < start:
+            j = min(start, i + self.n_batch)
+            self._decode_chunk(tokens[i:j], want_logits=False)
+            i = j
+        if start >= n:
+            return None
+        self._decode_chunk(tokens[start:], want_logits=True)
+        ptr = llama_cpp.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n - start, self.n_vocab))
+
+    def _decode_chunk(self, chunk: np.ndarray, want_logits: bool) -> None:
+        m = len(chunk)
+        p0 = self.n_past
+        self._b_token[:m] = chunk
+        self._b_pos[:m] = np.arange(p0, p0 + m, dtype=np.int32)
+        self._b_logits[:m] = 1 if want_logits else 0
+        self._batch.n_tokens = m
+        rc = llama_cpp.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            # llama.cpp keeps the cells it wrote for earlier ubatches; drop them so the
+            # cache matches `tokens` again.
+            llama_cpp.llama_memory_seq_rm(self._mem, 0, p0, -1)
+            reason = {1: "no KV cache slot (context full)", 2: "aborted"}.get(rc, f"error {rc}")
+            raise FlylocalError(f"llama_decode failed on {self.name}: {reason}")
+        self._tokens[p0 : p0 + m] = chunk
+        self.n_past = p0 + m
+
+    def truncate(self, n_keep: int) -> None:
+        """Roll the cache back to its first `n_keep` tokens: the one way flylocal rolls back."""
+        if n_keep >= self.n_past:
+            return
+        if n_keep < 0:
+            raise ValueError("n_keep must be >= 0")
+        if not self._seq_rm(n_keep):
+            # Partial removal refused (recurrent or otherwise unrollable memory): start the
+            # sequence again and re-evaluate the kept tokens, so the state stays consistent.
+            kept = self._tokens[:n_keep].copy()
+            llama_cpp.llama_memory_clear(self._mem, True)
+            self.n_past = 0
+            self.decode(kept)
+        else:
+            self.n_past = n_keep
+
+    def _seq_rm(self, n_keep: int) -> bool:
+        return bool(llama_cpp.llama_memory_seq_rm(self._mem, 0, n_keep, -1))
+
+    def reset(self) -> None:
+        llama_cpp.llama_memory_clear(self._mem, True)
+        self.n_past = 0
+
+    def reuse_prefix(self, tokens: np.ndarray) -> int:
+        """Keep the longest cached prefix of `tokens`, leaving at least the last token out of
+        the cache, and return how many tokens were kept. tokens[kept:] still need decoding."""
+        limit = min(self.n_past, len(tokens) - 1)
+        if limit <= 0:
+            self.truncate(0)
+            return 0
+        diff = np.flatnonzero(self._tokens[:limit] != tokens[:limit])
+        keep = int(diff[0]) if diff.size else limit
+        self.truncate(keep)
+        return keep
+
+
+def quantize(src: Path, dst: Path, qtype: str, threads: int = 0) -> None:
+    """Write `src` requantized to `qtype` (for example Q4_0, Q8_0) at `dst` with llama.cpp's quantizer."""
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype.upper()}", None)
+    if ftype is None:
+        raise FlylocalError(f"unknown quantization type {qtype}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.allow_requantize = True
+    params.nthread = threads or default_threads()
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise FlylocalError(f"quantizing {src.name} to {qtype} failed: {_last_log_error()}")
+
+
+def build_info() -> dict:
+    """What this llama-cpp-python build is: version, backend and CPU flags."""
+    system = llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip()
+    gpu = bool(llama_cpp.llama_supports_gpu_offload())
+    return {
+        "llama_cpp_python": llama_cpp.__version__,
+        "gpu_offload": gpu,
+        "system_info": system,
+    }

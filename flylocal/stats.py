@@ -1,0 +1,54 @@
+"""Counters and derived figures of a generation, in SPEC.md's vocabulary."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    prompt_reused: int = 0       # prompt tokens already in the target's cache
+    prompt_evaluated: int = 0    # prompt tokens decoded by this request
+    rounds: int = 0
+    drafted: int = 0             # draft tokens sent to the target
+    accepted: int = 0            # draft tokens committed (native matches and loose)
+    loose: int = 0               # committed draft tokens that did not match natively
+    emitted: int = 0             # committed tokens: accepted + one correction/bonus per round
+    prefill_s: float = 0.0
+    wall_s: float = 0.0
+    target_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    stop: str = ""               # "eog", "max_tokens", "context" or "interrupted"
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """tau: emitted tokens per round, correction/bonus included."""
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+    @property
+    def decode_s(self) -> float:
+        return max(self.wall_s - self.prefill_s, 0.0)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of decoding, prefill excluded."""
+        return self.emitted / self.decode_s if self.decode_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["mean_accepted_length"] = round(self.mean_accepted_length, 4)
+        d["tokens_per_s"] = round(self.tokens_per_s, 3)
+        for key in ("prefill_s", "wall_s", "target_s", "draft_s", "verify_s"):
+            d[key] = round(d[key], 6)
+        return d
+
+    def summary(self) -> str:
+        return (
+            f"{self.emitted} tokens, {self.tokens_per_s:.1f} tok/s, "
+            f"mean accepted length {self.mean_accepted_length:.2f} "
+            f"({self.rounds} rounds, {self.drafted} drafted, {self.accepted} accepted, {self.loose} loose), "
+            f"prompt {self.prompt_tokens} (reused {self.prompt_reused}, evaluated {self.prompt_evaluated}), "
+            f"prefill {self.prefill_s:.2f} s, stop: {self.stop}"
+        )

@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""Prompt lookup + strict against plain autoregressive decoding, in one process.
+
+Runs each prompt with `--drafter none` and `--drafter pld` (strict), interleaved, R times, on
+one loaded target, and prints the decode tokens/s of each and their ratio. Outputs are also
+checked to be identical (strict is lossless). Speed is noisy: read the ratios, which are
+measured side by side.
+
+    .venv/bin/python scripts/bench_pld.py [--target NAME] [--repeat 5] [--max-tokens 128] [--k N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+
+from flylocal.engine import generate_all
+from flylocal.loader import Settings, build_engine, encode_prompt
+from flylocal.models import resolve
+from flylocal.runtime import Runtime, RuntimeConfig
+
+PROMPTS = {
+    "copy-edit": (
+        "Fix the typos in this text:\n\n"
+        "The old lighthouse stood at the edge of the cliff for more then two hundred years. Every nigth its keeper "
+        "climbed the narow stairs to light the lamp, and every morning he wrote the wether in a leather book. When the "
+        "keeper retired, the town decided to keep the light burning with an automatic system, but they kept the book "
+        "in the libary so that visitors could read it.\n\nThe book is now one of the most popular things in the museum. "
+        "Children like to find the days when storms hit the coast, and older visitors look for the day they were born. "
+        "Last year the museum made a copy of every page and put it online, so people from all over the world can read "
+        "the keepers notes."
+    ),
+    "summarise": (
+        "Summarize the following text in two sentences: The city council voted on Monday to expand the bike "
+        "lane network across the downtown area. The plan adds twelve miles of protected lanes over the next "
+        "two years, funded by a state transportation grant. Supporters said the lanes would make cycling "
+        "safer, while some business owners worried about losing parking spaces."
+    ),
+    "own-words": "Write a short story about a robot who learns to paint.",
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--k", type=int, default=None, help="fixed draft length (default: adaptive)")
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+
+    target = Runtime(resolve(args.target), RuntimeConfig(n_ctx=2048, n_threads=args.threads))
+    base = Settings(target=args.target, verifier="strict", k=args.k, max_tokens=args.max_tokens)
+    print(f"target {target.name}, max_tokens {args.max_tokens}, k {'adaptive' if args.k is None else args.k}, "
+          f"repeat {args.repeat}")
+    print(f"{'prompt':10} {'none tok/s':>11} {'pld tok/s':>10} {'ratio':>6} {'tau':>5} {'identical':>9}")
+    for label, text in PROMPTS.items():
+        ids, _ = encode_prompt(target, text, raw=False)
+        speed = {"none": [], "pld": []}
+        tau, outputs = [], {}
+        for _ in range(args.repeat):
+            for drafter in ("none", "pld"):
+                target.reset()  # every run evaluates its prompt afresh
+                engine = build_engine(dataclasses.replace(base, drafter=drafter), target, None)
+                tokens, stats, _ = generate_all(engine, ids)
+                speed[drafter].append(stats.tokens_per_s)
+                outputs.setdefault(drafter, tokens)
+                if drafter == "pld":
+                    tau.append(stats.mean_accepted_length)
+        none, pld = statistics.median(speed["none"]), statistics.median(speed["pld"])
+        same = outputs["none"] == outputs["pld"]
+        print(f"{label:10} {none:11.1f} {pld:10.1f} {pld / none:6.2f} {statistics.median(tau):5.2f} {str(same):>9}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

