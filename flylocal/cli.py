@@ -45,6 +45,8 @@ def model_options(f):
                      help="Context size in tokens (prompt + output)."),
         click.option("--threads", type=click.IntRange(min=0), default=0,
                      help="CPU threads. Default: all cores."),
+        click.option("--batch-size", type=click.IntRange(min=32), default=512, show_default=True,
+                     help="Most tokens llama.cpp evaluates in one call (prompt evaluation)."),
         click.option("--gpu-layers", type=click.IntRange(min=-1), default=0, show_default=True,
                      help="Layers to offload to the GPU (-1: all), in a GPU build."),
         click.option("--seed", type=int, default=None,
@@ -59,6 +61,7 @@ def settings_from(opts: dict):
     return Settings(
         target=opts["target"], draft=opts["draft"], drafter=opts["drafter"], verifier=opts["verifier"],
         k=opts["k"], max_tokens=opts["max_tokens"], ctx=opts["ctx"], threads=opts["threads"],
+        batch_size=opts["batch_size"],
         gpu_layers=999 if opts["gpu_layers"] == -1 else opts["gpu_layers"],
         pld_ngram=opts["pld_ngram"], pld_tokens=opts["pld_tokens"], seed=opts["seed"],
     )
@@ -109,7 +112,8 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 @model_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, prompt_tokens, stats).")
 @click.option("--trace", "trace_file", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="Write one JSON row per round (SPEC.md trace format) to FILE.")
+              help="Write one JSON row per round to FILE: round, n_past, draft, target_argmax, "
+                   "entropy, regret, accepted, loose, emitted.")
 def generate(prompt, prompt_file, raw, as_json, trace_file, **opts):
     """Generate a reply to PROMPT, streaming text to stdout and a stats line to stderr."""
     from flylocal.engine import DoneEvent

@@ -28,6 +28,7 @@ class Settings:
     max_tokens: int = 256
     ctx: int = 4096
     threads: int = 0
+    batch_size: int = 512
     gpu_layers: int = 0
     pld_ngram: int = 4
     pld_tokens: int | None = None
@@ -55,9 +56,13 @@ class Loaded:
 def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Loaded:
     """Resolve and load the models, check the pair, and build the engine."""
     drafter_name = settings.drafter_name
+    k = DEFAULT_K if settings.k is None else settings.k
+    if k + 1 > settings.batch_size:
+        raise FlylocalError(f"--k {k} verifies {k + 1} rows per round; --batch-size must be at least {k + 1}")
     if drafter_name in ("model", "mla") and not settings.draft:
         raise FlylocalError(f"--drafter {drafter_name} needs a draft model (--draft NAME|PATH)")
-    rconf = RuntimeConfig(n_ctx=settings.ctx, n_threads=settings.threads, n_gpu_layers=settings.gpu_layers)
+    rconf = RuntimeConfig(n_ctx=settings.ctx, n_batch=settings.batch_size, n_threads=settings.threads,
+                          n_gpu_layers=settings.gpu_layers)
     target_path = models.resolve(settings.target, log)
     draft_path = models.resolve(settings.draft, log) if settings.draft else None
     target = Runtime(target_path, rconf)

@@ -55,11 +55,12 @@ def main() -> int:
     base = Settings(target=args.target, verifier="strict", k=args.k, max_tokens=args.max_tokens)
     print(f"target {target.name}, max_tokens {args.max_tokens}, k {'adaptive' if args.k is None else args.k}, "
           f"repeat {args.repeat}")
-    print(f"{'prompt':10} {'none tok/s':>11} {'pld tok/s':>10} {'ratio':>6} {'tau':>5} {'identical':>9}")
+    print(f"{'prompt':10} {'none tok/s':>11} {'pld tok/s':>10} {'ratio':>6} {'tau':>5} {'identical':>9} "
+          f"{'loop us/round':>14}")
     for label, text in PROMPTS.items():
         ids, _ = encode_prompt(target, text, raw=False)
         speed = {"none": [], "pld": []}
-        tau, outputs = [], {}
+        tau, outputs, loop = [], {}, []
         for _ in range(args.repeat):
             for drafter in ("none", "pld"):
                 target.reset()  # every run evaluates its prompt afresh
@@ -69,9 +70,13 @@ def main() -> int:
                 outputs.setdefault(drafter, tokens)
                 if drafter == "pld":
                     tau.append(stats.mean_accepted_length)
+                # Python time per round outside llama.cpp decode, drafting and verification.
+                rest = stats.decode_s - stats.target_s - stats.draft_s - stats.verify_s
+                loop.append(1e6 * rest / stats.rounds)
         none, pld = statistics.median(speed["none"]), statistics.median(speed["pld"])
         same = outputs["none"] == outputs["pld"]
-        print(f"{label:10} {none:11.1f} {pld:10.1f} {pld / none:6.2f} {statistics.median(tau):5.2f} {str(same):>9}")
+        print(f"{label:10} {none:11.1f} {pld:10.1f} {pld / none:6.2f} {statistics.median(tau):5.2f} {str(same):>9} "
+              f"{statistics.median(loop):14.0f}")
     return 0
 
 
