@@ -76,8 +76,9 @@ class DraftLength:
             self.seconds[rows - 1] = seconds if np.isnan(old) else min(old, seconds)
         self._cost_cache = None
 
-    def choose(self, level: int, available: int) -> int:
-        """How many of `available` proposed tokens to verify this round."""
+    def choose(self, level: int, available: int, min_len: int = 1) -> int:
+        """How many of `available` proposed tokens to verify this round: 0, or a length of at
+        least min(min_len, available) (a loose verifier may need room for its window)."""
         k = min(available, self.k_max)
         if k <= 0:
             return 0
@@ -85,6 +86,7 @@ class DraftLength:
         alpha = self.hits[row, :k] / self.tries[row, :k]
         expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(alpha))])   # [k+1]: E(0..k)
         rate = expected / self._cost()[: k + 1]
+        rate[1 : min(min_len, k)] = -np.inf
         return int(np.argmax(rate))
 
     def update(self, level: int, k: int, accepted: int, seconds: float) -> None:

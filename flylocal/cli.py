@@ -30,11 +30,14 @@ def model_options(f):
                      help="Draft model for --drafter model/mla (same vocabulary as the target)."),
         click.option("--drafter", type=click.Choice(DRAFTERS), default=None,
                      help="Where drafts come from. Default: mla with --draft, pld without."),
-        click.option("--verifier", type=click.Choice(VERIFIERS), default="strict", show_default=True,
-                     help="How drafts are accepted. strict is lossless: the target's own greedy output."),
+        click.option("--verifier", type=click.Choice(VERIFIERS), default="fly", show_default=True,
+                     help="How drafts are accepted. fly also accepts mismatches where the target is unsure "
+                          "and agrees right after: it changes the output relative to the target's greedy "
+                          "decoding, by design. strict is lossless: the target's own greedy output."),
         click.option("--k", "k", type=click.IntRange(min=0), default=None,
-                     help="Draft length per round. Default: up to 8, shortened each round from measured "
-                          "cost and acceptance (prompt lookup). Given explicitly, it is used as is."),
+                     help="Draft length per round. Default: 8 (with FLy's window, at least W+4); prompt "
+                          "lookup shortens it each round from measured cost and acceptance, and with FLy "
+                          "drafts at least W+1 tokens or none. Given explicitly, it is used as is."),
         click.option("--pld-ngram", type=click.IntRange(min=1), default=4, show_default=True,
                      help="Longest n-gram prompt lookup tries (it falls back down to 1)."),
         click.option("--pld-tokens", type=click.IntRange(min=1), default=None,
@@ -49,6 +52,18 @@ def model_options(f):
                      help="Most tokens llama.cpp evaluates in one call (prompt evaluation)."),
         click.option("--gpu-layers", type=click.IntRange(min=-1), default=0, show_default=True,
                      help="Layers to offload to the GPU (-1: all), in a GPU build."),
+        click.option("--flash-attn", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+                     help="llama.cpp flash attention. auto: off in a CPU build (its CPU kernel is not "
+                          "batch-invariant), llama.cpp's choice on a GPU."),
+        click.option("--fly-window", "fly_window", type=click.IntRange(min=1), default=6, show_default=True,
+                     help="FLy: a mismatch is accepted only if the W-1 draft tokens after it match natively."),
+        click.option("--fly-entropy", "fly_entropy", type=click.FloatRange(min=0.0), default=0.3, show_default=True,
+                     help="FLy: entropy gate theta (nats, top-m); a mismatch where the target's entropy is "
+                          "below it is rejected. 0: no gate; inf: strict."),
+        click.option("--fly-topk", "fly_topk", type=click.IntRange(min=1), default=3, show_default=True,
+                     help="FLy: m, the number of largest probabilities the entropy sums over."),
+        click.option("--fly-no-window", "fly_no_window", is_flag=True,
+                     help="FLy ablation: accept a gated-open mismatch at once, without the window."),
         click.option("--seed", type=int, default=None,
                      help="Random seed, for sampling; greedy decoding (the only mode so far) is deterministic."),
     ]
@@ -61,9 +76,11 @@ def settings_from(opts: dict):
     return Settings(
         target=opts["target"], draft=opts["draft"], drafter=opts["drafter"], verifier=opts["verifier"],
         k=opts["k"], max_tokens=opts["max_tokens"], ctx=opts["ctx"], threads=opts["threads"],
-        batch_size=opts["batch_size"],
+        batch_size=opts["batch_size"], flash_attn=opts["flash_attn"],
         gpu_layers=999 if opts["gpu_layers"] == -1 else opts["gpu_layers"],
         pld_ngram=opts["pld_ngram"], pld_tokens=opts["pld_tokens"], seed=opts["seed"],
+        fly_window=opts["fly_window"], fly_entropy=opts["fly_entropy"], fly_topk=opts["fly_topk"],
+        fly_use_window=not opts["fly_no_window"],
     )
 
 
@@ -201,14 +218,16 @@ def models_path(name):
 @click.option("--model", "model", default=None, metavar="NAME|PATH",
               help="Also measure whether this model's logits are batch-invariant in this build.")
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads. Default: all cores.")
-def doctor(model, threads):
+@click.option("--flash-attn", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="Flash attention setting to check the model under.")
+def doctor(model, threads, flash_attn):
     """Print the llama.cpp build, and check a model for batch invariance."""
     from flylocal import doctor as checks
 
     for line in checks.build_report():
         click.echo(line)
     if model:
-        for line in checks.model_report(model, threads):
+        for line in checks.model_report(model, threads, flash_attn):
             click.echo(line)
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from flylocal.adaptive import DraftLength
 from flylocal.errors import FlylocalError
 from flylocal.stats import Stats
-from flylocal.verifiers import Decision, Verifier
+from flylocal.verifiers import Decision, Verifier, emitted_tokens
 
 # How each committed token came to be.
 ACCEPTED, LOOSE, TARGET = "accepted", "loose", "target"
@@ -30,6 +30,7 @@ class EngineConfig:
     max_tokens: int = 256
     k: int = 8                 # draft length (the most, when adaptive)
     adaptive: bool = True      # let measured cost and acceptance shorten drafts (adaptive drafters only)
+    min_draft: int = 1         # shortest non-empty adaptive draft (FLy: W+1, so its window fits)
     trace: bool = False        # attach SPEC.md trace rows to round events
 
 
@@ -93,7 +94,7 @@ class Engine:
                 proposal = self.drafter.propose(context[:n], k) if k else None
                 draft = proposal.tokens[:k] if proposal is not None else context[:0]
                 if self.length is not None and len(draft):
-                    draft = draft[: self.length.choose(proposal.level, len(draft))]
+                    draft = draft[: self.length.choose(proposal.level, len(draft), cfg.min_draft)]
                 t1 = time.perf_counter()
                 batch = np.empty(len(draft) + 1, dtype=np.int32)
                 batch[0] = context[n - 1]
@@ -104,7 +105,7 @@ class Engine:
                 target_argmax = logits.argmax(axis=1).astype(np.int32)  # [k+1]
                 decision = self.verifier(draft, target_argmax, logits)
                 L = decision.accepted
-                emitted = np.append(draft[:L], target_argmax[L]).astype(np.int32)   # [L+1]
+                emitted = emitted_tokens(draft, target_argmax, L)             # [L+1]
                 t3 = time.perf_counter()
 
                 # Cut at the first end-of-generation token and at max_tokens.
@@ -122,7 +123,9 @@ class Engine:
                 stats.rounds += 1
                 stats.drafted += len(draft)
                 stats.accepted += min(L, m)
-                stats.loose += sum(1 for j in loose if j < m)
+                committed_loose = sum(1 for j in loose if j < m)
+                stats.loose += committed_loose
+                stats.mismatches += committed_loose + (L < len(draft))
                 stats.emitted += m
                 stats.draft_s += t1 - t0
                 stats.target_s += (t2 - t1) + (t4 - t3)

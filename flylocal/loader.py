@@ -12,7 +12,7 @@ from flylocal.drafters import make_drafter
 from flylocal.engine import Engine, EngineConfig
 from flylocal.errors import FlylocalError
 from flylocal.runtime import Runtime, RuntimeConfig
-from flylocal.verifiers import make_verifier
+from flylocal.verifiers import VerifierConfig, make_verifier
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_K = 8
@@ -23,21 +23,39 @@ class Settings:
     target: str = DEFAULT_TARGET
     draft: str | None = None
     drafter: str | None = None        # None: mla with a draft, pld without
-    verifier: str = "strict"
+    verifier: str = "fly"
     k: int | None = None              # None: adaptive up to DEFAULT_K for drafters that adapt
     max_tokens: int = 256
     ctx: int = 4096
     threads: int = 0
     batch_size: int = 512
+    flash_attn: str = "auto"
     gpu_layers: int = 0
     pld_ngram: int = 4
     pld_tokens: int | None = None
     seed: int | None = None
+    fly_window: int = 6
+    fly_entropy: float = 0.3
+    fly_topk: int = 3
+    fly_use_window: bool = True
     trace: bool = False               # attach SPEC.md trace rows to round events
 
     @property
     def drafter_name(self) -> str:
         return self.drafter or ("mla" if self.draft else "pld")
+
+    @property
+    def window(self) -> int:
+        """The FLy window that drafts must fit, or 0 when no verifier needs one."""
+        return self.fly_window if self.verifier == "fly" and self.fly_use_window else 0
+
+    @property
+    def draft_length(self) -> int:
+        """--k, or the default: 8, or with FLy's window at least W+4, so that a mismatch in the
+        first four draft positions can still be accepted loosely (it needs j + W < k)."""
+        if self.k is not None:
+            return self.k
+        return max(DEFAULT_K, self.window + 4) if self.window else DEFAULT_K
 
 
 @dataclass
@@ -56,13 +74,13 @@ class Loaded:
 def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Loaded:
     """Resolve and load the models, check the pair, and build the engine."""
     drafter_name = settings.drafter_name
-    k = DEFAULT_K if settings.k is None else settings.k
+    k = settings.draft_length
     if k + 1 > settings.batch_size:
         raise FlylocalError(f"--k {k} verifies {k + 1} rows per round; --batch-size must be at least {k + 1}")
     if drafter_name in ("model", "mla") and not settings.draft:
         raise FlylocalError(f"--drafter {drafter_name} needs a draft model (--draft NAME|PATH)")
     rconf = RuntimeConfig(n_ctx=settings.ctx, n_batch=settings.batch_size, n_threads=settings.threads,
-                          n_gpu_layers=settings.gpu_layers)
+                          n_gpu_layers=settings.gpu_layers, flash_attn=settings.flash_attn)
     target_path = models.resolve(settings.target, log)
     draft_path = models.resolve(settings.draft, log) if settings.draft else None
     target = Runtime(target_path, rconf)
@@ -85,11 +103,14 @@ def build_engine(settings: Settings, target: Runtime, draft: Runtime | None) -> 
                            pld_ngram=settings.pld_ngram, pld_tokens=settings.pld_tokens)
     config = EngineConfig(
         max_tokens=settings.max_tokens,
-        k=DEFAULT_K if settings.k is None else settings.k,
+        k=settings.draft_length,
         adaptive=settings.k is None,
+        min_draft=settings.window + 1,
         trace=settings.trace,
     )
-    return Engine(target, drafter, make_verifier(settings.verifier), config)
+    vconfig = VerifierConfig(fly_window=settings.fly_window, fly_entropy=settings.fly_entropy,
+                             fly_topk=settings.fly_topk, fly_use_window=settings.fly_use_window)
+    return Engine(target, drafter, make_verifier(settings.verifier, vconfig), config)
 
 
 def encode_prompt(target: Runtime, text: str, raw: bool, system: str | None = None) -> tuple[np.ndarray, str | None]:

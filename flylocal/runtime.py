@@ -86,6 +86,18 @@ class RuntimeConfig:
     n_batch: int = 512
     n_threads: int = 0          # 0: all cores
     n_gpu_layers: int = 0
+    # "auto": off in a CPU-only build, where llama.cpp's CPU flash-attention kernel gives a
+    # position other logits in a batch than alone once the cache passes 256 cells (measured:
+    # |delta| up to 1.0), which breaks strict == greedy; llama.cpp's own choice on a GPU.
+    flash_attn: str = "auto"
+
+
+def _flash_attn_type(mode: str) -> int:
+    if mode == "on":
+        return llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    if mode == "off" or not llama_cpp.llama_supports_gpu_offload():
+        return llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    return llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
 
 
 def default_threads() -> int:
@@ -121,6 +133,7 @@ class Runtime:
         # never needs a position the window already evicted (Gemma 3).
         cparams.swa_full = True
         cparams.no_perf = True
+        cparams.flash_attn_type = _flash_attn_type(config.flash_attn)
         self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             llama_cpp.llama_model_free(self._model)

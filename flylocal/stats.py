@@ -14,6 +14,7 @@ class Stats:
     drafted: int = 0             # draft tokens sent to the target
     accepted: int = 0            # draft tokens committed (native matches and loose)
     loose: int = 0               # committed draft tokens that did not match natively
+    mismatches: int = 0          # native mismatches seen: loose ones plus each round's rejected one
     emitted: int = 0             # committed tokens: accepted + one correction/bonus per round
     prefill_s: float = 0.0
     wall_s: float = 0.0
@@ -48,7 +49,8 @@ class Stats:
         return (
             f"{self.emitted} tokens, {self.tokens_per_s:.1f} tok/s, "
             f"mean accepted length {self.mean_accepted_length:.2f} "
-            f"({self.rounds} rounds, {self.drafted} drafted, {self.accepted} accepted, {self.loose} loose), "
+            f"({self.rounds} rounds, {self.drafted} drafted, {self.accepted} accepted, {self.loose} loose "
+            f"of {self.mismatches} mismatches), "
             f"prompt {self.prompt_tokens} (reused {self.prompt_reused}, evaluated {self.prompt_evaluated}), "
             f"prefill {self.prefill_s:.2f} s, stop: {self.stop}"
         )

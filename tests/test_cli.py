@@ -59,7 +59,7 @@ def test_prompt_file_and_stdin(tmp_path):
 def test_trace_rows_follow_the_strict_rule(tmp_path):
     trace = tmp_path / "t.jsonl"
     done = flylocal("generate", "Repeat exactly: the cat sat on the mat, the cat sat on the mat.",
-                    "--k", "6", "--max-tokens", "40", "--trace", str(trace), "--json")
+                    "--verifier", "strict", "--k", "6", "--max-tokens", "40", "--trace", str(trace), "--json")
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in trace.read_text().splitlines()]
     out = json.loads(done.stdout)

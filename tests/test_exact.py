@@ -60,6 +60,26 @@ def test_smollm_strict_equals_plain(smol, smol_draft, name, drafter, k):
         assert stats.accepted > 0
 
 
+LONG_TYPOS = TYPOS + (
+    " When the keeper retired, the town decided to keep the light burning with an automatic system, but they "
+    "kept the book in the libary so that visitors could read it.\n\nThe book is now one of the most popular things "
+    "in the museum. Children like to find the days when storms hit the coast, and older visitors look for the day "
+    "they were born."
+)
+
+
+@pytest.mark.parametrize("drafter,k", [("pld", 5), ("pld", None), ("model", 4)])
+def test_long_generation_past_256_cache_cells(smol, smol_draft, drafter, k):
+    """Attention kernels change blocking past 256 cache cells; strict must stay exact there.
+    (llama.cpp's CPU flash attention is not batch-invariant past that point, which is why CPU
+    builds run without it; the doctor probe test checks that the difference is detected.)"""
+    ids, _ = encode_prompt(smol, LONG_TYPOS, raw=False)
+    expected = plain(smol, ids, max_tokens=160)
+    assert len(ids) + len(expected) > 256 + 8
+    tokens, stats, _ = run(smol, drafter, ids, k=k, max_tokens=160, draft_model=smol_draft)
+    assert tokens == expected
+
+
 def test_eog_inside_a_draft_is_handled(smol):
     ids, _ = encode_prompt(smol, SMOL_PROMPTS["short-answer"], raw=False)
     expected = plain(smol, ids)
@@ -101,8 +121,8 @@ def test_gemma_q8_strict_equals_plain(gemma_q8, k):
 
 def test_gemma_q8_rolls_back_past_the_sliding_window(gemma_q8):
     # 512-token sliding window: a prompt of ~700 tokens makes every rollback cross it.
-    ids = gemma_q8.tokenize(GEMMA_TEXT * 22)
-    assert len(ids) > 600
+    ids = gemma_q8.tokenize(GEMMA_TEXT * 20 + "Then one day, a stranger came to the village. He")
+    assert len(ids) > 560
     expected = plain(gemma_q8, ids, max_tokens=40)
     tokens, stats, _ = run(gemma_q8, "pld", ids, k=8, max_tokens=40)
     assert stats.drafted > stats.accepted > 0   # rejected drafts were rolled back

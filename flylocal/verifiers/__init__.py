@@ -36,11 +36,31 @@ def native_prefix(draft: np.ndarray, target_argmax: np.ndarray) -> int:
     return int(mismatch[0]) if mismatch.size else k
 
 
-def make_verifier(name: str) -> Verifier:
+def emitted_tokens(draft: np.ndarray, target_argmax: np.ndarray, accepted: int) -> np.ndarray:
+    """d[0:L] + [a[L]]: the committed draft prefix (loose tokens included, as drafted) and the
+    target's correction (L < k) or bonus (L == k) token. [L+1] int32."""
+    return np.append(draft[:accepted], target_argmax[accepted]).astype(np.int32)
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    fly_window: int = 6
+    fly_entropy: float = 0.3
+    fly_topk: int = 3
+    fly_use_window: bool = True
+
+
+def make_verifier(name: str, config: VerifierConfig = VerifierConfig()) -> Verifier:
+    from flylocal.verifiers.fly import Fly, FlyParams
     from flylocal.verifiers.strict import strict
 
-    verifiers = {"strict": lambda: strict}
-    return verifiers[name]()
+    if name == "strict":
+        return strict
+    if name == "fly":
+        return Fly(FlyParams(window=config.fly_window, entropy=config.fly_entropy,
+                             topk=config.fly_topk, use_window=config.fly_use_window))
+    raise ValueError(f"unknown verifier {name}")
 
 
-VERIFIERS = ("strict",)
+VERIFIERS = ("fly", "strict")
+LOSSLESS = ("strict",)
