@@ -15,6 +15,8 @@ matched). k = 0 (a plain step) wins whenever no draft is expected to pay for its
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 # A drafter's prior acceptance per confidence level is worth PRIOR_WEIGHT observations;
@@ -76,9 +78,10 @@ class DraftLength:
             self.seconds[rows - 1] = seconds if np.isnan(old) else min(old, seconds)
         self._cost_cache = None
 
-    def choose(self, level: int, available: int, min_len: int = 1) -> int:
-        """How many of `available` proposed tokens to verify this round: 0, or a length of at
-        least min(min_len, available) (a loose verifier may need room for its window)."""
+    def choose(self, level: int, available: int) -> int:
+        """How many of `available` proposed tokens to verify this round. Acceptance is measured
+        as committed, so a loose verifier's extra acceptance on long drafts counts in favour
+        of long drafts."""
         k = min(available, self.k_max)
         if k <= 0:
             return 0
@@ -86,7 +89,6 @@ class DraftLength:
         alpha = self.hits[row, :k] / self.tries[row, :k]
         expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(alpha))])   # [k+1]: E(0..k)
         rate = expected / self._cost()[: k + 1]
-        rate[1 : min(min_len, k)] = -np.inf
         return int(np.argmax(rate))
 
     def update(self, level: int, k: int, accepted: int, seconds: float) -> None:
@@ -102,3 +104,16 @@ class DraftLength:
         old = self.seconds[k]
         self.seconds[k] = seconds if np.isnan(old) else (1 - COST_EMA) * old + COST_EMA * seconds
         self._cost_cache = None
+
+
+def timed_decode(runtime, token: int, rows: int) -> float:
+    """Seconds for one decode of `rows` copies of `token` with logits on every row, rolled back
+    after: a calibration probe for DraftLength. NaN when the context has no room."""
+    n_past = runtime.n_past
+    if n_past + rows > runtime.n_ctx:
+        return float("nan")
+    t0 = time.perf_counter()
+    logits = runtime.decode(np.full(rows, token, dtype=np.int32), logits_from=0)
+    logits.argmax(axis=1)
+    runtime.truncate(n_past)
+    return time.perf_counter() - t0

@@ -32,12 +32,13 @@ def model_options(f):
                      help="Where drafts come from. Default: mla with --draft, pld without."),
         click.option("--verifier", type=click.Choice(VERIFIERS), default="fly", show_default=True,
                      help="How drafts are accepted. fly also accepts mismatches where the target is unsure "
-                          "and agrees right after: it changes the output relative to the target's greedy "
+                          "and agrees right after; asd accepts a mismatch the target prefers its own token to "
+                          "by only a small logit margin, within a per-request regret budget. Both change the output relative to the target's greedy "
                           "decoding, by design. strict is lossless: the target's own greedy output."),
         click.option("--k", "k", type=click.IntRange(min=0), default=None,
-                     help="Draft length per round. Default: 8 (with FLy's window, at least W+4); prompt "
-                          "lookup shortens it each round from measured cost and acceptance, and with FLy "
-                          "drafts at least W+1 tokens or none. Given explicitly, it is used as is."),
+                     help="Draft length per round. Default: 8, or W+4 with FLy's window so that a mismatch "
+                          "in the first 4 positions can be accepted loosely; prompt lookup shortens it each "
+                          "round from measured cost and acceptance. Given explicitly, it is used as is."),
         click.option("--pld-ngram", type=click.IntRange(min=1), default=4, show_default=True,
                      help="Longest n-gram prompt lookup tries (it falls back down to 1)."),
         click.option("--pld-tokens", type=click.IntRange(min=1), default=None,
@@ -64,6 +65,13 @@ def model_options(f):
                      help="FLy: m, the number of largest probabilities the entropy sums over."),
         click.option("--fly-no-window", "fly_no_window", is_flag=True,
                      help="FLy ablation: accept a gated-open mismatch at once, without the window."),
+        click.option("--asd-gate", "asd_gate", type=click.FloatRange(min=0.0), default=0.5, show_default=True,
+                     help="ASD: g, the most regret (target logit of its own token minus that of the draft "
+                          "token) per remaining draft position for an exception."),
+        click.option("--asd-cap", "asd_cap", type=click.IntRange(min=0), default=2, show_default=True,
+                     help="ASD: M, the most exceptions (accepted mismatches) in one round."),
+        click.option("--asd-budget", "asd_budget", type=click.FloatRange(min=0.0), default=16.0, show_default=True,
+                     help="ASD: B, the most regret in logits one request may spend in all; 0 is strict."),
         click.option("--seed", type=int, default=None,
                      help="Random seed, for sampling; greedy decoding (the only mode so far) is deterministic."),
     ]
@@ -81,6 +89,7 @@ def settings_from(opts: dict):
         pld_ngram=opts["pld_ngram"], pld_tokens=opts["pld_tokens"], seed=opts["seed"],
         fly_window=opts["fly_window"], fly_entropy=opts["fly_entropy"], fly_topk=opts["fly_topk"],
         fly_use_window=not opts["fly_no_window"],
+        asd_gate=opts["asd_gate"], asd_cap=opts["asd_cap"], asd_budget=opts["asd_budget"],
     )
 
 

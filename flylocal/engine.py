@@ -16,10 +16,10 @@ from typing import Iterator, Union
 
 import numpy as np
 
-from flylocal.adaptive import DraftLength
+from flylocal.adaptive import DraftLength, timed_decode
 from flylocal.errors import FlylocalError
 from flylocal.stats import Stats
-from flylocal.verifiers import Decision, Verifier, emitted_tokens
+from flylocal.verifiers import Decision, Verifier, emitted_tokens, regrets
 
 # How each committed token came to be.
 ACCEPTED, LOOSE, TARGET = "accepted", "loose", "target"
@@ -30,7 +30,6 @@ class EngineConfig:
     max_tokens: int = 256
     k: int = 8                 # draft length (the most, when adaptive)
     adaptive: bool = True      # let measured cost and acceptance shorten drafts (adaptive drafters only)
-    min_draft: int = 1         # shortest non-empty adaptive draft (FLy: W+1, so its window fits)
     trace: bool = False        # attach SPEC.md trace rows to round events
 
 
@@ -74,7 +73,7 @@ class Engine:
         reused = target.reuse_prefix(prompt)
         target.decode(prompt[reused:-1])
         if self.length is not None and not self.length.calibrated:
-            self.length.calibrate(lambda rows: self._timed_decode(prompt[-1], rows))
+            self.length.calibrate(lambda rows: timed_decode(target, int(prompt[-1]), rows))
         stats.prompt_reused, stats.prompt_evaluated = reused, len(prompt) - reused
         stats.prefill_s = time.perf_counter() - t_start
 
@@ -94,7 +93,7 @@ class Engine:
                 proposal = self.drafter.propose(context[:n], k) if k else None
                 draft = proposal.tokens[:k] if proposal is not None else context[:0]
                 if self.length is not None and len(draft):
-                    draft = draft[: self.length.choose(proposal.level, len(draft), cfg.min_draft)]
+                    draft = draft[: self.length.choose(proposal.level, len(draft))]
                 t1 = time.perf_counter()
                 batch = np.empty(len(draft) + 1, dtype=np.int32)
                 batch[0] = context[n - 1]
@@ -126,6 +125,9 @@ class Engine:
                 committed_loose = sum(1 for j in loose if j < m)
                 stats.loose += committed_loose
                 stats.mismatches += committed_loose + (L < len(draft))
+                if "budget_spent" in decision.trace:
+                    stats.budget_spent = decision.trace["budget_spent"]
+                    stats.budget_left = decision.trace["budget_left"]
                 stats.emitted += m
                 stats.draft_s += t1 - t0
                 stats.target_s += (t2 - t1) + (t4 - t3)
@@ -151,21 +153,9 @@ class Engine:
             self.last_stats = stats
         yield DoneEvent(stats, tuple(generated))
 
-    def _timed_decode(self, token: int, rows: int) -> float:
-        """Seconds for one target decode of `rows` rows (all with logits), rolled back after."""
-        n_past = self.target.n_past
-        if n_past + rows > self.target.n_ctx:
-            return float("nan")
-        t0 = time.perf_counter()
-        logits = self.target.decode(np.full(rows, token, dtype=np.int32), logits_from=0)
-        logits.argmax(axis=1)
-        self.target.truncate(n_past)
-        return time.perf_counter() - t0
-
     def _trace_row(self, index, n_past, draft, target_argmax, logits, decision: Decision, emitted) -> dict:
         k = len(draft)
-        rows = np.arange(k)
-        regret = logits[rows, target_argmax[:k]] - logits[rows, draft]     # [k] float32
+        regret = regrets(draft, target_argmax, logits)                      # [k] float64
         entropy = decision.entropy
         row = {
             "round": index,

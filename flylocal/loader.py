@@ -38,6 +38,9 @@ class Settings:
     fly_entropy: float = 0.3
     fly_topk: int = 3
     fly_use_window: bool = True
+    asd_gate: float = 0.5
+    asd_cap: int = 2
+    asd_budget: float = 16.0
     trace: bool = False               # attach SPEC.md trace rows to round events
 
     @property
@@ -105,11 +108,11 @@ def build_engine(settings: Settings, target: Runtime, draft: Runtime | None) -> 
         max_tokens=settings.max_tokens,
         k=settings.draft_length,
         adaptive=settings.k is None,
-        min_draft=settings.window + 1,
         trace=settings.trace,
     )
     vconfig = VerifierConfig(fly_window=settings.fly_window, fly_entropy=settings.fly_entropy,
-                             fly_topk=settings.fly_topk, fly_use_window=settings.fly_use_window)
+                             fly_topk=settings.fly_topk, fly_use_window=settings.fly_use_window,
+                             asd_gate=settings.asd_gate, asd_cap=settings.asd_cap, asd_budget=settings.asd_budget)
     return Engine(target, drafter, make_verifier(settings.verifier, vconfig), config)
 
 

@@ -16,6 +16,8 @@ class Stats:
     loose: int = 0               # committed draft tokens that did not match natively
     mismatches: int = 0          # native mismatches seen: loose ones plus each round's rejected one
     emitted: int = 0             # committed tokens: accepted + one correction/bonus per round
+    budget_spent: float | None = None   # ASD: the ledger s after this request
+    budget_left: float | None = None    # ASD: B - s
     prefill_s: float = 0.0
     wall_s: float = 0.0
     target_s: float = 0.0
@@ -43,6 +45,10 @@ class Stats:
         d["tokens_per_s"] = round(self.tokens_per_s, 3)
         for key in ("prefill_s", "wall_s", "target_s", "draft_s", "verify_s"):
             d[key] = round(d[key], 6)
+        if self.budget_spent is None:
+            del d["budget_spent"], d["budget_left"]
+        else:
+            d["exceptions"] = self.loose      # ASD's name for its loose acceptances
         return d
 
     def summary(self) -> str:
@@ -51,6 +57,8 @@ class Stats:
             f"mean accepted length {self.mean_accepted_length:.2f} "
             f"({self.rounds} rounds, {self.drafted} drafted, {self.accepted} accepted, {self.loose} loose "
             f"of {self.mismatches} mismatches), "
-            f"prompt {self.prompt_tokens} (reused {self.prompt_reused}, evaluated {self.prompt_evaluated}), "
+            + (f"ASD budget spent {self.budget_spent:.2f}, left {self.budget_left:.2f}, "
+               if self.budget_spent is not None else "")
+            + f"prompt {self.prompt_tokens} (reused {self.prompt_reused}, evaluated {self.prompt_evaluated}), "
             f"prefill {self.prefill_s:.2f} s, stop: {self.stop}"
         )

@@ -65,7 +65,7 @@ def make_drafter(name: str, target, draft_model=None, *, pld_ngram: int = 4, pld
         return ModelDrafter(draft_model, target.n_vocab, target.eog_mask)
     if name == "mla":
         return MLADrafter(draft_model, target.n_vocab, target.eog_mask, max_ngram=pld_ngram,
-                          max_tokens=pld_tokens or 6)
+                          max_tokens=pld_tokens or 6, adaptive_lookup=pld_tokens is None)
     raise ValueError(f"unknown drafter {name}")
 
 

@@ -36,6 +36,14 @@ def native_prefix(draft: np.ndarray, target_argmax: np.ndarray) -> int:
     return int(mismatch[0]) if mismatch.size else k
 
 
+def regrets(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray) -> np.ndarray:
+    """r [k] float64: the target's raw-logit gap between its own choice and the draft token,
+    r_j = z_j(a[j]) - z_j(d[j]); 0 at native matches."""
+    k = len(draft)
+    rows = np.arange(k)
+    return logits[rows, target_argmax[:k]].astype(np.float64) - logits[rows, draft].astype(np.float64)
+
+
 def emitted_tokens(draft: np.ndarray, target_argmax: np.ndarray, accepted: int) -> np.ndarray:
     """d[0:L] + [a[L]]: the committed draft prefix (loose tokens included, as drafted) and the
     target's correction (L < k) or bonus (L == k) token. [L+1] int32."""
@@ -48,9 +56,13 @@ class VerifierConfig:
     fly_entropy: float = 0.3
     fly_topk: int = 3
     fly_use_window: bool = True
+    asd_gate: float = 0.5
+    asd_cap: int = 2
+    asd_budget: float = 16.0
 
 
 def make_verifier(name: str, config: VerifierConfig = VerifierConfig()) -> Verifier:
+    from flylocal.verifiers.asd import Asd, AsdParams
     from flylocal.verifiers.fly import Fly, FlyParams
     from flylocal.verifiers.strict import strict
 
@@ -59,8 +71,10 @@ def make_verifier(name: str, config: VerifierConfig = VerifierConfig()) -> Verif
     if name == "fly":
         return Fly(FlyParams(window=config.fly_window, entropy=config.fly_entropy,
                              topk=config.fly_topk, use_window=config.fly_use_window))
+    if name == "asd":
+        return Asd(AsdParams(gate=config.asd_gate, cap=config.asd_cap, budget=config.asd_budget))
     raise ValueError(f"unknown verifier {name}")
 
 
-VERIFIERS = ("fly", "strict")
+VERIFIERS = ("fly", "strict", "asd")
 LOSSLESS = ("strict",)

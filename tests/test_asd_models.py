@@ -1,0 +1,67 @@
+"""ASD on real models: SmolLM2-135M-Instruct as target, its Q4_0 requant as draft model."""
+
+from __future__ import annotations
+
+import pytest
+
+from flylocal.drafters import make_drafter
+from flylocal.engine import Engine, EngineConfig, generate_all
+from flylocal.loader import encode_prompt
+from flylocal.verifiers.asd import Asd, AsdParams
+from flylocal.verifiers.strict import strict
+from test_fly_models import PROMPTS
+
+
+def generate(target, draft, verifier, ids, drafter="model", k=10, max_tokens=64):
+    engine = Engine(target, make_drafter(drafter, target, draft), verifier,
+                    EngineConfig(max_tokens=max_tokens, k=k, adaptive=False, trace=True))
+    return generate_all(engine, ids)
+
+
+def test_defaults_accept_at_least_as_long_as_strict(smol, smol_draft):
+    longer = 0
+    for text in PROMPTS.values():
+        ids, _ = encode_prompt(smol, text, raw=False)
+        _, s_strict, _ = generate(smol, smol_draft, strict, ids)
+        _, s_asd, _ = generate(smol, smol_draft, Asd(), ids)
+        assert s_asd.mean_accepted_length >= s_strict.mean_accepted_length
+        longer += s_asd.mean_accepted_length > s_strict.mean_accepted_length
+    assert longer >= 2
+
+
+def test_zero_budget_equals_strict(smol, smol_draft):
+    ids, _ = encode_prompt(smol, PROMPTS["chat"], raw=False)
+    expected, _, _ = generate(smol, smol_draft, strict, ids)
+    tokens, stats, _ = generate(smol, smol_draft, Asd(AsdParams(gate=10.0, cap=10, budget=0.0)), ids)
+    assert tokens == expected and stats.loose == 0 and stats.budget_spent == 0.0
+
+
+@pytest.mark.parametrize("drafter", ["model", "mla"])
+def test_every_traced_round_follows_the_rule_and_the_ledger_stays_within_budget(smol, smol_draft, drafter):
+    p = AsdParams(gate=0.5, cap=2, budget=6.0)
+    ids, _ = encode_prompt(smol, PROMPTS["reply"], raw=False)
+    _, stats, trace = generate(smol, smol_draft, Asd(p), ids, drafter=drafter, max_tokens=96)
+    assert stats.loose > 0
+    spent = 0.0
+    for row in trace:
+        d, a, r, L = row["draft"], row["target_argmax"], row["regret"], row["accepted"]
+        k = len(d)
+        feasible = []
+        exceptions, cost = 0, 0.0
+        for j in range(k):
+            native = d[j] == a[j]
+            assert (r[j] == 0) if native else (r[j] >= 0)
+            exceptions += not native
+            cost += r[j]
+            gate = native or r[j] / (k - j) <= p.gate
+            budget = cost <= p.budget - spent + 1e-9 and (native or p.budget - spent > 0)
+            feasible.append(gate and exceptions <= p.cap and budget)
+        expected_L = next((j for j, f in enumerate(feasible) if not f), k)
+        assert L == expected_L, row
+        assert row["loose"] == [j for j in range(L) if d[j] != a[j]]
+        assert row["emitted"] == d[:L] + [a[L]]
+        spent += sum(r[:L])
+        assert row["budget_spent"] == pytest.approx(spent, abs=1e-6)
+        assert row["budget_spent"] <= p.budget + 1e-9
+        assert row["budget_left"] == pytest.approx(p.budget - spent, abs=1e-6)
+    assert stats.budget_spent == pytest.approx(spent, abs=1e-6)

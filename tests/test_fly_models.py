@@ -1,0 +1,80 @@
+"""FLy on real models: SmolLM2-135M-Instruct as target, its Q4_0 requant as draft model."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from flylocal.drafters import make_drafter
+from flylocal.engine import Engine, EngineConfig, generate_all
+from flylocal.loader import encode_prompt
+from flylocal.verifiers.fly import Fly, FlyParams
+from flylocal.verifiers.strict import strict
+
+PROMPTS = {
+    "summarise": ("Summarize the key points of this report:\n\nQuarterly sales rose eight percent, driven by strong "
+                  "demand for the new laptop line in Europe. Costs also increased because of higher shipping prices, "
+                  "so profit grew only two percent. The company expects the shipping costs to fall next quarter and "
+                  "plans to hire forty engineers."),
+    "reply": ("Write a short, polite reply to this email: 'Hi, could we move our meeting from Tuesday to Thursday "
+              "afternoon? Something came up. Thanks, Anna'"),
+    "chat": "What are some good ways to stay focused while working from home?",
+}
+
+
+def generate(target, draft, verifier, ids, drafter="model", k=10, max_tokens=64):
+    engine = Engine(target, make_drafter(drafter, target, draft), verifier,
+                    EngineConfig(max_tokens=max_tokens, k=k, adaptive=False, trace=True))
+    return generate_all(engine, ids)
+
+
+@pytest.mark.parametrize("name", PROMPTS)
+def test_fly_accepts_longer_than_strict(smol, smol_draft, name):
+    ids, _ = encode_prompt(smol, PROMPTS[name], raw=False)
+    _, s_strict, _ = generate(smol, smol_draft, strict, ids)
+    _, s_fly, _ = generate(smol, smol_draft, Fly(), ids)
+    assert s_fly.loose > 0
+    assert s_fly.mean_accepted_length > s_strict.mean_accepted_length
+
+
+def check_round(row: dict, p: FlyParams) -> None:
+    """Re-check one trace row against SPEC.md's FLy rule, independently of the verifier."""
+    d, a, L = row["draft"], row["target_argmax"], row["accepted"]
+    k, W = len(d), p.window
+    native = [d[j] == a[j] for j in range(k)]
+    expected_loose = []
+    for j in range(L):
+        if native[j]:
+            continue
+        h = row["entropy"][j]
+        assert h is not None and h >= p.entropy, f"loose position {j} below the gate: {row}"
+        assert j + W < k and all(native[j + 1 : j + W]), f"loose position {j} without a clean window: {row}"
+        expected_loose.append(j)
+    assert row["loose"] == expected_loose
+    if L < k:   # the rejected position is a mismatch that fails the gate or the window
+        assert not native[L]
+        window_ok = L + W < k and all(native[L + 1 : L + W])
+        h = row["entropy"][L]
+        assert not window_ok or (h is not None and h < p.entropy), f"position {L} should have been loose: {row}"
+    assert row["emitted"] == d[:L] + [a[L]]
+    for j in range(k):   # regret is the target's logit gap; 0 exactly at native matches
+        assert (row["regret"][j] == 0) if native[j] else (row["regret"][j] >= 0)
+
+
+@pytest.mark.parametrize("drafter", ["model", "mla"])
+def test_every_traced_round_follows_the_rule(smol, smol_draft, drafter):
+    ids, _ = encode_prompt(smol, PROMPTS["summarise"], raw=False)
+    p = FlyParams()
+    _, stats, trace = generate(smol, smol_draft, Fly(p), ids, drafter=drafter)
+    assert stats.loose > 0 and len(trace) == stats.rounds
+    for row in trace:
+        check_round(row, p)
+
+
+def test_infinite_theta_is_strict(smol, smol_draft):
+    ids, _ = encode_prompt(smol, PROMPTS["reply"], raw=False)
+    expected, _, _ = generate(smol, smol_draft, strict, ids)
+    tokens, stats, _ = generate(smol, smol_draft, Fly(FlyParams(entropy=math.inf)), ids)
+    assert tokens == expected and stats.loose == 0
