@@ -7,6 +7,7 @@ import codecs
 import dataclasses
 import functools
 import json
+import os
 import sys
 
 import click
@@ -14,7 +15,11 @@ import click
 from flylocal import __version__
 from flylocal.drafters import DRAFTERS
 from flylocal.errors import FlylocalError
-from flylocal.verifiers import VERIFIERS
+from flylocal.verifiers import VERIFIERS, VerifierConfig
+from flylocal.verifiers.asd import AsdParams
+from flylocal.verifiers.fly import FlyParams
+
+FLY, ASD = FlyParams(), AsdParams()
 
 
 def note(message: str) -> None:
@@ -56,21 +61,23 @@ def model_options(f):
         click.option("--flash-attn", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
                      help="llama.cpp flash attention. auto: off in a CPU build (its CPU kernel is not "
                           "batch-invariant), llama.cpp's choice on a GPU."),
-        click.option("--fly-window", "fly_window", type=click.IntRange(min=1), default=6, show_default=True,
+        click.option("--fly-window", "fly_window", type=click.IntRange(min=1), default=FLY.window, show_default=True,
                      help="FLy: a mismatch is accepted only if the W-1 draft tokens after it match natively."),
-        click.option("--fly-entropy", "fly_entropy", type=click.FloatRange(min=0.0), default=0.3, show_default=True,
+        click.option("--fly-entropy", "fly_entropy", type=click.FloatRange(min=0.0), default=FLY.entropy,
+                     show_default=True,
                      help="FLy: entropy gate theta (nats, top-m); a mismatch where the target's entropy is "
                           "below it is rejected. 0: no gate; inf: strict."),
-        click.option("--fly-topk", "fly_topk", type=click.IntRange(min=1), default=3, show_default=True,
+        click.option("--fly-topk", "fly_topk", type=click.IntRange(min=1), default=FLY.topk, show_default=True,
                      help="FLy: m, the number of largest probabilities the entropy sums over."),
         click.option("--fly-no-window", "fly_no_window", is_flag=True,
                      help="FLy ablation: accept a gated-open mismatch at once, without the window."),
-        click.option("--asd-gate", "asd_gate", type=click.FloatRange(min=0.0), default=0.5, show_default=True,
+        click.option("--asd-gate", "asd_gate", type=click.FloatRange(min=0.0), default=ASD.gate, show_default=True,
                      help="ASD: g, the most regret (target logit of its own token minus that of the draft "
                           "token) per remaining draft position for an exception."),
-        click.option("--asd-cap", "asd_cap", type=click.IntRange(min=0), default=2, show_default=True,
+        click.option("--asd-cap", "asd_cap", type=click.IntRange(min=0), default=ASD.cap, show_default=True,
                      help="ASD: M, the most exceptions (accepted mismatches) in one round."),
-        click.option("--asd-budget", "asd_budget", type=click.FloatRange(min=0.0), default=16.0, show_default=True,
+        click.option("--asd-budget", "asd_budget", type=click.FloatRange(min=0.0), default=ASD.budget,
+                     show_default=True,
                      help="ASD: B, the most regret in logits one request may spend in all; 0 is strict."),
         click.option("--seed", type=int, default=None,
                      help="Random seed, for sampling; greedy decoding (the only mode so far) is deterministic."),
@@ -87,9 +94,11 @@ def settings_from(opts: dict):
         batch_size=opts["batch_size"], flash_attn=opts["flash_attn"],
         gpu_layers=999 if opts["gpu_layers"] == -1 else opts["gpu_layers"],
         pld_ngram=opts["pld_ngram"], pld_tokens=opts["pld_tokens"], seed=opts["seed"],
-        fly_window=opts["fly_window"], fly_entropy=opts["fly_entropy"], fly_topk=opts["fly_topk"],
-        fly_use_window=not opts["fly_no_window"],
-        asd_gate=opts["asd_gate"], asd_cap=opts["asd_cap"], asd_budget=opts["asd_budget"],
+        verifiers=VerifierConfig(
+            fly=FlyParams(window=opts["fly_window"], entropy=opts["fly_entropy"], topk=opts["fly_topk"],
+                          use_window=not opts["fly_no_window"]),
+            asd=AsdParams(gate=opts["asd_gate"], cap=opts["asd_cap"], budget=opts["asd_budget"]),
+        ),
     )
 
 
@@ -183,6 +192,160 @@ def generate(prompt, prompt_file, raw, as_json, trace_file, **opts):
             note(stats.summary())
     finally:
         loaded.close()
+
+
+COLORS = {"accepted": "\033[32m", "loose": "\033[33m", "target": ""}
+RESET = "\033[0m"
+CHAT_HELP = """commands:
+  /reset              start a new conversation (and empty the ASD budget ledger)
+  /verifier NAME      switch verifier: strict, fly or asd
+  /drafter NAME       switch drafter: none, pld, model or mla (model/mla need --draft)
+  /system TEXT        set the system prompt (starts a new conversation)
+  /stats              totals for this session
+  /help               this list
+  /quit               leave (Ctrl-D works too)
+colours on a terminal: green = accepted draft token, yellow = loosely accepted (FLy/ASD), plain = target"""
+
+
+def use_color(flag: bool | None) -> bool:
+    if flag is not None:
+        return flag
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+
+
+def turn_line(stats, verifier: str) -> str:
+    parts = [f"{stats.emitted} tokens", f"{stats.tokens_per_s:.1f} tok/s",
+             f"mean accepted length {stats.mean_accepted_length:.2f}", f"loose {stats.loose}",
+             f"reused {stats.prompt_reused}, evaluated {stats.prompt_evaluated}"]
+    if stats.budget_left is not None:
+        parts.append(f"ASD budget left {stats.budget_left:.2f}")
+    if stats.stop == "interrupted":
+        parts.append("interrupted")
+    return f"[{verifier}: " + ", ".join(parts) + "]"
+
+
+def read_line(tty: bool) -> str | None:
+    """One line of input, or None at end of input."""
+    if tty:
+        try:
+            return input("> ")
+        except EOFError:
+            return None
+    line = sys.stdin.readline()
+    return None if line == "" else line.rstrip("\n")
+
+
+@cli.command()
+@model_options
+@click.option("--system", "system", default=None, metavar="TEXT", help="System prompt.")
+@click.option("--color/--no-color", "color", default=None,
+              help="Colour tokens by how they were accepted. Default: on a terminal, unless NO_COLOR is set.")
+def chat(system, color, **opts):
+    """Chat with the target model; speculative decoding makes the answers come faster.
+
+    Reads messages line by line (with line editing and history on a terminal). Ctrl-C stops
+    an answer; Ctrl-C or Ctrl-D at the prompt leaves. Type /help for commands.
+    """
+    from flylocal.chat import Conversation
+    from flylocal.engine import RoundEvent
+    from flylocal.loader import load
+
+    tty = sys.stdin.isatty()
+    if tty:
+        import readline  # noqa: F401 - line editing and history for input()
+    colored = use_color(color)
+    loaded = load(settings_from(opts), log=note)
+    conv = Conversation(loaded, system=system)
+    out = sys.stdout
+    try:
+        if tty:
+            note(f"{loaded.target.name}, drafter {loaded.settings.drafter_name}, verifier "
+                 f"{loaded.settings.verifier}. /help for commands.")
+        while True:
+            for message in conv.notes:
+                note(message)
+            conv.notes.clear()
+            try:
+                line = read_line(tty)
+            except KeyboardInterrupt:
+                click.echo("", err=True)
+                return
+            if line is None:
+                return
+            if not line.strip():
+                note("empty message: type a message, or /help")
+                continue
+            if line.startswith("/"):
+                if chat_command(conv, line):
+                    return
+                continue
+            stream = TextStream(loaded.target)
+            turn = conv.send(line)
+            try:
+                for event in turn:
+                    if not isinstance(event, RoundEvent):
+                        continue
+                    for token, kind in zip(event.tokens, event.kinds):
+                        if loaded.target.is_eog(token):
+                            continue
+                        text = stream.feed([token])
+                        if text:
+                            out.write(f"{COLORS[kind]}{text}{RESET}" if colored and COLORS[kind] else text)
+                    out.flush()
+            except KeyboardInterrupt:
+                turn.close()
+            except FlylocalError as e:
+                turn.close()
+                note(f"error: {e}")
+            out.write(stream.flush() + "\n")
+            out.flush()
+            if conv.last_stats is not None:
+                click.echo(turn_line(conv.last_stats, conv.settings.verifier), err=True)
+    finally:
+        loaded.close()
+
+
+def chat_command(conv, line: str) -> bool:
+    """Run a /command; True means quit. Problems get one line and the session goes on."""
+    from flylocal.drafters import DRAFTERS
+
+    name, _, arg = line.strip().partition(" ")
+    arg = arg.strip()
+    try:
+        if name in ("/quit", "/exit"):
+            return True
+        if name == "/help":
+            click.echo(CHAT_HELP, err=True)
+        elif name == "/reset":
+            conv.reset()
+            note("new conversation")
+        elif name == "/verifier":
+            if arg not in VERIFIERS:
+                note(f"usage: /verifier {'|'.join(VERIFIERS)}")
+            else:
+                conv.switch(verifier=arg)
+                note(f"verifier {arg}")
+        elif name == "/drafter":
+            if arg not in DRAFTERS:
+                note(f"usage: /drafter {'|'.join(DRAFTERS)}")
+            else:
+                conv.switch(drafter=arg)
+                note(f"drafter {arg}")
+        elif name == "/system":
+            conv.system = arg or None
+            conv.reset()
+            note("system prompt set; new conversation" if arg else "system prompt cleared; new conversation")
+        elif name == "/stats":
+            t = conv.totals
+            tps = t.tokens / t.decode_s if t.decode_s > 0 else 0.0
+            tau = t.tokens / t.rounds if t.rounds else 0.0
+            note(f"{t.turns} turns, {t.tokens} tokens, {tps:.1f} tok/s, mean accepted length {tau:.2f}, "
+                 f"loose {t.loose}, prompt tokens reused {t.prompt_reused}, evaluated {t.prompt_evaluated}")
+        else:
+            note(f"unknown command {name}; /help lists the commands")
+    except FlylocalError as e:
+        note(f"error: {e}")
+    return False
 
 
 @cli.group()

@@ -68,21 +68,19 @@ class Engine:
         if len(prompt) >= target.n_ctx:
             raise FlylocalError(
                 f"the prompt is {len(prompt)} tokens, longer than the context (--ctx {target.n_ctx})")
-        stats = Stats(prompt_tokens=len(prompt))
+        stats = Stats(prompt_tokens=len(prompt), stop="max_tokens")
         t_start = time.perf_counter()
-        reused = target.reuse_prefix(prompt)
-        target.decode(prompt[reused:-1])
-        if self.length is not None and not self.length.calibrated:
-            self.length.calibrate(lambda rows: timed_decode(target, int(prompt[-1]), rows))
-        stats.prompt_reused, stats.prompt_evaluated = reused, len(prompt) - reused
-        stats.prefill_s = time.perf_counter() - t_start
-
         context = np.zeros(target.n_ctx, dtype=np.int32)    # [n_ctx] prompt + committed
         n = len(prompt)
         context[:n] = prompt
         generated: list[int] = []
-        stats.stop = "max_tokens"
         try:
+            reused = target.reuse_prefix(prompt)
+            target.decode(prompt[reused:-1])
+            if self.length is not None and not self.length.calibrated:
+                self.length.calibrate(lambda rows: timed_decode(target, int(prompt[-1]), rows))
+            stats.prompt_reused, stats.prompt_evaluated = reused, len(prompt) - reused
+            stats.prefill_s = time.perf_counter() - t_start
             while len(generated) < cfg.max_tokens:
                 if n >= target.n_ctx:
                     stats.stop = "context"
@@ -145,7 +143,7 @@ class Engine:
                 if stop:
                     stats.stop = "eog"
                     break
-        except GeneratorExit:
+        except (GeneratorExit, KeyboardInterrupt):
             stats.stop = "interrupted"
             raise
         finally:

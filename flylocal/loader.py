@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -34,13 +34,7 @@ class Settings:
     pld_ngram: int = 4
     pld_tokens: int | None = None
     seed: int | None = None
-    fly_window: int = 6
-    fly_entropy: float = 0.3
-    fly_topk: int = 3
-    fly_use_window: bool = True
-    asd_gate: float = 0.5
-    asd_cap: int = 2
-    asd_budget: float = 16.0
+    verifiers: VerifierConfig = field(default_factory=VerifierConfig)
     trace: bool = False               # attach SPEC.md trace rows to round events
 
     @property
@@ -50,7 +44,8 @@ class Settings:
     @property
     def window(self) -> int:
         """The FLy window that drafts must fit, or 0 when no verifier needs one."""
-        return self.fly_window if self.verifier == "fly" and self.fly_use_window else 0
+        fly = self.verifiers.fly
+        return fly.window if self.verifier == "fly" and fly.use_window else 0
 
     @property
     def draft_length(self) -> int:
@@ -110,10 +105,7 @@ def build_engine(settings: Settings, target: Runtime, draft: Runtime | None) -> 
         adaptive=settings.k is None,
         trace=settings.trace,
     )
-    vconfig = VerifierConfig(fly_window=settings.fly_window, fly_entropy=settings.fly_entropy,
-                             fly_topk=settings.fly_topk, fly_use_window=settings.fly_use_window,
-                             asd_gate=settings.asd_gate, asd_cap=settings.asd_cap, asd_budget=settings.asd_budget)
-    return Engine(target, drafter, make_verifier(settings.verifier, vconfig), config)
+    return Engine(target, drafter, make_verifier(settings.verifier, settings.verifiers), config)
 
 
 def encode_prompt(target: Runtime, text: str, raw: bool, system: str | None = None) -> tuple[np.ndarray, str | None]:

@@ -18,7 +18,10 @@ import sys
 from flylocal.engine import generate_all
 from flylocal.loader import Settings, build_engine, encode_prompt
 from flylocal.models import resolve
+from flylocal.quality import target_nll
 from flylocal.runtime import Runtime, RuntimeConfig
+from flylocal.verifiers import VerifierConfig
+from flylocal.verifiers.asd import AsdParams
 
 HELD_APART = [
     "Summarize in one paragraph: A small bakery in the harbour town started delivering bread by bicycle last "
@@ -29,9 +32,9 @@ HELD_APART = [
     "Describe a quiet morning at a lake in four sentences.",
 ]
 SETTINGS = [  # (g, M, B)
-    (0.25, 2, 16.0), (0.5, 2, 16.0), (1.0, 2, 16.0),
-    (0.5, 1, 16.0), (0.5, 3, 16.0),
-    (0.5, 2, 4.0), (0.5, 2, 64.0),
+    (0.05, 1, 4.0), (0.1, 1, 4.0), (0.25, 1, 4.0),
+    (0.1, 2, 4.0), (0.1, 1, 2.0), (0.1, 1, 8.0),
+    (0.5, 2, 16.0),
 ]
 
 
@@ -57,14 +60,19 @@ def main() -> int:
     prompts = [encode_prompt(target, p, raw=False)[0] for p in HELD_APART]
     strict_runs = [run(ids, verifier="strict") for ids in prompts]
     strict_tau = statistics.mean(s.mean_accepted_length for _, s, _ in strict_runs)
-    print(f"held-apart prompts: {len(prompts)}, k {args.k}, max_tokens {args.max_tokens}; strict tau {strict_tau:.2f}")
-    print("| g | M | B | tau | tau gain | identical to greedy | median first divergence | mean regret spent |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    strict_nll = statistics.mean(target_nll(target, ids, out) for ids, (out, _, _) in zip(prompts, strict_runs))
+    print(f"held-apart prompts: {len(prompts)}, k {args.k}, max_tokens {args.max_tokens}; "
+          f"strict tau {strict_tau:.2f}, target NLL {strict_nll:.3f} nats/token")
+    print("| g | M | B | tau | tau gain | target NLL (strict +) | identical to greedy | median first divergence "
+          "| mean regret spent |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for g, m, b in SETTINGS:
-        taus, same, divs, spent = [], 0, [], []
+        taus, same, divs, spent, nll = [], 0, [], [], []
         for ids, (greedy, _, _) in zip(prompts, strict_runs):
-            tokens, stats, _ = run(ids, verifier="asd", asd_gate=g, asd_cap=m, asd_budget=b)
+            tokens, stats, _ = run(ids, verifier="asd",
+                                   verifiers=VerifierConfig(asd=AsdParams(gate=g, cap=m, budget=b)))
             taus.append(stats.mean_accepted_length)
+            nll.append(target_nll(target, ids, tokens))
             spent.append(stats.budget_spent or 0.0)
             d = first_divergence(tokens, greedy)
             same += d is None
@@ -72,7 +80,8 @@ def main() -> int:
                 divs.append(d)
         tau = statistics.mean(taus)
         div = f"{statistics.median(divs):.0f}" if divs else "-"
-        print(f"| {g} | {m} | {b:g} | {tau:.2f} | {100 * (tau / strict_tau - 1):+.1f}% | {same}/{len(prompts)} | "
+        print(f"| {g} | {m} | {b:g} | {tau:.2f} | {100 * (tau / strict_tau - 1):+.1f}% | "
+              f"{statistics.mean(nll):.3f} ({statistics.mean(nll) - strict_nll:+.3f}) | {same}/{len(prompts)} | "
               f"{div} | {statistics.mean(spent):.2f} |")
     return 0
 

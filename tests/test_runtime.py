@@ -113,3 +113,19 @@ def test_chat_template_and_special_tokens(smol, gemma_q8):
     assert gemma_q8.format_chat([{"role": "user", "content": "hi"}]) is None   # base model
     g = gemma_q8.tokenize("hello")
     assert g[0] == gemma_q8.bos and g[1] != gemma_q8.bos
+
+
+def test_target_nll_equals_stepwise_log_softmax(smol):
+    from flylocal.quality import target_nll
+
+    prompt = smol.tokenize("The capital of France is")
+    output = smol.tokenize(" Paris, a city on the Seine.", add_special=False)
+    smol.reset()
+    expected = []
+    smol.decode(prompt[:-1])
+    seq = np.concatenate([prompt, output])
+    for i in range(len(prompt) - 1, len(seq) - 1):
+        z = smol.decode(seq[i : i + 1], logits_from=0)[0].astype(np.float64)
+        expected.append(np.log(np.exp(z - z.max()).sum()) + z.max() - z[seq[i + 1]])
+    assert target_nll(smol, prompt, output) == pytest.approx(float(np.mean(expected)), rel=1e-5)
+    assert target_nll(smol, prompt, []) == 0.0

@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flylocal.verifiers import Decision, regrets
+from flylocal.verifiers.base import Decision, regrets
 
 
 @dataclass(frozen=True)
 class AsdParams:
-    gate: float = 0.5       # g: most regret per remaining draft position (logits)
+    gate: float = 0.1       # g: most regret per remaining draft position (logits)
     cap: int = 2            # M: most exceptions in one round
-    budget: float = 16.0    # B: most regret a request may spend in all (logits)
+    budget: float = 4.0     # B: most regret a request may spend in all (logits)
 
 
 def asd(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray, params: AsdParams,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flylocal.verifiers import Decision
+from flylocal.verifiers.base import Decision
 
 
 @dataclass(frozen=True)

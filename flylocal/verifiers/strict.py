@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flylocal.verifiers import Decision, native_prefix
+from flylocal.verifiers.base import Decision, native_prefix
 
 
 def strict(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray) -> Decision:

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""FLy against strict, with the draft model and with MLA, in one process.
+"""Verifiers side by side (strict, FLy, ASD) with the draft model and with MLA, in one process.
 
-For each method it reports, over the prompts: mean accepted length (tau), decode tokens/s, the
-share of outputs identical to plain greedy decoding, and where the others first diverge.
-Methods run interleaved per prompt and repeat, so a drifting machine affects all alike.
-A second part measures the verifier's share of a round on Gemma-3-270M at k = 16.
+For each method it reports, over the prompts: mean accepted length (tau), decode tokens/s and
+the speedup over plain autoregressive decoding, the share of outputs identical to greedy
+decoding, where the others first diverge, and the target's own judgement of the text (mean
+negative log-likelihood per token). Methods run interleaved per prompt and repeat, so a
+drifting machine affects all alike. A second part measures the verifier's share of a round on
+Gemma-3-270M at k = 16.
 
-    .venv/bin/python scripts/bench_fly.py [--repeat 2] [--max-tokens 128] [--k 10]
+    .venv/bin/python scripts/bench_verifiers.py [--repeat 2] [--max-tokens 128] [--k 10]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 from flylocal.engine import generate_all
 from flylocal.loader import Settings, build_engine, encode_prompt
 from flylocal.models import resolve
+from flylocal.quality import target_nll
 from flylocal.runtime import Runtime, RuntimeConfig
 
 ARTICLE = (
@@ -40,7 +43,8 @@ PROMPTS = {
     "chat-1": "What are some good ways to stay focused while working from home?",
     "chat-2": "Can you explain why the sky is blue in simple terms?",
 }
-METHODS = [("strict", "model"), ("fly", "model"), ("strict", "mla"), ("fly", "mla")]
+METHODS = [("strict", "none"), ("strict", "model"), ("fly", "model"), ("asd", "model"),
+           ("strict", "mla"), ("fly", "mla"), ("asd", "mla")]
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -55,12 +59,9 @@ def quality_table(args) -> None:
     target = Runtime(resolve("smollm2-135m-instruct"), rconf)
     draft = Runtime(resolve("smollm2-135m-instruct-q4_0"), rconf)
     base = Settings(k=args.k, max_tokens=args.max_tokens)
-    greedy, rows = {}, {m: {"tau": [], "tps": [], "same": 0, "div": [], "loose": 0, "mism": 0} for m in METHODS}
+    rows = {m: {"tau": [], "tps": [], "same": 0, "div": [], "loose": 0, "mism": 0, "nll": []} for m in METHODS}
     for name, text in PROMPTS.items():
         ids, _ = encode_prompt(target, text, raw=False)
-        target.reset()
-        greedy[name] = generate_all(build_engine(dataclasses.replace(base, drafter="none", verifier="strict"),
-                                                 target, None), ids)[0]
         outputs = {}
         for _ in range(args.repeat):
             for verifier, drafter in METHODS:
@@ -74,21 +75,27 @@ def quality_table(args) -> None:
                 outputs[(verifier, drafter)] = tokens
                 r["loose"] += stats.loose
                 r["mism"] += stats.mismatches
+        greedy = outputs[("strict", "none")]
         for m, tokens in outputs.items():
-            d = first_divergence(tokens, greedy[name])
+            d = first_divergence(tokens, greedy)
             rows[m]["same"] += d is None
             if d is not None:
                 rows[m]["div"].append(d)
+            rows[m]["nll"].append(target_nll(target, ids, tokens))
         print(f"  {name}: done", file=sys.stderr)
     n = len(PROMPTS)
     print(f"SmolLM2-135M-Instruct target, Q4_0 draft, k {args.k}, max_tokens {args.max_tokens}, "
           f"{n} prompts x {args.repeat} repeats")
-    print(f"| method | tau | tokens/s | identical to greedy | first divergence (median token) | loose / mismatches |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| method | tau | tokens/s | speedup | identical to greedy | first divergence (median token) "
+          "| loose / mismatches | target NLL |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    plain = statistics.median(rows[("strict", "none")]["tps"])
     for (verifier, drafter), r in rows.items():
         div = f"{statistics.median(r['div']):.0f}" if r["div"] else "-"
-        print(f"| {verifier}-{drafter} | {statistics.mean(r['tau']):.2f} | {statistics.median(r['tps']):.1f} | "
-              f"{r['same']}/{n} | {div} | {r['loose']}/{r['mism']} |")
+        name = "autoregressive" if drafter == "none" else f"{verifier}-{drafter}"
+        tps = statistics.median(r["tps"])
+        print(f"| {name} | {statistics.mean(r['tau']):.2f} | {tps:.1f} | {tps / plain:.2f}x | {r['same']}/{n} | "
+              f"{div} | {r['loose']}/{r['mism']} | {statistics.mean(r['nll']):.3f} |")
     target.close()
     draft.close()
 
@@ -102,7 +109,7 @@ def verify_share(args) -> None:
           f"k 16, 96 tokens")
     print("| verifier | rounds | drafted | verify ms/round | round ms | verify share |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for verifier in ("strict", "fly"):
+    for verifier in ("strict", "fly", "asd"):
         target.reset()
         draft.reset()
         engine = build_engine(Settings(target="gemma-3-270m", drafter="model", verifier=verifier, k=16,

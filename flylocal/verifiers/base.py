@@ -1,0 +1,40 @@
+"""What every verifier shares: the Decision it returns and the round arithmetic (SPEC.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Decision:
+    accepted: int                              # L: committed draft prefix, 0 <= L <= k
+    loose: tuple[int, ...] = ()                # positions j < L with d[j] != a[j], accepted anyway
+    entropy: np.ndarray | None = None          # [k] float64, NaN where not computed
+    trace: dict = field(default_factory=dict)  # verifier-specific trace fields (SPEC.md)
+
+
+Verifier = Callable[[np.ndarray, np.ndarray, np.ndarray], Decision]
+
+
+def native_prefix(draft: np.ndarray, target_argmax: np.ndarray) -> int:
+    """Length of the longest prefix with d[j] == a[j]."""
+    k = len(draft)
+    mismatch = np.flatnonzero(draft != target_argmax[:k])
+    return int(mismatch[0]) if mismatch.size else k
+
+
+def regrets(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray) -> np.ndarray:
+    """r [k] float64: the target's raw-logit gap between its own choice and the draft token,
+    r_j = z_j(a[j]) - z_j(d[j]); 0 at native matches."""
+    k = len(draft)
+    rows = np.arange(k)
+    return logits[rows, target_argmax[:k]].astype(np.float64) - logits[rows, draft].astype(np.float64)
+
+
+def emitted_tokens(draft: np.ndarray, target_argmax: np.ndarray, accepted: int) -> np.ndarray:
+    """d[0:L] + [a[L]]: the committed draft prefix (loose tokens included, as drafted) and the
+    target's correction (L < k) or bonus (L == k) token. [L+1] int32."""
+    return np.append(draft[:accepted], target_argmax[accepted]).astype(np.int32)

@@ -1,0 +1,118 @@
+"""`flylocal chat` driven through a pipe and through a pseudo-terminal, on the real SmolLM2."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pexpect
+import pytest
+
+CHAT = [sys.executable, "-m", "flylocal", "chat"]
+COPY = ("Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank "
+        "on a sunny afternoon.")
+STATS = re.compile(r"\[(\w+): (\d+) tokens, .*reused (\d+), evaluated (\d+)")
+
+
+def chat_pipe(lines, *args, env=None):
+    done = subprocess.run(CHAT + ["--max-tokens", "24", *args], input="".join(l + "\n" for l in lines),
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+    assert "Traceback" not in done.stderr, done.stderr
+    return done
+
+
+def turns(stderr):
+    return [(m[1], int(m[2]), int(m[3]), int(m[4])) for m in STATS.finditer(stderr)]
+
+
+def test_two_turns_reuse_the_cached_prompt():
+    done = chat_pipe(["Hello!", "What is two plus two?"])
+    assert done.returncode == 0
+    (_, _, reused1, evaluated1), (_, _, reused2, evaluated2) = turns(done.stderr)
+    assert reused1 == 0
+    # the second turn evaluates only its new tokens: everything up to the first reply is cached
+    assert reused2 >= reused1 + evaluated1
+    assert evaluated2 < 25
+    assert len(done.stdout.strip().splitlines()) >= 2
+
+
+def test_reset_clears_the_conversation():
+    done = chat_pipe(["Hello!", "/reset", "Hello!"])
+    first, second = turns(done.stderr)
+    assert "new conversation" in done.stderr
+    # the same first message after /reset has exactly the first turn's prompt
+    assert first[2] + first[3] == second[2] + second[3]
+
+
+def test_verifier_switch_and_asd_budget():
+    done = chat_pipe(["Hi", "/verifier asd", "Hi again", "/verifier strict", "Bye"])
+    names = [t[0] for t in turns(done.stderr)]
+    assert names == ["fly", "asd", "strict"]
+    assert "ASD budget left" in done.stderr.splitlines()[[i for i, l in enumerate(done.stderr.splitlines())
+                                                          if l.startswith("[asd:")][0]]
+
+
+def test_bad_input_gets_one_line_and_the_session_goes_on():
+    done = chat_pipe(["/frobnicate", "", "/verifier nope", "/drafter model", "word " * 400, "Hi"],
+                     "--ctx", "256")
+    err = done.stderr
+    assert "unknown command /frobnicate" in err
+    assert "empty message" in err
+    assert "usage: /verifier" in err
+    assert "needs a draft model" in err
+    assert "does not fit the context" in err
+    assert len(turns(err)) == 1 and done.returncode == 0
+
+
+def test_eof_and_no_color_when_piped():
+    done = chat_pipe([COPY], "--k", "4", "--drafter", "pld")
+    assert done.returncode == 0
+    assert "\x1b[" not in done.stdout
+
+
+def spawn(*args):
+    env = {**os.environ, "TERM": "xterm"}
+    env.pop("NO_COLOR", None)
+    child = pexpect.spawn(sys.executable, ["-m", "flylocal", "chat", *args], env=env, encoding="utf-8",
+                          timeout=120, dimensions=(40, 200))
+    child.expect("/help for commands")
+    child.expect("> ")
+    return child
+
+
+def test_interrupt_keeps_the_session_usable():
+    child = spawn("--max-tokens", "400", "--drafter", "pld", "--k", "4")
+    child.sendline(COPY)
+    child.expect(r"\[fly: ")
+    child.expect("> ")
+    # Ctrl-C during a long answer stops it and returns to the prompt
+    story = "Write a very long story about a dragon who learns to bake bread, with many chapters."
+    child.sendline(story)
+    child.expect(re.escape(story) + "\r\n")   # the terminal's echo of the line
+    child.expect(r"\w\w\w")                    # the answer has started
+    child.sendintr()
+    child.expect(r"interrupted\]")
+    child.expect("> ")
+    child.sendline("Thanks!")
+    child.expect(r"\[fly: \d+ tokens")
+    child.expect("> ")
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    assert "Traceback" not in (child.before or "")
+
+
+def test_terminal_colours_accepted_tokens():
+    child = spawn("--max-tokens", "60", "--drafter", "pld", "--k", "4", "--verifier", "strict")
+    child.sendline(COPY)
+    child.expect(r"\[strict: ")
+    seen = child.before
+    child.sendcontrol("d")
+    child.expect(pexpect.EOF)
+    assert "\x1b[32m" in seen             # accepted draft tokens are green on a terminal
+    plain = chat_pipe([COPY], "--k", "4", "--drafter", "pld", "--verifier", "strict", "--color")
+    assert "\x1b[32m" in plain.stdout      # --color forces colour even when piped
