@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from flylocal import models
+from flylocal.adaptive import timed_decode
 from flylocal.runtime import Runtime, RuntimeConfig, build_info
 
 PROBE_TEXT = (
@@ -65,10 +66,22 @@ def batch_invariance(rt: Runtime, rows: int = PROBE_ROWS, contexts=(24, 320)) ->
     return worst, flips, compared
 
 
+def decode_costs(rt: Runtime, sizes=(1, 2, 3, 5, 9, 17), context: int = 256, tries: int = 5) -> dict[int, float]:
+    """Best-of-`tries` seconds of one decode of n rows (all with logits) after `context` tokens:
+    what a round's verification costs on this machine, relative to a single step."""
+    ids = rt.tokenize(PROBE_TEXT * 12)[:context]
+    rt.reset()
+    rt.decode(ids[:-1])
+    best = {n: min(timed_decode(rt, int(ids[-1]), n) for _ in range(tries)) for n in sizes}
+    rt.reset()
+    return best
+
+
 def model_report(spec: str, threads: int = 0, flash_attn: str = "auto") -> list[str]:
     path = models.resolve(spec)
     with Runtime(path, RuntimeConfig(n_ctx=1024, n_threads=threads, flash_attn=flash_attn)) as rt:
         delta, flips, rows = batch_invariance(rt)
+        costs = decode_costs(rt)
         lines = [f"model: {path} ({rt.description()}, vocab {rt.n_vocab}), flash attention {flash_attn}"
                  f"{' (off in a CPU build)' if flash_attn == 'auto' and not build_info()['gpu_offload'] else ''}"]
     if delta == 0.0:
@@ -77,4 +90,7 @@ def model_report(spec: str, threads: int = 0, flash_attn: str = "auto") -> list[
     else:
         lines.append(f"batch-invariant: no (max |delta logit| {delta:.4g}, argmax flips {flips}/{rows}); "
                      "strict output can leave plain greedy output at numerical near-ties")
+    one = costs[1]
+    lines.append("decode cost by rows (ms, in single steps): "
+                 + ", ".join(f"{n}: {1000 * t:.1f} ({t / one:.1f})" for n, t in costs.items()))
     return lines
