@@ -319,18 +319,14 @@ def chat_command(conv, line: str) -> bool:
         elif name == "/reset":
             conv.reset()
             note("new conversation")
-        elif name == "/verifier":
-            if arg not in VERIFIERS:
-                note(f"usage: /verifier {'|'.join(VERIFIERS)}")
+        elif name in ("/verifier", "/drafter"):
+            what = name[1:]
+            choices = VERIFIERS if what == "verifier" else DRAFTERS
+            if arg not in choices:
+                note(f"usage: {name} {'|'.join(choices)}")
             else:
-                conv.switch(verifier=arg)
-                note(f"verifier {arg}")
-        elif name == "/drafter":
-            if arg not in DRAFTERS:
-                note(f"usage: /drafter {'|'.join(DRAFTERS)}")
-            else:
-                conv.switch(drafter=arg)
-                note(f"drafter {arg}")
+                conv.switch(**{what: arg})
+                note(f"{what} {arg}")
         elif name == "/system":
             conv.system = arg or None
             conv.reset()

@@ -11,7 +11,6 @@ it verifies.
 from __future__ import annotations
 
 import argparse
-import resource
 import subprocess
 import sys
 

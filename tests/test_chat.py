@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pexpect
-import pytest
 
 CHAT = [sys.executable, "-m", "flylocal", "chat"]
 COPY = ("Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank "
@@ -116,3 +115,19 @@ def test_terminal_colours_accepted_tokens():
     assert "\x1b[32m" in seen             # accepted draft tokens are green on a terminal
     plain = chat_pipe([COPY], "--k", "4", "--drafter", "pld", "--verifier", "strict", "--color")
     assert "\x1b[32m" in plain.stdout      # --color forces colour even when piped
+
+
+def test_asd_ledger_spans_the_conversation_until_reset():
+    done = chat_pipe(["/verifier asd", "Tell me about cats.", "And dogs?", "/reset", "Tell me about cats."],
+                     "--draft", "smollm2-135m-instruct-q4_0", "--drafter", "model", "--max-tokens", "48")
+    left = [float(x) for x in re.findall(r"ASD budget left (-?[\d.]+)", done.stderr)]
+    assert len(left) == 3
+    assert left[1] <= left[0] < 4.0          # the second turn spends from what the first left
+    assert left[2] == left[0]                # /reset empties the ledger: the same turn again
+
+
+def test_oldest_turns_are_dropped_when_the_conversation_outgrows_the_context():
+    msgs = [f"Tell me one fact about the number {i}." for i in range(8)]
+    done = chat_pipe(msgs, "--ctx", "320", "--max-tokens", "40")
+    assert "outgrew the context" in done.stderr
+    assert len(turns(done.stderr)) == len(msgs)

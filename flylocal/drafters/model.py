@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flylocal.drafters import Draft, stop_at_eog
+from flylocal.drafters import Draft
 
 
 class ModelDrafter:
