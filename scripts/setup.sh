@@ -98,4 +98,4 @@ say "installing flylocal"
 if [ "$fetch_models" = 1 ]; then
   .venv/bin/flylocal models fetch "${models[@]}"
 fi
-say "done. Try: .venv/bin/flylocal generate \"Explain speculative decoding in two sentences.\""
+say "done. Try: .venv/bin/flylocal chat"
