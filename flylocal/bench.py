@@ -222,7 +222,7 @@ def report_md(results: dict) -> str:
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 
     c = results["config"]
-    lines = [f"# flylocal bench", "",
+    lines = ["# flylocal bench", "",
              f"target `{c['target']}`, draft `{c['draft']}`, {c['prompts']} prompts from `{c['source']}`, "
              f"max_tokens {c['max_tokens']}, repeat {c['repeat']}", "",
              "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
