@@ -148,7 +148,7 @@ def run(settings: Settings, target, draft, baselines: dict, prompts: list[Prompt
                 row = rows[m]
                 t0 = time.perf_counter()
                 if m.startswith("llama-cpp-python"):
-                    text, n, _, decode_s = baselines[m].generate(ids, settings.max_tokens)
+                    text, n, _, decode_s = baselines[m].generate(ids, settings.max_tokens, settings.sampling)
                     tokens = list(target.tokenize(text, add_special=False, parse_special=False)) if text else []
                     row.tokens += max(n - 1, 0)
                     row.decode_s += decode_s

@@ -18,9 +18,10 @@ from flylocal.drafters import DRAFTERS
 from flylocal.errors import FlylocalError
 from flylocal.verifiers import VERIFIERS, VerifierConfig
 from flylocal.verifiers.asd import AsdParams
+from flylocal.sampling import SamplingParams
 from flylocal.verifiers.fly import FlyParams
 
-FLY, ASD = FlyParams(), AsdParams()
+FLY, ASD, SAMPLING = FlyParams(), AsdParams(), SamplingParams()
 
 
 def note(message: str) -> None:
@@ -80,10 +81,34 @@ def model_options(f):
         click.option("--asd-budget", "asd_budget", type=click.FloatRange(min=0.0), default=ASD.budget,
                      show_default=True,
                      help="ASD: B, the most regret in logits one request may spend in all; 0 is strict."),
+    ]
+    return sampling_options(functools.reduce(lambda g, opt: opt(g), reversed(options), f))
+
+
+def sampling_options(f):
+    """Sampling options, shared by generate, chat and bench."""
+    options = [
+        click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+                     help="Sampling temperature; 0 is greedy. strict stays lossless at any temperature "
+                          "(speculative sampling); fly and asd are lossy, by design."),
+        click.option("--top-k", "top_k", type=click.IntRange(min=0), default=SAMPLING.top_k, show_default=True,
+                     help="Sample among the k most likely tokens (0: all)."),
+        click.option("--top-p", "top_p", type=click.FloatRange(min=0.0, max=1.0, min_open=True),
+                     default=SAMPLING.top_p, show_default=True, help="Nucleus sampling mass (1: off)."),
+        click.option("--min-p", "min_p", type=click.FloatRange(min=0.0, max=1.0), default=SAMPLING.min_p,
+                     show_default=True, help="Drop tokens below this fraction of the top probability (0: off)."),
+        click.option("--repeat-penalty", "repeat_penalty", type=click.FloatRange(min=0.0, min_open=True),
+                     default=SAMPLING.repeat_penalty, show_default=True,
+                     help="Penalty on the last 64 committed tokens (1: off); rejected drafts never count."),
         click.option("--seed", type=int, default=None,
-                     help="Random seed, for sampling; greedy decoding (the only mode so far) is deterministic."),
+                     help="Random seed for sampling: the same seed and settings give the same tokens."),
     ]
     return functools.reduce(lambda g, opt: opt(g), reversed(options), f)
+
+
+def sampling_from(opts: dict) -> SamplingParams:
+    return SamplingParams(temperature=opts["temperature"], top_k=opts["top_k"], top_p=opts["top_p"],
+                          min_p=opts["min_p"], repeat_penalty=opts["repeat_penalty"], seed=opts["seed"])
 
 
 def settings_from(opts: dict):
@@ -100,6 +125,7 @@ def settings_from(opts: dict):
                           use_window=not opts["fly_no_window"]),
             asd=AsdParams(gate=opts["asd_gate"], cap=opts["asd_cap"], budget=opts["asd_budget"]),
         ),
+        sampling=sampling_from(opts),
     )
 
 
@@ -360,8 +386,9 @@ def chat_command(conv, line: str) -> bool:
 @click.option("--ctx", type=click.IntRange(min=64), default=2048, show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads. Default: all cores.")
 @click.option("--raw", is_flag=True, help="Use prompts as is, without the chat template.")
+@sampling_options
 def bench(target, draft, prompts_path, humaneval, humaneval_limit, max_tokens, out_dir, methods, repeat, k, ctx,
-          threads, raw):
+          threads, raw, **sampling):
     """Compare methods side by side on the same prompts: speed, acceptance and quality.
 
     Writes results.json, report.md and speedup.png (with matplotlib) to --out."""
@@ -377,7 +404,8 @@ def bench(target, draft, prompts_path, humaneval, humaneval_limit, max_tokens, o
     rconf = RuntimeConfig(n_ctx=ctx, n_threads=threads)
     target_path = registry.resolve(target, note)
     draft_path = registry.resolve(draft, note) if draft else None
-    settings = Settings(target=target, draft=draft, k=k, max_tokens=max_tokens, ctx=ctx, threads=threads)
+    settings = Settings(target=target, draft=draft, k=k, max_tokens=max_tokens, ctx=ctx, threads=threads,
+                        sampling=sampling_from(sampling))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target_rt = Runtime(target_path, rconf)

@@ -18,6 +18,7 @@ import numpy as np
 
 from flylocal.adaptive import DraftLength, timed_decode
 from flylocal.errors import FlylocalError
+from flylocal.sampling import SamplingParams, sample_targets
 from flylocal.stats import Stats
 from flylocal.verifiers import Decision, Verifier, emitted_tokens, regrets
 
@@ -31,6 +32,7 @@ class EngineConfig:
     k: int = 8                 # draft length (the most, when adaptive)
     adaptive: bool = True      # let measured cost and acceptance shorten drafts (adaptive drafters only)
     trace: bool = False        # attach SPEC.md trace rows to round events
+    sampling: SamplingParams = field(default_factory=SamplingParams)   # temperature 0: greedy
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Engine:
         self.verifier = verifier
         self.config = config
         self.length = DraftLength(config.k, drafter.level_prior) if config.adaptive and drafter.adaptive else None
+        self.rng = np.random.default_rng(config.sampling.seed)
 
     def generate(self, prompt: np.ndarray) -> Iterator[Event]:
         """Generate after `prompt` [n] int32. Yields a RoundEvent per round, then a DoneEvent.
@@ -99,7 +102,10 @@ class Engine:
                 n_past = target.n_past
                 logits = target.decode(batch, logits_from=0)          # [k+1, n_vocab]
                 t2 = time.perf_counter()
-                target_argmax = logits.argmax(axis=1).astype(np.int32)  # [k+1]
+                if cfg.sampling.greedy:
+                    target_argmax = logits.argmax(axis=1).astype(np.int32)  # [k+1]
+                else:   # exact samples from the processed distributions (speculative sampling)
+                    target_argmax = sample_targets(draft, logits, context[:n], cfg.sampling, self.rng)
                 decision = self.verifier(draft, target_argmax, logits)
                 L = decision.accepted
                 emitted = emitted_tokens(draft, target_argmax, L)             # [L+1]

@@ -12,6 +12,7 @@ from flylocal.drafters import make_drafter
 from flylocal.engine import Engine, EngineConfig
 from flylocal.errors import FlylocalError
 from flylocal.runtime import Runtime, RuntimeConfig
+from flylocal.sampling import SamplingParams
 from flylocal.verifiers import VerifierConfig, make_verifier
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -35,6 +36,7 @@ class Settings:
     pld_tokens: int | None = None
     seed: int | None = None
     verifiers: VerifierConfig = field(default_factory=VerifierConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     trace: bool = False               # attach SPEC.md trace rows to round events
 
     @property
@@ -104,6 +106,7 @@ def build_engine(settings: Settings, target: Runtime, draft: Runtime | None) -> 
         k=settings.draft_length,
         adaptive=settings.k is None,
         trace=settings.trace,
+        sampling=settings.sampling,
     )
     return Engine(target, drafter, make_verifier(settings.verifier, settings.verifiers), config)
 

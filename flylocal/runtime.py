@@ -386,7 +386,7 @@ class LlamaCppPythonBaseline:
         )
         llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
 
-    def generate(self, prompt_ids, max_tokens: int) -> tuple[str, int, float, float]:
+    def generate(self, prompt_ids, max_tokens: int, sampling=None) -> tuple[str, int, float, float]:
         """(text, completion tokens, wall seconds, decode seconds after the first token)."""
         import time
 
@@ -394,8 +394,13 @@ class LlamaCppPythonBaseline:
         t0 = time.perf_counter()
         first = None
         pieces = []
-        for chunk in self._llama.create_completion([int(t) for t in prompt_ids], max_tokens=max_tokens, temperature=0.0,
-                                                   top_k=1, stream=True):
+        if sampling is None or sampling.temperature <= 0:
+            options = dict(temperature=0.0, top_k=1)
+        else:
+            options = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                           min_p=sampling.min_p, repeat_penalty=sampling.repeat_penalty, seed=sampling.seed)
+        for chunk in self._llama.create_completion([int(t) for t in prompt_ids], max_tokens=max_tokens,
+                                                   stream=True, **options):
             if first is None:
                 first = time.perf_counter()
             pieces.append(chunk["choices"][0]["text"])

@@ -2,8 +2,8 @@
 """Verifiers side by side (strict, FLy, ASD) with the draft model and with MLA, in one process.
 
 For each method it reports, over the prompts: mean accepted length (tau), decode tokens/s and
-the speedup over plain autoregressive decoding, the share of outputs identical to greedy
-decoding, where the others first diverge, and the target's own judgement of the text (mean
+the speedup over plain autoregressive decoding, the share of outputs identical to the
+autoregressive output (greedy decoding at temperature 0), where the others first diverge, and the target's own judgement of the text (mean
 negative log-likelihood per token). Methods run interleaved per prompt and repeat, so a
 drifting machine affects all alike. A second part measures the verifier's share of a round on
 Gemma-3-270M at k = 16.
@@ -23,6 +23,7 @@ from flylocal.loader import Settings, build_engine, encode_prompt
 from flylocal.models import resolve
 from flylocal.quality import target_nll
 from flylocal.runtime import Runtime, RuntimeConfig
+from flylocal.sampling import SamplingParams
 
 ARTICLE = (
     "The city council voted on Monday to expand the bike lane network across the downtown area. The plan adds "
@@ -58,7 +59,8 @@ def quality_table(args) -> None:
     rconf = RuntimeConfig(n_ctx=2048, n_threads=args.threads)
     target = Runtime(resolve("smollm2-135m-instruct"), rconf)
     draft = Runtime(resolve("smollm2-135m-instruct-q4_0"), rconf)
-    base = Settings(k=args.k, max_tokens=args.max_tokens)
+    base = Settings(k=args.k, max_tokens=args.max_tokens,
+                    sampling=SamplingParams(temperature=args.temperature, seed=args.seed))
     rows = {m: {"tau": [], "tps": [], "same": 0, "div": [], "loose": 0, "mism": 0, "nll": []} for m in METHODS}
     for name, text in PROMPTS.items():
         ids, _ = encode_prompt(target, text, raw=False)
@@ -85,7 +87,7 @@ def quality_table(args) -> None:
         print(f"  {name}: done", file=sys.stderr)
     n = len(PROMPTS)
     print(f"SmolLM2-135M-Instruct target, Q4_0 draft, k {args.k}, max_tokens {args.max_tokens}, "
-          f"{n} prompts x {args.repeat} repeats")
+          f"{n} prompts x {args.repeat} repeats, temperature {args.temperature}")
     print("| method | tau | tokens/s | speedup | identical to greedy | first divergence (median token) "
           "| loose / mismatches | target NLL |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -129,9 +131,14 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample (top-k 40, top-p 0.95, min-p 0.05) instead of greedy decoding")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--no-verify-share", action="store_true", help="skip the Gemma verify-share table")
     args = ap.parse_args()
     quality_table(args)
-    verify_share(args)
+    if not args.no_verify_share:
+        verify_share(args)
     return 0
 
 

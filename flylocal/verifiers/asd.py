@@ -36,7 +36,7 @@ def asd(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray, params
     ledger s. Returns the decision and the regret this round spends."""
     k = len(draft)
     native = draft == target_argmax[:k]                          # [k] bool
-    r = np.where(native, 0.0, regrets(draft, target_argmax, logits))   # [k] float64
+    r = regrets(draft, target_argmax, logits)                    # [k] float64, 0 at native matches
     remaining = params.budget - spent
     gate = native | (r / (k - np.arange(k)) <= params.gate)     # [k]
     cap = np.cumsum(~native) <= params.cap                       # [k]

@@ -27,11 +27,13 @@ def native_prefix(draft: np.ndarray, target_argmax: np.ndarray) -> int:
 
 
 def regrets(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray) -> np.ndarray:
-    """r [k] float64: the target's raw-logit gap between its own choice and the draft token,
-    r_j = z_j(a[j]) - z_j(d[j]); 0 at native matches."""
+    """r [k] float64: the target's raw-logit gap between its greedy choice and the draft token,
+    r_j = max z_j - z_j(d[j]) (= z_j(a[j]) - z_j(d[j]) at temperature 0); 0 at native matches.
+    Defined on raw logits at every temperature."""
     k = len(draft)
     rows = np.arange(k)
-    return logits[rows, target_argmax[:k]].astype(np.float64) - logits[rows, draft].astype(np.float64)
+    gap = logits[:k].max(axis=1).astype(np.float64) - logits[rows, draft].astype(np.float64)
+    return np.where(draft == target_argmax[:k], 0.0, gap)
 
 
 def emitted_tokens(draft: np.ndarray, target_argmax: np.ndarray, accepted: int) -> np.ndarray:
