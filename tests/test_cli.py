@@ -89,6 +89,10 @@ def test_raw_gemma_says_there_is_no_template():
     (["--drafter", "model"], ["needs a draft model"]),
     (["--draft", GEMMA_Q8_0, "--drafter", "model"], ["incompatible", "gemma-3-270m-q8_0", "smollm2-135m-instruct"]),
     (["--ctx", "32"], ["longer than the context", "--ctx 32"]),
+    (["--temperature", "-0.5"], ["--temperature"]),
+    (["--top-p", "0"], ["--top-p"]),
+    (["--min-p", "1.5"], ["--min-p"]),
+    (["--repeat-penalty", "0"], ["--repeat-penalty"]),
 ])
 def test_bad_input_gets_one_line(args, words):
     assert_one_line_error(flylocal("generate", PROMPT * 5, *args), *words)
