@@ -188,7 +188,10 @@ def generate(prompt, prompt_file, raw, as_json, trace_file, **opts):
         ids, message = encode_prompt(loaded.target, text, raw)
         if message:
             note(message)
-        trace_out = open(trace_file, "w") if trace_file else None
+        try:
+            trace_out = open(trace_file, "w") if trace_file else None
+        except OSError as e:
+            raise FlylocalError(f"cannot write the trace file {trace_file}: {e.strerror}") from None
         engine = loaded.engine
         stream = TextStream(loaded.target)
         out = sys.stdout
@@ -518,12 +521,15 @@ def main(argv=None) -> int:
     except FlylocalError as e:
         click.echo(f"flylocal: error: {e}", err=True)
         return 1
+    except OSError as e:
+        if isinstance(e, BrokenPipeError):
+            sys.stderr.close()
+            return 0
+        click.echo(f"flylocal: error: {e}", err=True)
+        return 1
     except KeyboardInterrupt:
         click.echo("", err=True)
         return 130
-    except BrokenPipeError:
-        sys.stderr.close()
-        return 0
     return 0
 
 

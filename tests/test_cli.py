@@ -108,6 +108,11 @@ def test_bad_model_files(tmp_path):
     assert_one_line_error(flylocal("generate", PROMPT, "--target", str(truncated)), "cannot load", "truncated.gguf")
 
 
+def test_unwritable_trace_file():
+    assert_one_line_error(flylocal("generate", PROMPT, "--max-tokens", "2", "--trace", "/nonexistent/dir/t.jsonl"),
+                          "cannot write the trace file")
+
+
 def test_no_prompt():
     assert_one_line_error(flylocal("generate"), "no prompt")
 
