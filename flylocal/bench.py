@@ -30,7 +30,6 @@ from flylocal.quality import target_nll
 METHODS = ("autoregressive", "llama-cpp-python", "llama-cpp-python-pld", "strict-pld", "fly-pld",
            "strict-model", "fly-model", "asd-model", "strict-mla", "fly-mla", "asd-mla")
 NEEDS_DRAFT = {m for m in METHODS if m.endswith(("-model", "-mla"))}
-LOSSLESS = {"autoregressive", "strict-pld", "strict-model", "strict-mla"}
 
 
 @dataclass

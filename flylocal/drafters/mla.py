@@ -35,7 +35,6 @@ class MLADrafter:
         self.max_ngram = max_ngram
         self.max_tokens = max_tokens      # P
         self.length = DraftLength(max_tokens, level_prior(max_ngram)) if adaptive_lookup else None
-        self.forwards = 0                 # draft-model forwards, for stats
 
     def _lookup(self, seq: np.ndarray, room: int) -> tuple[np.ndarray, int]:
         end, n = find_match(seq, self.max_ngram)
@@ -64,7 +63,6 @@ class MLADrafter:
             t0 = time.perf_counter()
             logits = self.model.decode(np.concatenate([feed, guess]), logits_from=len(feed) - 1)
             choice = logits.argmax(axis=1).astype(np.int32)    # [len(guess)+1]
-            self.forwards += 1
             m = native_prefix(guess, choice)
             self.model.truncate(self.model.n_past - (len(guess) - m))
             if self.length is not None:

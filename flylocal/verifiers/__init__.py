@@ -41,4 +41,3 @@ def make_verifier(name: str, config: VerifierConfig = VerifierConfig()) -> Verif
 
 
 VERIFIERS = ("fly", "strict", "asd")
-LOSSLESS = ("strict",)
