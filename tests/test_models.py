@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import http.server
+import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -70,27 +76,259 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-def test_url_source_downloads_and_checks_sha(tmp_path, isolated_cache, monkeypatch):
+@pytest.fixture
+def www(tmp_path):
+    """A loopback HTTP server: (directory it serves, its base URL)."""
     served = tmp_path / "www"
     served.mkdir()
-    payload = b"GGUF" + os.urandom(1000)
-    (served / "tiny.gguf").write_bytes(payload)
     handler = lambda *a, **kw: _Quiet(*a, directory=str(served), **kw)   # noqa: E731
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield served, f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def test_url_source_downloads_and_checks_sha(tmp_path, isolated_cache, monkeypatch, www):
+    served, base = www
+    payload = b"GGUF" + os.urandom(1000)
+    (served / "tiny.gguf").write_bytes(payload)
+    url = f"{base}/tiny.gguf"
+    good = hashlib.sha256(payload).hexdigest()
+    reg = tmp_path / "models.txt"
+    reg.write_text(f"tiny {url} {good}\nbroken {url} {'0' * 64}\n")
+    monkeypatch.setenv("FLYLOCAL_REGISTRY", str(reg))
+    assert models.fetch("tiny").read_bytes() == payload
+    with pytest.raises(FlylocalError, match="checksum mismatch for broken"):
+        models.fetch("broken")
+    assert not (isolated_cache / "broken.gguf").exists()
+    assert not list(isolated_cache.glob("*.part"))
+
+
+def test_fetch_removes_a_killed_fetchs_temp_file_and_fetches_a_corrupt_file_again(
+        tmp_path, isolated_cache, monkeypatch, www):
+    served, base = www
+    payload = b"GGUF" + os.urandom(100_000)
+    (served / "tiny.gguf").write_bytes(payload)
+    reg = tmp_path / "models.txt"
+    reg.write_text(f"tiny {base}/tiny.gguf {hashlib.sha256(payload).hexdigest()}\n")
+    monkeypatch.setenv("FLYLOCAL_REGISTRY", str(reg))
+    stale = isolated_cache / ".tiny.k1ll3d0x.part"          # left by a fetch killed with SIGKILL
+    stale.write_bytes(b"GGUF half")
+    other = isolated_cache / ".tiny.bar.k1ll3d0x.part"      # a temp file of another model, tiny.bar
+    other.write_bytes(b"GGUF")
+    path = models.fetch("tiny")
+    assert not stale.exists() and other.exists()
+    assert models.status("tiny") == "verified"
+
+    with open(path, "r+b") as f:                             # damage it in place
+        f.seek(50_000)
+        f.write(os.urandom(64))
+    assert models.status("tiny") == "corrupt (sha256 differs)"
+    notes = []
+    assert models.fetch("tiny", log=notes.append) == path
+    assert path.read_bytes() == payload
+    assert any(str(path) in n and "fetching tiny again" in n for n in notes), notes
+    assert models.status("tiny") == "verified"
+
+
+# Verification records: a load trusts a matching record and hashes otherwise.
+
+@pytest.fixture
+def tiny(tmp_path, isolated_cache, monkeypatch):
+    """Registry model `tiny`, present in the cache as a cache from before records would hold it."""
+    payload = b"GGUF" + os.urandom(10_000)
+    reg = tmp_path / "models.txt"
+    reg.write_text(f"tiny http://127.0.0.1:9/tiny.gguf {hashlib.sha256(payload).hexdigest()}\n")
+    monkeypatch.setenv("FLYLOCAL_REGISTRY", str(reg))
+    path = isolated_cache / "tiny.gguf"
+    path.write_bytes(payload)
+    return path
+
+
+def test_resolve_hashes_once_then_trusts_the_record(tiny, monkeypatch):
+    hashed = []
+    real = models.sha256_file
+    monkeypatch.setattr(models, "sha256_file", lambda p: hashed.append(p) or real(p))
+    assert models.resolve("tiny") == tiny                  # no record yet: hashed once, recorded
+    assert hashed == [tiny] and models.stamp_path(tiny).exists()
+
+    def no_hashing(p):
+        raise AssertionError(f"hashed {p}")
+
+    monkeypatch.setattr(models, "sha256_file", no_hashing)
+    for _ in range(3):
+        assert models.resolve("tiny") == tiny
+
+
+def test_touched_file_is_hashed_again_and_accepted(tiny):
+    models.resolve("tiny")
+    st = tiny.stat()
+    os.utime(tiny, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    notes = []
+    assert models.resolve("tiny", log=notes.append) == tiny
+    assert any("verified again" in n for n in notes), notes
+    models.resolve("tiny", log=lambda s: pytest.fail(f"noted again: {s}"))
+
+
+def test_changed_file_is_a_one_line_error_naming_it_and_the_fix(tiny):
+    models.resolve("tiny")
+    with open(tiny, "ab") as f:
+        f.write(b"more")
+    with pytest.raises(FlylocalError) as e:
+        models.resolve("tiny")
+    message = str(e.value)
+    assert "\n" not in message
+    assert f"model file {tiny} changed since it was verified (size differs)" in message
+    assert message.endswith("run `flylocal models fetch tiny --force`")
+
+
+def test_unrecorded_file_with_the_wrong_sha_is_an_error(tiny):
+    tiny.write_bytes(b"GGUF" + bytes(10_000))
+    with pytest.raises(FlylocalError, match=rf"model file {tiny} does not match its sha256 in models.txt: "
+                                            r"run `flylocal models fetch tiny --force`"):
+        models.resolve("tiny")
+    assert models.status("tiny") == "corrupt (sha256 differs)"
+    assert not models.stamp_path(tiny).exists()
+
+
+# Real processes and the real derived draft (no network: the base model is linked in).
+
+@pytest.fixture(scope="module")
+def smol_q4_0_file():
+    return model_path(SMOL_Q4_0)
+
+
+@pytest.fixture
+def smol_cache(smol_file, isolated_cache):
+    """An empty cache but for a link to the real base model, so SMOL_Q4_0 derives offline."""
+    os.symlink(smol_file, isolated_cache / f"{SMOL}.gguf")
+    return isolated_cache
+
+
+def test_derived_file_unlike_the_registry_is_recorded_with_its_own_sha(smol_cache, tmp_path, monkeypatch):
+    base = models.load_registry()[SMOL]
+    reg = tmp_path / "models.txt"            # as if another llama.cpp had written the recorded file
+    reg.write_text(f"{SMOL} {base.source} {base.sha256}\nsmol-q4 derive:{SMOL}:Q4_0 {'0' * 64}\n")
+    monkeypatch.setenv("FLYLOCAL_REGISTRY", str(reg))
+    notes = []
+    path = models.resolve("smol-q4", log=notes.append)
+    assert any("made by another llama.cpp version" in n for n in notes), notes
+    assert json.loads(models.stamp_path(path).read_text())["sha256"] == models.sha256_file(path)
+    assert models.status("smol-q4") == "verified (local sha256)"
+
+    def no_hashing(p):
+        raise AssertionError(f"hashed {p}")
+
+    monkeypatch.setattr(models, "sha256_file", no_hashing)
+    assert models.resolve("smol-q4") == path
+
+
+def _flylocal(cache, out, *args):
+    """Start `python -m flylocal ARGS` on `cache`; its stdout and stderr go to out.stdout/.stderr."""
+    env = dict(os.environ, FLYLOCAL_MODELS=str(cache))
+    env.pop("FLYLOCAL_REGISTRY", None)
+    with open(f"{out}.stdout", "w") as o, open(f"{out}.stderr", "w") as e:
+        return subprocess.Popen([sys.executable, "-m", "flylocal", *args], env=env, stdout=o, stderr=e)
+
+
+def _text(out, stream="stderr"):
+    with open(f"{out}.{stream}") as f:
+        return f.read()
+
+
+def _wait_until(cond, timeout, what):
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def _listed_state(cache, tmp_path, name):
+    p = _flylocal(cache, tmp_path / "list", "models", "list")
+    assert p.wait(timeout=300) == 0, _text(tmp_path / "list")
+    line = next(l for l in _text(tmp_path / "list", "stdout").splitlines() if l.split()[0] == name)
+    return line.split(None, 2)[2]
+
+
+def _assert_fetched_cleanly(cache, tmp_path):
+    dest = cache / f"{SMOL_Q4_0}.gguf"
+    assert models.sha256_file(dest) == models.load_registry()[SMOL_Q4_0].sha256
+    assert not [p.name for p in cache.iterdir() if p.name.endswith(".part")]
+    assert _listed_state(cache, tmp_path, SMOL_Q4_0).startswith("verified ")
+
+
+def test_two_fetches_at_once_derive_once(smol_cache, tmp_path):
+    a = _flylocal(smol_cache, tmp_path / "a", "models", "fetch", SMOL_Q4_0)
+    b = _flylocal(smol_cache, tmp_path / "b", "models", "fetch", SMOL_Q4_0)
+    assert a.wait(timeout=300) == 0, _text(tmp_path / "a")
+    assert b.wait(timeout=300) == 0, _text(tmp_path / "b")
+    errs = [_text(tmp_path / "a"), _text(tmp_path / "b")]
+    assert sum("deriving" in e for e in errs) == 1, errs     # the second found the first's file
+    _assert_fetched_cleanly(smol_cache, tmp_path)
+
+
+def test_fetch_interrupted_half_way_while_another_waits(smol_cache, tmp_path):
+    a = _flylocal(smol_cache, tmp_path / "a", "models", "fetch", SMOL_Q4_0)
     try:
-        url = f"http://127.0.0.1:{server.server_port}/tiny.gguf"
-        good = hashlib.sha256(payload).hexdigest()
-        reg = tmp_path / "models.txt"
-        reg.write_text(f"tiny {url} {good}\nbroken {url} {'0' * 64}\n")
-        monkeypatch.setenv("FLYLOCAL_REGISTRY", str(reg))
-        assert models.fetch("tiny").read_bytes() == payload
-        with pytest.raises(FlylocalError, match="checksum mismatch for broken"):
-            models.fetch("broken")
-        assert not (isolated_cache / "broken.gguf").exists()
-        assert not list(isolated_cache.glob("*.part"))
+        def writing():
+            try:
+                return any(p.stat().st_size > 0 for p in smol_cache.glob("*.part"))
+            except FileNotFoundError:
+                return False
+
+        _wait_until(lambda: a.poll() is not None or writing(), 300, "the quantizer to start writing")
+        assert a.poll() is None, _text(tmp_path / "a")
+        a.send_signal(signal.SIGSTOP)                        # half-way through writing, holding the lock
+        b = _flylocal(smol_cache, tmp_path / "b", "models", "fetch", SMOL_Q4_0)
+        _wait_until(lambda: b.poll() is not None or "waiting for another fetch" in _text(tmp_path / "b"),
+                    120, "the second fetch to wait for the first")
+        a.send_signal(signal.SIGINT)
     finally:
-        server.shutdown()
+        a.send_signal(signal.SIGCONT)
+    assert a.wait(timeout=300) == 130, _text(tmp_path / "a")
+    assert "Traceback" not in _text(tmp_path / "a")
+    assert b.wait(timeout=300) == 0, _text(tmp_path / "b")
+    assert "deriving" in _text(tmp_path / "b")
+    _assert_fetched_cleanly(smol_cache, tmp_path)
+
+
+def test_corrupt_cached_file_is_reported_and_fetched_again(smol_q4_0_file, smol_cache, tmp_path):
+    dest = smol_cache / f"{SMOL_Q4_0}.gguf"
+    shutil.copyfile(smol_q4_0_file, dest)                    # a copy: the real cache stays untouched
+    notes = []
+    assert models.fetch(SMOL_Q4_0, log=notes.append) == dest  # present and verified: kept, recorded
+    assert not any("deriving" in n for n in notes) and models.stamp_path(dest).exists()
+    models.resolve(SMOL_Q4_0)
+
+    size = dest.stat().st_size
+    with open(dest, "r+b") as f:                             # random bytes into the middle
+        f.seek(size // 2)
+        f.write(os.urandom(4096))
+    assert dest.stat().st_size == size
+    assert models.status(SMOL_Q4_0) == "corrupt (sha256 differs)"
+    assert _listed_state(smol_cache, tmp_path, SMOL_Q4_0).startswith("corrupt (sha256 differs)")
+
+    fix = f"run `flylocal models fetch {SMOL_Q4_0} --force`"
+    with pytest.raises(FlylocalError) as e:
+        models.resolve(SMOL_Q4_0)
+    assert "\n" not in str(e.value)
+    assert str(e.value) == f"model file {dest} changed since it was verified (sha256 differs): {fix}"
+
+    gen = _flylocal(smol_cache, tmp_path / "gen", "generate", "hi", "--max-tokens", "2", "--target", SMOL_Q4_0)
+    assert gen.wait(timeout=300) != 0
+    err = _text(tmp_path / "gen")
+    assert "Traceback" not in err
+    assert len(err.splitlines()) == 1 and err.startswith("flylocal: error: "), err
+    assert str(dest) in err and fix in err
+    assert _text(tmp_path / "gen", "stdout") == ""
+
+    notes = []
+    assert models.fetch(SMOL_Q4_0, log=notes.append) == dest  # corrupt: derived again, with a note
+    assert any("fetching" in n and "again" in n for n in notes) and any("deriving" in n for n in notes)
+    assert models.sha256_file(dest) == models.load_registry()[SMOL_Q4_0].sha256
+    assert models.status(SMOL_Q4_0) == "verified"
+    models.resolve(SMOL_Q4_0)
 
 
 def test_compatibility_rule(smol, smol_draft, gemma_q8):
