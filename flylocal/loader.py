@@ -11,7 +11,7 @@ from flylocal import models
 from flylocal.drafters import make_drafter
 from flylocal.engine import Engine, EngineConfig
 from flylocal.errors import FlylocalError
-from flylocal.runtime import Runtime, RuntimeConfig
+from flylocal.runtime import Runtime, RuntimeConfig, gpu_offload
 from flylocal.sampling import SamplingParams
 from flylocal.verifiers import VerifierConfig, make_verifier
 
@@ -83,10 +83,12 @@ def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Loa
                           n_gpu_layers=settings.gpu_layers, flash_attn=settings.flash_attn)
     target_path = models.resolve(settings.target, log)
     draft_path = models.resolve(settings.draft, log) if settings.draft else None
+    if settings.gpu_layers and not gpu_offload():
+        log("this llama.cpp build has no GPU backend: --gpu-layers is ignored")
     target = Runtime(target_path, rconf)
     draft = None
     try:
-        if draft_path is not None and drafter_name in ("model", "mla"):
+        if draft_path is not None:     # loaded even for pld/none, so chat can switch to it
             draft = Runtime(draft_path, rconf)
             models.check_compatible(target, draft)
         engine = build_engine(settings, target, draft)
@@ -111,14 +113,24 @@ def build_engine(settings: Settings, target: Runtime, draft: Runtime | None) -> 
     return Engine(target, drafter, make_verifier(settings.verifier, settings.verifiers), config)
 
 
-def encode_prompt(target: Runtime, text: str, raw: bool, system: str | None = None) -> tuple[np.ndarray, str | None]:
+def encode_prompt(target: Runtime, text: str, raw: bool, system: str | None = None,
+                  special: bool = False) -> tuple[np.ndarray, str | None]:
     """The prompt's token ids, through the model's chat template unless `raw`.
-    Returns (ids, note); the note says when a model has no template and the text is used as is."""
+    Returns (ids, note); the note says when a model has no template and the text is used as is.
+
+    The user's text is plain text: special-token text in it stays characters. Only the chat
+    template's own structure is special, or everything with `special` (hand-made templates)."""
+    if not text.strip():
+        raise FlylocalError("the prompt is empty")
     note = None
     if not raw:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        rendered = target.format_chat(messages)
-        if rendered is not None:
-            return target.tokenize(rendered, add_special=True, parse_special=True), None
+        if special:
+            rendered = target.format_chat(messages)
+            ids = None if rendered is None else target.tokenize(rendered, parse_special=True)
+        else:
+            ids = target.tokenize_chat(messages)
+        if ids is not None:
+            return ids, None
         note = f"{target.name} has no chat template; using the prompt as plain text"
-    return target.tokenize(text, add_special=True, parse_special=True), note
+    return target.tokenize(text, add_special=True, parse_special=special), note

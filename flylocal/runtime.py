@@ -16,8 +16,11 @@ be rebuilt and compared.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import re
+import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,13 +59,44 @@ llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
 llama_cpp.llama_backend_init()
 
 
+def _clear_log() -> None:
+    with _LOG_LOCK:
+        _LOG_TAIL.clear()
+
+
+# Most telling first: llama.cpp logs the reason ("... data is not within the file bounds, model
+# is corrupted or incomplete"), then a bare "failed to load model" from the caller.
+_REASONS = ("error loading model", "not within", "corrupt", "error", "invalid", "failed")
+
+
 def _last_log_error() -> str:
+    """The reason llama.cpp logged for its last failure, without function-name prefixes."""
     with _LOG_LOCK:
         lines = [line.strip() for line in "".join(_LOG_TAIL).splitlines() if line.strip()]
-    for line in reversed(lines):
-        if any(word in line for word in ("error", "failed", "invalid", "corrupt", "not within")):
-            return line.split(": ", 1)[-1] if line.startswith("llama_") else line
+    for word in _REASONS:
+        for line in reversed(lines):
+            if word in line:
+                return re.sub(r"^(?:\w+: )*(?:error loading model: )?", "", line) or line
     return lines[-1] if lines else "llama.cpp gave no reason"
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Hold Ctrl-C back until the block ends, then raise KeyboardInterrupt: for long llama.cpp
+    calls that call back into Python (its log). A KeyboardInterrupt raised inside a ctypes
+    callback is printed as a traceback and dropped, and the interrupt would be lost."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield                 # not the main thread, or Ctrl-C handled (or ignored) elsewhere
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def check_gguf_file(path: Path) -> None:
@@ -100,6 +134,11 @@ def _flash_attn_type(mode: str) -> int:
     return llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
 
 
+def gpu_offload() -> bool:
+    """Whether this llama.cpp build has a GPU backend (HIP, CUDA, Metal, ...)."""
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
 def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
@@ -115,7 +154,9 @@ class Runtime:
 
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = config.n_gpu_layers
-        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
+        _clear_log()
+        with interrupts_deferred():
+            self._model = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), mparams)
         if not self._model:
             raise ModelError(f"cannot load {self.path}: {_last_log_error()}")
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
@@ -134,7 +175,8 @@ class Runtime:
         cparams.swa_full = True
         cparams.no_perf = True
         cparams.flash_attn_type = _flash_attn_type(config.flash_attn)
-        self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
+        with interrupts_deferred():
+            self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             llama_cpp.llama_model_free(self._model)
             self._model = None
@@ -154,7 +196,12 @@ class Runtime:
             self._batch.seq_id[i][0] = 0
 
         self._tokens = np.zeros(self.n_ctx, dtype=np.int32)  # [n_ctx] ids held in the KV cache
+        # `n_past` never exceeds what the cache holds. Where an exception (Ctrl-C) can land
+        # between a change to the cache and the record of it, `_unsynced` is set first, and
+        # the next cache operation drops every cell past `n_past`.
         self.n_past = 0
+        self._unsynced = False
+        self._specials = None   # control-token texts, found lazily for chat templates
         self.bos = llama_cpp.llama_vocab_bos(self._vocab)
         self.eos = llama_cpp.llama_vocab_eos(self._vocab)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
@@ -166,13 +213,22 @@ class Runtime:
 
     # ----- lifetime -----
     def close(self) -> None:
+        """Free the context and the model. Any later use raises instead of touching freed memory."""
         if getattr(self, "_ctx", None):
+            ctx, self._ctx = self._ctx, None
             llama_cpp.llama_batch_free(self._batch)
-            llama_cpp.llama_free(self._ctx)
-            self._ctx = None
+            llama_cpp.llama_free(ctx)
         if getattr(self, "_model", None):
-            llama_cpp.llama_model_free(self._model)
-            self._model = None
+            model, self._model, self._vocab = self._model, None, None
+            llama_cpp.llama_model_free(model)
+
+    @property
+    def closed(self) -> bool:
+        return getattr(self, "_ctx", None) is None
+
+    def _check_open(self) -> None:
+        if self._ctx is None:
+            raise FlylocalError(f"{self.name} was already closed")
 
     def __del__(self):
         try:
@@ -198,6 +254,7 @@ class Runtime:
         return buf.value.decode("utf-8", "replace")
 
     def chat_template(self) -> str | None:
+        self._check_open()
         raw = llama_cpp.llama_model_chat_template(self._model, None)
         return raw.decode("utf-8", "replace") if raw else None
 
@@ -237,8 +294,14 @@ class Runtime:
         return self._eog
 
     # ----- text -----
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> np.ndarray:
-        data = text.encode("utf-8")
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> np.ndarray:
+        """Token ids of `text`. Special-token text ("<|im_end|>") is plain text unless
+        `parse_special`: text from a user never becomes control tokens by default."""
+        self._check_open()
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise FlylocalError("the text is not valid UTF-8") from None
         cap = len(data) + 16
         out = (llama_cpp.llama_token * cap)()
         n = llama_cpp.llama_tokenize(self._vocab, data, len(data), out, cap, add_special, parse_special)
@@ -251,7 +314,82 @@ class Runtime:
             ids = ids[1:]  # a template that writes BOS itself, plus the tokenizer's own
         return ids
 
+    def _control_tokens(self):
+        """(regex matching any control-token text, longest first; {text: (id, lstrip, rstrip)}).
+        These are the tokens llama.cpp parses out of text only when asked to parse specials."""
+        if self._specials is None:
+            wanted = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+            found = {}
+            for t in range(self.n_vocab):
+                attr = llama_cpp.llama_vocab_get_attr(self._vocab, t)
+                if attr & wanted:
+                    text = self.piece(t, special=True).decode("utf-8", "replace")
+                    if text:
+                        found.setdefault(text, (t, bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP),
+                                                bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP)))
+            texts = sorted(found, key=len, reverse=True)
+            pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
+            self._specials = (pattern, found)
+        return self._specials
+
+    def tokenize_chat(self, messages: list[dict]) -> np.ndarray | None:
+        """Token ids of `messages` rendered with the model's chat template, ending with the
+        assistant's turn; None when the model has no template.
+
+        Only the template's own text may hold control tokens. Message contents are plain text:
+        typed "<|im_end|>" stays characters, never the end-of-turn token. The rendering is
+        located by rendering once more with a placeholder for each content; where the template
+        only inserts (or trims) the contents, the result is the template's exact token
+        sequence. Where it transforms them otherwise, the placeholders' layout is used.
+        """
+        rendered = self.format_chat(messages)
+        if rendered is None:
+            return None
+        marks = [f"\ue000flylocal-{i}\ue001" for i in range(len(messages))]
+        skeleton = self.format_chat([{**m, "content": mark} for m, mark in zip(messages, marks)])
+        # [template, index, template, index, ..., template]: odd items are message indices
+        split = re.split("\ue000flylocal-(\\d+)\ue001", skeleton)
+        pieces = [int(x) if i % 2 else x for i, x in enumerate(split)]
+        contents = [str(m.get("content") or "") for m in messages]
+        for variant in (contents, [c.strip() for c in contents]):
+            if "".join(variant[x] if i % 2 else x for i, x in enumerate(pieces)) == rendered:
+                contents = variant
+                break
+        parts: list = []                                    # str (plain text) or int (control token)
+        pattern, specials = self._control_tokens()
+        for i, x in enumerate(pieces):
+            if i % 2:
+                parts.append(contents[x])
+                continue
+            pos = 0
+            for match in pattern.finditer(x) if pattern else ():
+                token, lstrip, rstrip = specials[match.group()]
+                parts.append(x[pos : match.start()])
+                if lstrip and parts and isinstance(parts[-1], str):
+                    parts[-1] = parts[-1].rstrip()
+                parts.append(token)
+                pos = match.end()
+                if rstrip:
+                    while pos < len(x) and x[pos].isspace():
+                        pos += 1
+            parts.append(x[pos:])
+        ids: list[int] = []
+        text = ""
+        for part in parts + [None]:
+            if isinstance(part, str):
+                text += part
+                continue
+            if text:
+                ids.extend(self.tokenize(text, add_special=False, parse_special=False).tolist())
+                text = ""
+            if part is not None:
+                ids.append(part)
+        if self.add_bos and (not ids or ids[0] != self.bos):
+            ids.insert(0, self.bos)
+        return np.asarray(ids, dtype=np.int32)
+
     def piece(self, token: int, special: bool = False) -> bytes:
+        self._check_open()
         buf = ctypes.create_string_buffer(64)
         n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:
@@ -274,6 +412,8 @@ class Runtime:
         Rows before `logits_from` are evaluated in chunks of n_batch without logits, so only
         the requested rows ever reach the output buffer. `logits_from=None` asks for none.
         """
+        self._check_open()
+        self._sync()
         tokens = np.asarray(tokens, dtype=np.int32)
         n = len(tokens)
         if self.n_past + n > self.n_ctx:
@@ -299,42 +439,61 @@ class Runtime:
         self._b_pos[:m] = np.arange(p0, p0 + m, dtype=np.int32)
         self._b_logits[:m] = 1 if want_logits else 0
         self._batch.n_tokens = m
+        self._tokens[p0 : p0 + m] = chunk      # past n_past: not yet claimed as cached
+        self._unsynced = True                  # the cache may hold more than n_past from here ...
         rc = llama_cpp.llama_decode(self._ctx, self._batch)
         if rc != 0:
-            # llama.cpp keeps the cells it wrote for earlier ubatches; drop them so the
-            # cache matches `tokens` again.
-            llama_cpp.llama_memory_seq_rm(self._mem, 0, p0, -1)
+            # llama.cpp keeps the cells it wrote for earlier ubatches; _sync drops them.
+            self._sync()
             reason = {1: "no KV cache slot (context full)", 2: "aborted"}.get(rc, f"error {rc}")
             raise FlylocalError(f"llama_decode failed on {self.name}: {reason}")
-        self._tokens[p0 : p0 + m] = chunk
         self.n_past = p0 + m
+        self._unsynced = False                 # ... until here
+
+    def _sync(self) -> None:
+        """Drop cache cells past `n_past` left by an operation an exception cut short."""
+        if self._unsynced:
+            self._check_open()
+            if not self._seq_rm(self.n_past):
+                self._rebuild(self.n_past)
+            self._unsynced = False
 
     def truncate(self, n_keep: int) -> None:
         """Roll the cache back to its first `n_keep` tokens: the one way flylocal rolls back."""
+        self._sync()
         if n_keep >= self.n_past:
             return
         if n_keep < 0:
             raise ValueError("n_keep must be >= 0")
+        self._check_open()
+        self._unsynced = True
+        self.n_past = n_keep
         if not self._seq_rm(n_keep):
             # Partial removal refused (recurrent or otherwise unrollable memory): start the
             # sequence again and re-evaluate the kept tokens, so the state stays consistent.
-            kept = self._tokens[:n_keep].copy()
-            llama_cpp.llama_memory_clear(self._mem, True)
-            self.n_past = 0
-            self.decode(kept)
-        else:
-            self.n_past = n_keep
+            self._rebuild(n_keep)
+        self._unsynced = False
+
+    def _rebuild(self, n_keep: int) -> None:
+        kept = self._tokens[:n_keep].copy()
+        self.n_past = 0
+        llama_cpp.llama_memory_clear(self._mem, True)
+        self._unsynced = False
+        self.decode(kept)
 
     def _seq_rm(self, n_keep: int) -> bool:
         return bool(llama_cpp.llama_memory_seq_rm(self._mem, 0, n_keep, -1))
 
     def reset(self) -> None:
-        llama_cpp.llama_memory_clear(self._mem, True)
+        self._check_open()
         self.n_past = 0
+        llama_cpp.llama_memory_clear(self._mem, True)
+        self._unsynced = False
 
     def reuse_prefix(self, tokens: np.ndarray) -> int:
         """Keep the longest cached prefix of `tokens`, leaving at least the last token out of
         the cache, and return how many tokens were kept. tokens[kept:] still need decoding."""
+        self._sync()
         limit = min(self.n_past, len(tokens) - 1)
         if limit <= 0:
             self.truncate(0)
@@ -354,7 +513,8 @@ def quantize(src: Path, dst: Path, qtype: str, threads: int = 0) -> None:
     params.ftype = ftype
     params.allow_requantize = True
     params.nthread = threads or default_threads()
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    with interrupts_deferred():
+        rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst), ctypes.byref(params))
     if rc != 0:
         raise FlylocalError(f"quantizing {src.name} to {qtype} failed: {_last_log_error()}")
 
@@ -373,7 +533,12 @@ def build_info() -> dict:
 class LlamaCppPythonBaseline:
     """llama-cpp-python's own high-level generation, greedy, as a point of comparison: its
     `create_completion` on the prompt token ids flylocal rendered (so the format is the same),
-    optionally with its own prompt-lookup drafter (which forces an n_ctx x n_vocab logits buffer)."""
+    optionally with its own prompt-lookup drafter (which needs an n_ctx x n_vocab logits buffer).
+
+    With a draft model, llama-cpp-python keeps logits for every position but sizes their buffer
+    from the `logits_all` argument (n_batch rows unless it is True), so past n_batch tokens of
+    prompt plus output its `eval` fails to broadcast into an empty slice; asking for
+    `logits_all=True` gives the buffer the n_ctx rows it uses."""
 
     def __init__(self, path: Path, config: RuntimeConfig, prompt_lookup: bool = False):
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -383,6 +548,7 @@ class LlamaCppPythonBaseline:
             model_path=str(path), n_ctx=config.n_ctx, n_batch=config.n_batch, n_threads=threads,
             n_threads_batch=threads, n_gpu_layers=config.n_gpu_layers, verbose=False,
             draft_model=LlamaPromptLookupDecoding(num_pred_tokens=4) if prompt_lookup else None,
+            logits_all=prompt_lookup,
         )
         llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
 

@@ -1,8 +1,9 @@
 """Sampling at temperature > 0, lossless under speculation (SPEC.md, "Temperature > 0").
 
-The target's distribution at a draft position is the *processed* one: repeat penalty over the
-tokens committed before that position, then temperature, top-k, top-p and min-p, as in
-llama.cpp's sampler chain. Drafts stay greedy (deterministic): a greedy draft is the most
+The target's distribution at a draft position is the *processed* one, in the order of
+llama.cpp's own sampler chain: repeat penalty over the tokens committed before that position,
+then top-k, top-p and min-p on the untempered distribution, then temperature over the tokens
+that are left. With the same settings flylocal and llama.cpp sample from the same q. Drafts stay greedy (deterministic): a greedy draft is the most
 likely proposal under the draft model, and a deterministic draft needs no draft
 probabilities, so the rule is the simple one:
 
@@ -38,9 +39,9 @@ class SamplingParams:
 
 
 def processed_probs(z: np.ndarray, history: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """(candidate ids [c] int64, their probabilities [c] float64) after repeat penalty,
-    temperature, top-k, top-p and min-p. z [n_vocab] float32: raw logits of one position;
-    history: the committed token ids before it."""
+    """(candidate ids [c] int64, their probabilities [c] float64), most likely first, after
+    repeat penalty -> top-k -> top-p -> min-p -> temperature (llama.cpp's order).
+    z [n_vocab] float32: raw logits of one position; history: the committed ids before it."""
     z = z.astype(np.float64)
     if p.repeat_penalty != 1.0 and len(history):
         seen = np.unique(history[-p.repeat_last_n:])
@@ -50,17 +51,18 @@ def processed_probs(z: np.ndarray, history: np.ndarray, p: SamplingParams) -> tu
         ids = np.argpartition(z, len(z) - p.top_k)[len(z) - p.top_k:]
     else:
         ids = np.arange(len(z))
-    order = np.argsort(-z[ids], kind="stable")
-    ids = ids[order]
-    logits = z[ids] / p.temperature
-    probs = np.exp(logits - logits[0])
-    probs /= probs.sum()
+    ids = ids[np.argsort(-z[ids], kind="stable")]
+    logits = z[ids]                                       # [c] untempered, descending
     if p.top_p < 1.0:
-        keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
-        ids, probs = ids[:keep], probs[:keep]
+        probs = np.exp(logits - logits[0])
+        probs /= probs.sum()
+        keep = min(int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1, len(ids))
+        ids, logits = ids[:keep], logits[:keep]
     if p.min_p > 0.0:
-        keep = probs >= p.min_p * probs[0]
-        ids, probs = ids[keep], probs[keep]
+        keep = logits >= logits[0] + np.log(p.min_p)      # p >= min_p * p_max
+        ids, logits = ids[keep], logits[keep]
+    tempered = logits / p.temperature
+    probs = np.exp(tempered - tempered[0])
     return ids, probs / probs.sum()
 
 

@@ -26,7 +26,10 @@ def case(target, draft, gaps=None):
 
 
 def run(d, a, z, g=1.0, M=3, B=100.0, spent=0.0):
-    return asd(d, a, z, AsdParams(gate=g, cap=M, budget=B), spent)
+    """(decision, the regret committing its whole accepted prefix costs)."""
+    dec, cost = asd(d, a, z, AsdParams(gate=g, cap=M, budget=B), spent)
+    assert len(cost) == dec.accepted
+    return dec, float(cost[-1]) if len(cost) else 0.0
 
 
 def test_regret_is_zero_at_native_matches_and_the_logit_gap_elsewhere():
@@ -61,12 +64,29 @@ def test_budget_stops_acceptance_mid_draft():
 def test_budget_carries_across_rounds_and_runs_out():
     verifier = Asd(AsdParams(gate=1.0, cap=3, budget=2.5))
     d, a, z = case([1, 2, 3, 4], [7, 2, 3], gaps={0: 1.0})
-    outcomes = [verifier(d, a, z) for _ in range(4)]
+    outcomes = []
+    for _ in range(4):
+        decision = verifier(d, a, z)
+        outcomes.append(verifier.commit(decision, decision.accepted))
     assert [o.accepted for o in outcomes] == [3, 3, 0, 0]
     assert verifier.spent == pytest.approx(2.0)
     assert outcomes[-1].trace == {"budget_spent": pytest.approx(2.0), "budget_left": pytest.approx(0.5)}
     verifier.reset()
     assert verifier(d, a, z).accepted == 3
+
+
+def test_only_committed_draft_tokens_are_charged():
+    # exceptions at 1 and 3 are accepted, but an end-of-generation token (or max_tokens) cuts
+    # the committed prefix at 2 draft tokens: only the regret of d[0..1] is charged
+    verifier = Asd(AsdParams(gate=10.0, cap=3, budget=100.0))
+    d, a, z = case([1, 2, 3, 4, 5], [1, 7, 3, 7], gaps={1: 0.5, 3: 2.0})
+    decision = verifier(d, a, z)
+    assert decision.accepted == 4 and verifier.spent == 0.0      # deciding charges nothing
+    committed = verifier.commit(decision, 2)
+    assert verifier.spent == pytest.approx(0.5)
+    assert committed.trace == {"budget_spent": pytest.approx(0.5), "budget_left": pytest.approx(99.5)}
+    verifier.commit(verifier(d, a, z), 0)                         # nothing committed: nothing charged
+    assert verifier.spent == pytest.approx(0.5)
 
 
 def test_suffix_reuse_after_an_exception():

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from flylocal.drafters import make_drafter
+from flylocal.drafters import Draft, make_drafter
 from flylocal.engine import Engine, EngineConfig, generate_all
 from flylocal.loader import encode_prompt
 from flylocal.verifiers.asd import Asd, AsdParams
@@ -34,6 +35,9 @@ def test_zero_budget_equals_strict(smol, smol_draft):
     expected, _, _ = generate(smol, smol_draft, strict, ids)
     tokens, stats, _ = generate(smol, smol_draft, Asd(AsdParams(gate=10.0, cap=10, budget=0.0)), ids)
     assert tokens == expected and stats.loose == 0 and stats.budget_spent == 0.0
+    # the same gate and cap with a budget do accept mismatches here: B = 0 is what makes it strict
+    loose, control, _ = generate(smol, smol_draft, Asd(AsdParams(gate=10.0, cap=10, budget=4.0)), ids)
+    assert control.loose > 0 and loose != expected
 
 
 @pytest.mark.parametrize("drafter", ["model", "mla"])
@@ -60,8 +64,42 @@ def test_every_traced_round_follows_the_rule_and_the_ledger_stays_within_budget(
         assert L == expected_L, row
         assert row["loose"] == [j for j in range(L) if d[j] != a[j]]
         assert row["emitted"] == d[:L] + [a[L]]
-        spent += sum(r[:L])
+        # only committed draft tokens are charged: an end-of-generation token cuts the rest
+        eog = next((i for i, t in enumerate(row["emitted"]) if smol.is_eog(t)), None)
+        spent += sum(r[: L if eog is None else min(L, eog + 1)])
         assert row["budget_spent"] == pytest.approx(spent, abs=1e-6)
         assert row["budget_spent"] <= p.budget + 1e-9
         assert row["budget_left"] == pytest.approx(p.budget - spent, abs=1e-6)
     assert stats.budget_spent == pytest.approx(spent, abs=1e-6)
+
+
+class Replay:
+    """A drafter that proposes a fixed continuation of the prompt."""
+
+    name, adaptive = "replay", False
+
+    def __init__(self, prompt_len: int, tokens: list[int]):
+        self.prompt_len, self.tokens = prompt_len, tokens
+
+    def propose(self, context, k):
+        done = len(context) - self.prompt_len
+        return Draft(np.asarray(self.tokens[done : done + k], dtype=np.int32))
+
+
+def test_regret_after_an_end_of_generation_token_is_not_charged(smol):
+    """ASD accepts the whole draft, but the answer ends at the end-of-generation token inside
+    it: the mismatches drafted after that token are never committed, so they cost nothing."""
+    ids, _ = encode_prompt(smol, "What is the capital of France? Answer with one word.", raw=False)
+    answer, _, plain_trace = generate(smol, None, strict, ids, drafter="none", k=0)
+    eog = plain_trace[-1]["emitted"][-1]
+    assert smol.is_eog(eog)
+    junk = [100, 200, 300]
+    draft = answer + [eog] + junk
+    verifier = Asd(AsdParams(gate=1e9, cap=100, budget=1e9))       # every position is feasible
+    engine = Engine(smol, Replay(len(ids), draft), verifier,
+                    EngineConfig(max_tokens=64, k=len(draft), adaptive=False, trace=True))
+    tokens, stats, trace = generate_all(engine, ids)
+    assert tokens == answer and stats.stop == "eog" and stats.rounds == 1
+    assert trace[0]["accepted"] == len(draft)                       # the junk was accepted ...
+    assert min(trace[0]["regret"][-len(junk):]) > 0                 # ... at a real regret ...
+    assert verifier.spent == 0.0 and stats.budget_spent == 0.0      # ... but never committed

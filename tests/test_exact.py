@@ -47,6 +47,29 @@ def plain(target, prompt_ids, max_tokens=64):
     return tokens
 
 
+def exercised(stats, k):
+    """A fixed k must really draft, accept and reject, or strict == plain proves little; an
+    adaptive run may choose not to draft on a busy machine, and then says so."""
+    if k is None and stats.drafted == 0:
+        pytest.skip("NOT EXERCISED: the adaptive draft length chose plain steps throughout")
+    assert stats.drafted > 0
+
+
+def test_plain_decoding_equals_a_hand_written_greedy_loop(smol):
+    """The reference every strict test compares with is itself checked: the engine with no
+    drafter gives the same tokens as the simplest possible loop over the runtime."""
+    ids, _ = encode_prompt(smol, SMOL_PROMPTS["own-words"], raw=False)
+    smol.reset()
+    smol.decode(ids[:-1])
+    token, by_hand = int(ids[-1]), []
+    while len(by_hand) < 40:
+        token = int(smol.decode([token], logits_from=0)[0].argmax())
+        if smol.is_eog(token):
+            break
+        by_hand.append(token)
+    assert plain(smol, ids, max_tokens=40) == by_hand
+
+
 @pytest.mark.parametrize("name", SMOL_PROMPTS)
 @pytest.mark.parametrize("drafter,k", [("pld", 8), ("pld", None), ("pld", 3), ("model", 6), ("mla", 8)])
 def test_smollm_strict_equals_plain(smol, smol_draft, name, drafter, k):
@@ -54,8 +77,7 @@ def test_smollm_strict_equals_plain(smol, smol_draft, name, drafter, k):
     expected = plain(smol, ids)
     tokens, stats, trace = run(smol, drafter, ids, k=k, draft_model=smol_draft)
     assert tokens == expected
-    if k is not None:  # a fixed k must really have drafted, or the comparison proves little
-        assert stats.drafted > 0
+    exercised(stats, k)
     if drafter != "pld":
         assert stats.accepted > 0
 
@@ -76,8 +98,14 @@ def test_long_generation_past_256_cache_cells(smol, smol_draft, drafter, k):
     ids, _ = encode_prompt(smol, LONG_TYPOS, raw=False)
     expected = plain(smol, ids, max_tokens=160)
     assert len(ids) + len(expected) > 256 + 8
-    tokens, stats, _ = run(smol, drafter, ids, k=k, max_tokens=160, draft_model=smol_draft)
+    tokens, stats, trace = run(smol, drafter, ids, k=k, max_tokens=160, draft_model=smol_draft)
     assert tokens == expected
+    exercised(stats, k)
+    past = [r for r in trace if r["n_past"] > 256 and r["draft"]]
+    if k is None and not past:
+        pytest.skip("NOT EXERCISED: no adaptive draft past 256 cells")
+    assert any(r["accepted"] > 0 for r in past)                         # accepted past cell 256 ...
+    assert any(r["accepted"] < len(r["draft"]) for r in past)           # ... and rolled back there
 
 
 def test_eog_inside_a_draft_is_handled(smol):
@@ -87,6 +115,8 @@ def test_eog_inside_a_draft_is_handled(smol):
     assert tokens == expected
     eog_in_draft = [r for r in trace if any(smol.is_eog(t) for t in r["draft"])]
     assert eog_in_draft, "no draft contained an end-of-generation token; the case is not exercised"
+    # the drafted end-of-generation token was accepted: the answer ended inside a draft
+    assert any(smol.is_eog(r["draft"][-1]) and r["accepted"] == len(r["draft"]) for r in eog_in_draft)
     assert stats.stop == "eog"
 
 
@@ -97,12 +127,14 @@ def test_copy_prompt_accepts_long_spans(smol):
     assert stats.mean_accepted_length > 1.5
 
 
-def test_max_tokens_cut_inside_a_round(smol):
+def test_drafts_are_shortened_to_fit_max_tokens(smol):
     ids, _ = encode_prompt(smol, TYPOS, raw=False)
     for max_tokens in (1, 5, 13):
         expected = plain(smol, ids, max_tokens=max_tokens)
-        tokens, stats, _ = run(smol, "pld", ids, k=8, max_tokens=max_tokens)
+        tokens, stats, trace = run(smol, "pld", ids, k=8, max_tokens=max_tokens)
         assert tokens == expected and len(tokens) == max_tokens
+        assert sum(len(r["emitted"]) for r in trace) == max_tokens      # no round drafted past the end
+        assert (stats.drafted > 0) == (max_tokens > 1)
 
 
 GEMMA_TEXT = (
@@ -117,6 +149,9 @@ def test_gemma_q8_strict_equals_plain(gemma_q8, k):
     expected = plain(gemma_q8, ids, max_tokens=48)
     tokens, stats, _ = run(gemma_q8, "pld", ids, k=k, max_tokens=48)
     assert tokens == expected
+    exercised(stats, k)
+    if k is not None:
+        assert stats.drafted > stats.accepted > 0
 
 
 def test_gemma_q8_rolls_back_past_the_sliding_window(gemma_q8):
@@ -129,22 +164,30 @@ def test_gemma_q8_rolls_back_past_the_sliding_window(gemma_q8):
     assert tokens == expected
 
 
-@pytest.mark.parametrize("text", [GEMMA_TEXT * 3, "def fibonacci(n):\n    "])
-def test_gemma_q4km_diverges_only_at_near_ties(gemma_q4km, text):
+def test_gemma_q4km_diverges_only_at_near_ties(gemma_q4km):
     """Where strict first differs from plain decoding, the two tokens' target logits (as plain
-    decoding computed them) are within a small gap. (In this build the fibonacci prompt
-    diverges at token 13; the other stays identical.)"""
-    ids = gemma_q4km.tokenize(text)
-    expected = plain(gemma_q4km, ids, max_tokens=64)
-    tokens, _, _ = run(gemma_q4km, "pld", ids, k=8, max_tokens=64)
-    diverge = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
-    if diverge is None:
-        assert tokens == expected
-        return
-    gemma_q4km.reset()
-    context = np.concatenate([ids, np.asarray(expected[:diverge], dtype=np.int32)])
-    gemma_q4km.decode(context[:-1])
-    z = gemma_q4km.decode(context[-1:], logits_from=0)[0]
-    gap = float(z[expected[diverge]] - z[tokens[diverge]])
-    print(f"diverged at {diverge}, logit gap {gap:.4f}")
-    assert 0.0 <= gap < 0.5, f"strict diverged at {diverge} with a logit gap of {gap}"
+    decoding computed them) are within a small gap. The property needs a divergence to say
+    anything: in this build the fibonacci prompt diverges at token 13; if no prompt diverges
+    (another build), the test is skipped and says so."""
+    diverged = []
+    for text in (GEMMA_TEXT * 3, "def fibonacci(n):\n    "):
+        ids = gemma_q4km.tokenize(text)
+        expected = plain(gemma_q4km, ids, max_tokens=64)
+        tokens, _, _ = run(gemma_q4km, "pld", ids, k=8, max_tokens=64)
+        diverge = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
+        if diverge is None:
+            assert tokens == expected
+            continue
+        # replay plain decoding exactly as it ran, one token at a time (this model's logits
+        # depend on the batch shape)
+        gemma_q4km.reset()
+        gemma_q4km.decode(ids[:-1])
+        for t in [int(ids[-1])] + expected[:diverge]:
+            z = gemma_q4km.decode([t], logits_from=0)[0]
+        assert int(z.argmax()) == expected[diverge]
+        gap = float(z[expected[diverge]] - z[tokens[diverge]])
+        assert 0.0 <= gap < 0.5, f"strict diverged at {diverge} with a logit gap of {gap}"
+        diverged.append((diverge, gap))
+    if not diverged:
+        pytest.skip("NOT EXERCISED: strict never left plain decoding on Gemma Q4_K_M in this build, "
+                    "so the near-tie property was not checked")

@@ -283,6 +283,7 @@ def test_fetch_interrupted_half_way_while_another_waits(smol_cache, tmp_path):
         b = _flylocal(smol_cache, tmp_path / "b", "models", "fetch", SMOL_Q4_0)
         _wait_until(lambda: b.poll() is not None or "waiting for another fetch" in _text(tmp_path / "b"),
                     120, "the second fetch to wait for the first")
+        assert b.poll() is None and "waiting for another fetch" in _text(tmp_path / "b")   # the lock held it
         a.send_signal(signal.SIGINT)
     finally:
         a.send_signal(signal.SIGCONT)

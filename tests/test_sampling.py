@@ -5,6 +5,7 @@ Statistical checks are seeded, and the CPU build is batch-invariant, so they are
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections import Counter
 
@@ -50,6 +51,12 @@ def test_processed_probs_filters_in_llama_cpp_order():
     assert ids.tolist() == [0, 1, 2]            # >= 0.125
     _, p = processed_probs(z, np.array([], dtype=np.int32), SamplingParams(temperature=0.5, top_k=0, top_p=1.0, min_p=0.0))
     assert p[0] == pytest.approx(0.25 / (0.25 + 0.04 + 0.0225 + 0.01 + 0.0025))
+    # temperature comes last: top-p and min-p see the untempered distribution. Tempered first,
+    # T = 0.5 would give [0.77, 0.12, ...] and top-p 0.8 would keep two tokens, min-p 0.25 two.
+    ids, p = processed_probs(z, np.array([], dtype=np.int32), SamplingParams(temperature=0.5, top_k=0, top_p=0.8, min_p=0.0))
+    assert ids.tolist() == [0, 1, 2] and p == pytest.approx(np.array([0.25, 0.04, 0.0225]) / 0.3125)
+    ids, _ = processed_probs(z, np.array([], dtype=np.int32), SamplingParams(temperature=0.5, top_k=0, top_p=1.0, min_p=0.25))
+    assert ids.tolist() == [0, 1, 2]
     z2 = np.array([2.0, 1.9, 0.0], dtype=np.float32)  # the penalty sees the history only
     ids, _ = processed_probs(z2, np.array([0], dtype=np.int32),
                              SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.5))
@@ -70,10 +77,62 @@ def test_sampled_targets_follow_q_whatever_the_draft(draft_token):
     assert counts[draft_token] / n == pytest.approx([0.4, 0.3, 0.15, 0.1, 0.05][draft_token], abs=0.015)
 
 
+# ----- the same q as llama.cpp's own sampler chain -----
+
+def llama_cpp_chain(z: np.ndarray, history: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """(candidate ids, probabilities) after llama.cpp's sampler chain, through llama-cpp-python's
+    sampler API: penalties -> top-k -> top-p -> min-p -> temperature, then softmax."""
+    import llama_cpp
+
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    # The binding still declares an older signature with n_vocab first; the library reads the
+    # first int as penalty_last_n. Passing last_n twice is right under either signature.
+    for smpl in (llama_cpp.llama_sampler_init_penalties(p.repeat_last_n, p.repeat_last_n, p.repeat_penalty, 0.0, 0.0),
+                 llama_cpp.llama_sampler_init_top_k(p.top_k),
+                 llama_cpp.llama_sampler_init_top_p(p.top_p, 1),
+                 llama_cpp.llama_sampler_init_min_p(p.min_p, 1),
+                 llama_cpp.llama_sampler_init_temp(p.temperature)):
+        llama_cpp.llama_sampler_chain_add(chain, smpl)
+    for t in history:
+        llama_cpp.llama_sampler_accept(chain, int(t))
+    data = (llama_cpp.llama_token_data * len(z))()
+    for i, logit in enumerate(z.tolist()):
+        data[i].id, data[i].logit, data[i].p = i, logit, 0.0
+    array = llama_cpp.llama_token_data_array(data=data, size=len(z), selected=-1, sorted=False)
+    llama_cpp.llama_sampler_apply(chain, ctypes.byref(array))
+    llama_cpp.llama_sampler_free(chain)
+    ids = np.array([array.data[i].id for i in range(array.size)])
+    logits = np.array([array.data[i].logit for i in range(array.size)], dtype=np.float64)
+    probs = np.exp(logits - logits.max())
+    return ids, probs / probs.sum()
+
+
+@pytest.mark.parametrize("temperature", [0.5, 0.7, 1.3])
+@pytest.mark.parametrize("filters", [dict(top_k=40, top_p=0.95, min_p=0.05), dict(top_k=20, top_p=0.8, min_p=0.1),
+                                     dict(top_k=0, top_p=0.9, min_p=0.02, repeat_penalty=1.3)])
+def test_processed_distribution_equals_llama_cpp_sampler_chain(smol, temperature, filters):
+    """On real logits, flylocal's q has llama.cpp's candidate set and its probabilities."""
+    ids = smol.tokenize("The weather today is", add_special=True)
+    smol.reset()
+    smol.decode(ids[:-1])
+    z = smol.decode(ids[-1:], logits_from=0)[0].copy()           # [n_vocab] float32
+    p = SamplingParams(temperature=temperature, **filters)
+    ours_ids, ours_p = processed_probs(z, ids, p)
+    ref_ids, ref_p = llama_cpp_chain(z, ids, p)
+    assert len(ours_ids) > 1                                      # a real choice, not one survivor
+    ref = dict(zip(ref_ids.tolist(), ref_p.tolist()))
+    assert set(ours_ids.tolist()) == set(ref)
+    assert max(abs(q - ref[t]) for t, q in zip(ours_ids.tolist(), ours_p.tolist())) < 1e-5
+
+
 # ----- real models -----
 
 RAW = "one two three four five six seven. one two three four five six seven. one two three"
-SETTINGS = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1234)
+# (prompt, settings): T = 1 with no filters; T = 0.7 with top-k, top-p and min-p (temperature
+# applied last), on a prompt where the sharper distribution still leaves 11 pairs to count
+CASES = {"T=1": (RAW, SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1234)),
+         "T=0.7": ("I like the red car. She likes the",
+                   SamplingParams(temperature=0.7, top_k=40, top_p=0.95, min_p=0.02, seed=1234))}
 N = 700
 
 
@@ -100,35 +159,40 @@ def expected_pairs(rt, ids, p: SamplingParams, top: int = 6) -> dict:
     return out
 
 
-def sample_pairs(target, drafter, verifier, ids, k, n=N):
-    engine = Engine(target, drafter, verifier, EngineConfig(max_tokens=2, k=k, adaptive=False, sampling=SETTINGS))
-    pairs, drafted = Counter(), 0
+def sample_pairs(target, drafter, verifier, ids, k, settings, n=N):
+    """Counts of the first two tokens over n seeded runs, and how many runs drafted two or more
+    tokens in a round (so that position 1 was decided after an accepted or resampled 0). Three
+    tokens are generated: drafts are shortened to fit max_tokens, and two fit."""
+    engine = Engine(target, drafter, verifier,
+                    EngineConfig(max_tokens=3, k=k, adaptive=False, sampling=settings, trace=True))
+    pairs, long_drafts = Counter(), 0
     for _ in range(n):
-        tokens, stats, _ = generate_all(engine, ids)
+        tokens, stats, trace = generate_all(engine, ids)
         pairs[tuple(tokens[:2])] += 1
-        drafted += stats.drafted
-    return pairs, drafted
+        long_drafts += any(len(r["draft"]) >= 2 for r in trace)
+    return pairs, long_drafts
 
 
-@pytest.fixture(scope="module")
-def raw_case(smol):
-    ids = smol.tokenize(RAW)
-    return ids, expected_pairs(smol, ids, SETTINGS)
+@pytest.fixture(scope="module", params=list(CASES))
+def raw_case(smol, request):
+    text, settings = CASES[request.param]
+    ids = smol.tokenize(text)
+    return ids, expected_pairs(smol, ids, settings), settings
 
 
 @pytest.mark.parametrize("drafter,k", [("none", 0), ("pld", 4), ("model", 3)])
 def test_strict_speculative_sampling_matches_plain_sampling(smol, smol_draft, raw_case, drafter, k):
-    ids, expected = raw_case
-    pairs, drafted = sample_pairs(smol, make_drafter(drafter, smol, smol_draft), strict, ids, k)
-    assert drafted > 0 or drafter == "none"
+    ids, expected, settings = raw_case
+    pairs, long_drafts = sample_pairs(smol, make_drafter(drafter, smol, smol_draft), strict, ids, k, settings)
+    assert long_drafts > N // 4 or drafter == "none"
     stat, df = chi_square(pairs, expected, N)
     assert df >= 3 and stat < critical(df), (stat, df)
 
 
 def test_a_wrong_acceptance_rule_fails_the_same_test(smol, raw_case):
-    ids, expected = raw_case
-    pairs, drafted = sample_pairs(smol, make_drafter("pld", smol), accept_all, ids, 4)
-    assert drafted > 0
+    ids, expected, settings = raw_case
+    pairs, long_drafts = sample_pairs(smol, make_drafter("pld", smol), accept_all, ids, 4, settings)
+    assert long_drafts > 0
     stat, df = chi_square(pairs, expected, N)
     assert stat > critical(df)
 

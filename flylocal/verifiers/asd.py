@@ -31,9 +31,10 @@ class AsdParams:
 
 
 def asd(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray, params: AsdParams,
-        spent: float) -> tuple[Decision, float]:
+        spent: float) -> tuple[Decision, np.ndarray]:
     """draft [k] int32, target_argmax [k+1] int32, logits [k+1, n_vocab] float32, `spent` the
-    ledger s. Returns the decision and the regret this round spends."""
+    ledger s. Returns the decision and the cumulative regret C_j of its accepted prefix
+    ([L] float64): committing the first n draft tokens costs C_{n-1}."""
     k = len(draft)
     native = draft == target_argmax[:k]                          # [k] bool
     r = regrets(draft, target_argmax, logits)                    # [k] float64, 0 at native matches
@@ -43,23 +44,33 @@ def asd(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray, params
     cost = np.cumsum(r)                                          # [k] C_j
     budget = (cost <= remaining) & (native | (remaining > 0))    # [k]
     accepted = int(np.cumprod(gate & cap & budget).sum())
-    spend = float(cost[accepted - 1]) if accepted else 0.0
     loose = tuple(int(j) for j in np.flatnonzero(~native[:accepted]))
-    return Decision(accepted=accepted, loose=loose), spend
+    return Decision(accepted=accepted, loose=loose), cost[:accepted]
 
 
 class Asd:
-    """ASD with its ledger: one object per request (or conversation); `reset()` empties it."""
+    """ASD with its ledger: one object per request (or conversation); `reset()` empties it.
+
+    The engine calls `commit(decision, n)` once it knows how many draft tokens it really
+    committed (an end-of-generation token or max_tokens may cut the accepted prefix); only
+    their regret is charged."""
 
     name = "asd"
 
     def __init__(self, params: AsdParams = AsdParams()):
         self.params = params
         self.spent = 0.0
+        self._cost = np.zeros(0)
 
     def __call__(self, draft, target_argmax, logits) -> Decision:
-        decision, spend = asd(draft, target_argmax, logits, self.params, self.spent)
-        self.spent += spend
+        decision, self._cost = asd(draft, target_argmax, logits, self.params, self.spent)
+        return decision
+
+    def commit(self, decision: Decision, n: int) -> Decision:
+        """Charge the regret of the first n committed draft tokens; the decision with the
+        ledger's trace fields."""
+        if n > 0:
+            self.spent += float(self._cost[n - 1])
         trace = {"budget_spent": self.spent, "budget_left": self.params.budget - self.spent}
         return Decision(decision.accepted, decision.loose, decision.entropy, trace)
 
