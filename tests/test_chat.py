@@ -167,7 +167,7 @@ def conversation(target, draft=None, **changes):
     from flylocal.chat import Conversation
     from flylocal.loader import Loaded, Settings, build_engine
 
-    settings = Settings(max_tokens=24, drafter="pld", verifier="strict", **changes)
+    settings = Settings(**{"max_tokens": 24, "drafter": "pld", "verifier": "strict", **changes})
     target.reset()
     return Conversation(Loaded(settings, target, draft, build_engine(settings, target, draft)))
 

@@ -86,7 +86,9 @@ LONG_TYPOS = TYPOS + (
     " When the keeper retired, the town decided to keep the light burning with an automatic system, but they "
     "kept the book in the libary so that visitors could read it.\n\nThe book is now one of the most popular things "
     "in the museum. Children like to find the days when storms hit the coast, and older visitors look for the day "
-    "they were born."
+    "they were born.\n\nLast year a storm broke two windows of the lighthouse, and the town colected money to "
+    "repair them. The new glass is thicker then the old glass, and the keeper's grandson, who now lives in the "
+    "city, came back to see the work finished. He said that his grandfather would have been prowd."
 )
 
 
@@ -167,12 +169,14 @@ def test_gemma_q8_rolls_back_past_the_sliding_window(gemma_q8):
 def test_gemma_q4km_diverges_only_at_near_ties(gemma_q4km):
     """Where strict first differs from plain decoding, the two tokens' target logits (as plain
     decoding computed them) are within a small gap. The property needs a divergence to say
-    anything: in this build the fibonacci prompt diverges at token 13; if no prompt diverges
-    (another build), the test is skipped and says so."""
+    anything: in this build, from an empty cache, the Fibonacci prompt diverges at token 14 and
+    the mitochondria one at 21; if none diverges (another build), the test is skipped and says so."""
     diverged = []
-    for text in (GEMMA_TEXT * 3, "def fibonacci(n):\n    "):
+    for text in (GEMMA_TEXT * 3, "1, 1, 2, 3, 5, 8,", "The mitochondria is"):
         ids = gemma_q4km.tokenize(text)
+        gemma_q4km.reset()            # from an empty cache, so that the replay below is exact
         expected = plain(gemma_q4km, ids, max_tokens=64)
+        gemma_q4km.reset()
         tokens, _, _ = run(gemma_q4km, "pld", ids, k=8, max_tokens=64)
         diverge = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
         if diverge is None:
