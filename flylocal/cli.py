@@ -326,6 +326,8 @@ def turn_line(stats, verifier: str) -> str:
         parts.append(f"ASD budget left {stats.budget_left:.2f}")
     if stats.stop == "interrupted":
         parts.append("interrupted")
+    elif stats.stop == "context":
+        parts.append("stopped at the end of --ctx")
     return f"[{verifier}: " + ", ".join(parts) + "]"
 
 
