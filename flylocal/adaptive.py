@@ -1,7 +1,7 @@
 """Draft length from measured cost and acceptance.
 
 Verifying k drafted tokens costs one target decode of k+1 rows. On a GPU that is nearly flat
-in k; on a 2-core CPU 8 rows cost 3-4 single steps (ENV.md), so a long, poorly grounded draft
+in k; on a 2-core CPU 8 rows cost 3-4 single steps (docs/design.md, "Cost model"), so a long, poorly grounded draft
 is slower than no draft at all. Each round this controller picks the draft length that
 maximises expected committed tokens per second:
 
@@ -38,8 +38,8 @@ class DraftLength:
         self.levels = levels
         prior = np.concatenate([prior, np.maximum(prior, STREAK_PRIOR)])
         self.streak = False
-        self.hits = np.repeat(prior[:, None] * PRIOR_WEIGHT, k_max, axis=1)   # [levels, k_max]
-        self.tries = np.full((2 * levels, k_max), PRIOR_WEIGHT)                    # [levels, k_max]
+        self.hits = np.repeat(prior[:, None] * PRIOR_WEIGHT, k_max, axis=1)   # [2*levels, k_max]
+        self.tries = np.full((2 * levels, k_max), PRIOR_WEIGHT)                    # [2*levels, k_max]
         self._prior_hits = self.hits.copy()
         self.seconds = np.full(k_max + 1, np.nan)                              # [k_max+1] by rows-1
         self._cost_cache: np.ndarray | None = None

@@ -1,7 +1,7 @@
 """`flylocal doctor`: what this build is, and whether a model is batch-invariant in it.
 
 Strict verification equals plain greedy decoding token for token only when the target gives
-the same logits for a position whether it is decoded alone or inside a batch (ENV.md). This
+the same logits for a position whether it is decoded alone or inside a batch (docs/design.md, "Batch invariance"). This
 is measured, not assumed: the same tokens are teacher-forced one at a time and then as one
 batch, and the logits compared.
 """

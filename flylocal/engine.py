@@ -31,7 +31,7 @@ class EngineConfig:
     max_tokens: int = 256
     k: int = 8                 # draft length (the most, when adaptive)
     adaptive: bool = True      # let measured cost and acceptance shorten drafts (adaptive drafters only)
-    trace: bool = False        # attach SPEC.md trace rows to round events
+    trace: bool = False        # attach trace rows (docs/design.md) to round events
     sampling: SamplingParams = field(default_factory=SamplingParams)   # temperature 0: greedy
 
 
@@ -105,7 +105,7 @@ class Engine:
                 t2 = time.perf_counter()
                 if cfg.sampling.greedy:
                     target_argmax = logits.argmax(axis=1).astype(np.int32)  # [k+1]
-                else:   # exact samples from the processed distributions (speculative sampling)
+                else:   # the target's sample at each position stands in for its argmax
                     target_argmax = sample_targets(draft, logits, context[:n], cfg.sampling, self.rng)
                 decision = self.verifier(draft, target_argmax, logits)
                 L = decision.accepted

@@ -37,7 +37,7 @@ class Settings:
     seed: int | None = None
     verifiers: VerifierConfig = field(default_factory=VerifierConfig)
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    trace: bool = False               # attach SPEC.md trace rows to round events
+    trace: bool = False               # attach trace rows (docs/design.md) to round events
 
     @property
     def drafter_name(self) -> str:

@@ -1,4 +1,4 @@
-"""Sampling at temperature > 0, lossless under speculation (SPEC.md, "Temperature > 0").
+"""Sampling at temperature > 0, lossless under speculation (docs/design.md, "Temperature > 0").
 
 The target's distribution at a draft position is the *processed* one, in the order of
 llama.cpp's own sampler chain: repeat penalty over the tokens committed before that position,

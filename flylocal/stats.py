@@ -1,4 +1,4 @@
-"""Counters and derived figures of a generation, in SPEC.md's vocabulary."""
+"""Counters and derived figures of a generation, in the words of docs/design.md ("Words", "Trace and stats")."""
 
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ cpu_flags() {
 }
 
 choose_cmake_args() {
-  # Batch-invariant CPU kernels: strict decoding can then be checked bit for bit (ENV.md).
+  # Batch-invariant CPU kernels: strict decoding can then be checked bit for bit (docs/design.md, "Batch invariance").
   local invariant="-DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF"
   if [ -n "${CMAKE_ARGS:-}" ]; then
     echo "$CMAKE_ARGS"; return

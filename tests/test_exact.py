@@ -1,7 +1,7 @@
 """Strict output equals plain greedy output token for token, for every drafter, on real models.
 
 SmolLM2 (Q4_1, with its Q4_0 requant as draft) and Gemma-3-270M requantized to Q8_0 are
-batch-invariant in the CPU build (ENV.md), so any difference is a bug: in rollback, catch-up,
+batch-invariant in the CPU build (docs/design.md, "Batch invariance"), so any difference is a bug: in rollback, catch-up,
 drafting or verification. Gemma-3-270M Q4_K_M is not batch-invariant; for it the weaker
 property holds: strict leaves plain decoding only at a numerical near-tie.
 """

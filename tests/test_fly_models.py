@@ -39,7 +39,7 @@ def test_fly_accepts_longer_than_strict(smol, smol_draft, name):
 
 
 def check_round(row: dict, p: FlyParams) -> None:
-    """Re-check one trace row against SPEC.md's FLy rule, independently of the verifier."""
+    """Re-check one trace row against the FLy rule of docs/design.md, independently of the verifier."""
     d, a, L = row["draft"], row["target_argmax"], row["accepted"]
     k, W = len(d), p.window
     native = [d[j] == a[j] for j in range(k)]

@@ -1,4 +1,4 @@
-"""Drafters: where the k proposed tokens of a round come from (SPEC.md).
+"""Drafters: where the k proposed tokens of a round come from (docs/design.md, "Drafters").
 
 Every drafter has one method,
 

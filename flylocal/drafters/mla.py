@@ -3,7 +3,7 @@
 Prompt lookup proposes up to P tokens; the draft model checks them in one batched forward
 with strict matching against its own greedy choice, and contributes its own next token at the
 first disagreement. This repeats until k tokens exist. The draft equals the draft model's
-greedy continuation, obtained with fewer draft forwards (SPEC.md, "MLA").
+greedy continuation, obtained with fewer draft forwards (docs/design.md, "Drafters").
 
 This inner loop is speculative decoding of the draft model, so the same draft-length control
 applies (flylocal.adaptive): on a CPU, where checking 2 rows costs about 2 single steps, a

@@ -1,4 +1,4 @@
-"""What every verifier shares: the Decision it returns and the round arithmetic (SPEC.md)."""
+"""What every verifier shares: the Decision it returns and the round arithmetic (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ class Decision:
     accepted: int                              # L: committed draft prefix, 0 <= L <= k
     loose: tuple[int, ...] = ()                # positions j < L with d[j] != a[j], accepted anyway
     entropy: np.ndarray | None = None          # [k] float64, NaN where not computed
-    trace: dict = field(default_factory=dict)  # verifier-specific trace fields (SPEC.md)
+    trace: dict = field(default_factory=dict)  # verifier-specific trace fields (docs/design.md)
 
 
 Verifier = Callable[[np.ndarray, np.ndarray, np.ndarray], Decision]

@@ -1,9 +1,9 @@
-"""FLy: entropy gate + deferred window, training-free loose verification (SPEC.md, "FLy").
+"""FLy: entropy gate + deferred window, training-free loose verification (docs/design.md, "FLy").
 
 A draft token the target would not have chosen is still accepted ("loose") when
 1. the target was unsure at that position: its top-m entropy h_j >= theta (the gate), and
 2. the target did not "self-correct" afterwards: the W-1 draft tokens after it all match
-   natively, and the whole window j .. j+W-1 lies inside the draft (j + W < k).
+   natively, and j + W < k: the window j .. j+W-1 ends before the draft's last position.
 Looseness is decided from native matches only, so a mismatch inside a window spoils it.
 
 Entropy costs one log-sum-exp over the vocabulary, and is computed only at mismatches that
