@@ -70,8 +70,12 @@ def test_plain_decoding_equals_a_hand_written_greedy_loop(smol):
     assert plain(smol, ids, max_tokens=40) == by_hand
 
 
-@pytest.mark.parametrize("name", SMOL_PROMPTS)
-@pytest.mark.parametrize("drafter,k", [("pld", 8), ("pld", None), ("pld", 3), ("model", 6), ("mla", 8)])
+# Every drafter on every prompt, but the adaptive length on the one-word answer: two tokens never
+# pay for a draft, so it would only compare plain decoding with itself.
+@pytest.mark.parametrize("name,drafter,k", [
+    (name, drafter, k) for name in SMOL_PROMPTS
+    for drafter, k in [("pld", 8), ("pld", None), ("pld", 3), ("model", 6), ("mla", 8)]
+    if not (name == "short-answer" and k is None)])
 def test_smollm_strict_equals_plain(smol, smol_draft, name, drafter, k):
     ids, _ = encode_prompt(smol, SMOL_PROMPTS[name], raw=False)
     expected = plain(smol, ids)
