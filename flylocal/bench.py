@@ -175,7 +175,10 @@ def encode_all(target, prompts: list[Prompt], raw: bool = False) -> dict:
 
     encoded = {}
     for p in prompts:
-        ids, _ = encode_prompt(target, p.text, raw=p.raw or raw)
+        try:
+            ids, _ = encode_prompt(target, p.text, raw=p.raw or raw)
+        except FlylocalError as e:
+            raise FlylocalError(f"{p.source or p.id}: {e}") from None
         if len(ids) >= target.n_ctx:
             raise FlylocalError(f"{p.source or p.id}: the prompt is {len(ids)} tokens, which leaves no room to "
                                 f"generate in --ctx {target.n_ctx} (needs at least {len(ids) + 1})")

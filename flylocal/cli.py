@@ -240,7 +240,6 @@ def open_output(path: str, what: str):
                    "entropy, regret, accepted, loose, emitted.")
 def generate(prompt, prompt_file, raw, special, as_json, trace_file, **opts):
     """Generate a reply to PROMPT, streaming text to stdout and a stats line to stderr."""
-    from flylocal.engine import DoneEvent
     from flylocal.loader import encode_prompt, load
 
     text = read_prompt(prompt, prompt_file)

@@ -154,6 +154,9 @@ def test_a_prompt_longer_than_ctx_is_caught_before_anything_runs(tmp_path):
     assert not (tmp_path / "o" / "results.json").exists()
     done = bench("--humaneval", "--humaneval-limit", "3", "--methods", "autoregressive", "--execute", "--ctx", "64", "--out", str(tmp_path / "o"))
     assert_one_line_error(done, "HumanEval/0", "--ctx 64")
+    prompts.write_text(json.dumps({"prompt": "Hi."}) + "\n" + json.dumps({"prompt": "  "}) + "\n")
+    done = bench("--prompts", str(prompts), "--methods", "autoregressive", "--out", str(tmp_path / "o"))
+    assert_one_line_error(done, f"{prompts}:2", "the prompt is empty")
 
 
 def test_unusable_out_is_refused_before_any_model_is_loaded(tmp_path):
