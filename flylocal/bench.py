@@ -1,7 +1,11 @@
 """`flylocal bench`: methods side by side on the same prompts, with speed and quality.
 
 All methods run in one process, interleaved (repeat -> prompt -> method), so a drifting machine
-affects all alike. Quality is judged three ways: agreement with flylocal's own autoregressive
+affects all alike. Speed is reported two ways: decode tokens/s (after the prompt is evaluated)
+and end to end (tokens over the wall time from the request to the last token, prefill and any
+calibration included), each as a ratio to autoregressive decoding, overall, per prompt and,
+where prompts carry a category, per category in Spec-Bench's layout. Prompts may have several
+turns (Spec-Bench's `turns`); a later turn follows the method's own earlier answers. Quality is judged three ways: agreement with flylocal's own autoregressive
 output, accuracy against reference answers where a prompt has them, and the target's own mean
 negative log-likelihood per generated token. A method that fails on a prompt has the failure
 recorded for that prompt, and the run goes on; its metrics cover the prompts it completed.
@@ -34,15 +38,34 @@ METHODS = ("autoregressive", "llama-cpp-python", "llama-cpp-python-pld", "strict
 NEEDS_DRAFT = {m for m in METHODS if m.endswith(("-model", "-mla"))}
 
 
+# Spec-Bench's six groups: its eight MT-Bench categories pool as multi-turn conversation.
+SPEC_BENCH_GROUPS = {"translation": "translation", "summarization": "summarization", "qa": "qa",
+                     "math_reasoning": "math_reasoning", "rag": "rag"}
+MT_BENCH = "multi-turn"
+GROUP_ORDER = (MT_BENCH, "translation", "summarization", "qa", "math_reasoning", "rag")
+
+
+def group_of(category: str | None) -> str | None:
+    if category is None:
+        return None
+    return SPEC_BENCH_GROUPS.get(category, MT_BENCH)
+
+
 @dataclass
 class Prompt:
     id: str
-    text: str
+    text: str                        # the first (or only) user turn
     answers: list[str] | None = None
     test: str | None = None          # HumanEval: the check program
     entry_point: str | None = None
     raw: bool = False                # code completion: no chat template
     source: str = ""                 # where it came from, for messages: FILE:LINE, FILE or a task id
+    turns: list[str] | None = None   # every user turn, the first being `text` (Spec-Bench)
+    category: str | None = None
+
+    @property
+    def group(self) -> str | None:
+        return group_of(self.category)
 
 
 @dataclass
@@ -53,7 +76,9 @@ class Row:
     wall_s: float = 0.0
     rounds: int = 0
     loose: int = 0
-    outputs: dict = field(default_factory=dict)    # prompt id -> (token ids, text), last repeat
+    per_prompt: dict = field(default_factory=dict)  # prompt id -> summed tokens, decode_s, wall_s, rounds, loose
+    outputs: dict = field(default_factory=dict)    # prompt id -> (token ids, text) of the first turn, last repeat
+    later: dict = field(default_factory=dict)      # prompt id -> [token ids of each later turn], last repeat
     nll: dict = field(default_factory=dict)        # prompt id -> target NLL
     passed: dict = field(default_factory=dict)     # prompt id -> HumanEval tests passed (with execute)
     failures: list = field(default_factory=list)   # {"prompt", "repeat", "error"} per failed prompt
@@ -74,6 +99,9 @@ def load_prompts(path: str) -> list[Prompt]:
     p = Path(path)
     if not p.exists():
         raise FlylocalError(f"prompts not found: {path}")
+    if p.is_dir() and (p / "question.jsonl").is_file():      # a Spec-Bench data directory
+        p = p / "question.jsonl"
+        path = str(p)
     if p.is_dir():
         files = sorted(f for f in p.glob("*.txt") if f.is_file())
         if not files:
@@ -95,19 +123,50 @@ def load_prompts(path: str) -> list[Prompt]:
             row = json.loads(line)
         except json.JSONDecodeError:
             raise FlylocalError(f"{path}:{lineno}: not valid JSON") from None
-        answers = row.get("answers") if isinstance(row, dict) else None
-        if (not isinstance(row, dict) or not isinstance(row.get("prompt"), str)
-                or not (answers is None or (isinstance(answers, list) and all(isinstance(a, str) for a in answers)))):
-            raise FlylocalError(f"{path}:{lineno}: expected an object with a \"prompt\" string and optional "
-                                "\"answers\" list of strings")
-        pid = str(row.get("id", lineno))
+        if isinstance(row, dict) and "turns" in row and "prompt" not in row:    # Spec-Bench's format
+            turns, category = row["turns"], row.get("category")
+            if (not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns)
+                    or not (category is None or isinstance(category, str))):
+                raise FlylocalError(f"{path}:{lineno}: \"turns\" must be a non-empty list of strings "
+                                    "(and \"category\" a string)")
+            pid = str(row.get("question_id", row.get("id", lineno)))
+            prompt = Prompt(pid, turns[0], source=f"{path}:{lineno}", turns=list(turns), category=category)
+        else:
+            answers = row.get("answers") if isinstance(row, dict) else None
+            if (not isinstance(row, dict) or not isinstance(row.get("prompt"), str)
+                    or not (answers is None or (isinstance(answers, list) and all(isinstance(a, str) for a in answers)))):
+                raise FlylocalError(f"{path}:{lineno}: expected an object with a \"prompt\" string and optional "
+                                    "\"answers\" list of strings, or Spec-Bench's \"turns\" list")
+            category = row.get("category")
+            pid = str(row.get("id", lineno))
+            prompt = Prompt(pid, row["prompt"], answers, source=f"{path}:{lineno}",
+                            category=category if isinstance(category, str) else None)
         if pid in seen:
             raise FlylocalError(f"{path}:{lineno}: id {pid!r} is used twice")
         seen.add(pid)
-        prompts.append(Prompt(pid, row["prompt"], answers, source=f"{path}:{lineno}"))
+        prompts.append(prompt)
     if not prompts:
         raise FlylocalError(f"no prompts: {path} has no rows")
     return prompts
+
+
+def per_group(prompts: list[Prompt], n: int) -> list[Prompt]:
+    """The first `n` prompts of each group, taken in turn from the group's categories (so the
+    multi-turn group mixes MT-Bench's eight categories); prompts without a category count as
+    one group."""
+    by_group: dict = {}
+    for p in prompts:
+        by_group.setdefault(p.group, {}).setdefault(p.category, []).append(p)
+    chosen = set()
+    for cats in by_group.values():
+        queues = [list(q) for q in cats.values()]
+        taken = 0
+        while taken < n and any(queues):
+            for q in queues:
+                if q and taken < n:
+                    chosen.add(id(q.pop(0)))
+                    taken += 1
+    return [p for p in prompts if id(p) in chosen]
 
 
 def humaneval_prompts(limit: int | None) -> list[Prompt]:
@@ -216,48 +275,72 @@ def run(settings: Settings, target, draft, baselines: dict, prompts: list[Prompt
         message = one_line(e)
         row.failures.append({"prompt": p.id, "repeat": r, "error": message})
         row.outputs.pop(p.id, None)
+        row.per_prompt.pop(p.id, None)
         warn(f"{row.method} failed on {p.id}: {message}")
         target.reset()                # a failed decode leaves no half-known cache behind
         if draft is not None:
             draft.reset()
 
+    def one_turn(m: str, ids, fresh: bool):
+        """(token ids, text, emitted, decode seconds, rounds, loose) of method m on prompt ids."""
+        if m.startswith("llama-cpp-python"):
+            text, n, _, decode_s = baselines[m].generate(ids, settings.max_tokens, settings.sampling, reuse=not fresh)
+            tokens = list(target.tokenize(text, add_special=False, parse_special=False)) if text else []
+            return tokens, text, max(n - 1, 0), decode_s, 0, 0
+        verifier, _, drafter = m.partition("-")
+        s = dataclasses.replace(settings, verifier="strict" if m == "autoregressive" else verifier,
+                                drafter="none" if m == "autoregressive" else drafter)
+        if fresh:
+            target.reset()
+            if draft is not None:
+                draft.reset()
+        tokens, stats, _ = generate_all(build_engine(s, target, draft), ids)
+        return tokens, target.detokenize(tokens), stats.emitted, stats.decode_s, stats.rounds, stats.loose
+
     total = repeat * len(prompts) * len(methods)
     step = 0
     for r in range(repeat):
         for p in prompts:
-            ids = encoded[p.id]
             for m in methods:
                 step += 1
                 row = rows[m]
                 if any(f["prompt"] == p.id for f in row.failures):
                     continue
                 progress(f"[{step}/{total}] {m} on {p.id} (repeat {r + 1}/{repeat})")
-                t0 = time.perf_counter()
+                turns = p.turns or [p.text]
+                messages: list[dict] = []
+                outputs, sums = [], [0, 0.0, 0.0, 0, 0]       # tokens, decode_s, wall_s, rounds, loose
                 try:
-                    if m.startswith("llama-cpp-python"):
-                        text, n, _, decode_s = baselines[m].generate(ids, settings.max_tokens, settings.sampling)
-                        tokens = list(target.tokenize(text, add_special=False, parse_special=False)) if text else []
-                        counts = (max(n - 1, 0), decode_s, 0, 0)
-                    else:
-                        verifier, _, drafter = m.partition("-")
-                        s = dataclasses.replace(settings, verifier="strict" if m == "autoregressive" else verifier,
-                                                drafter="none" if m == "autoregressive" else drafter)
-                        target.reset()
-                        if draft is not None:
-                            draft.reset()
-                        tokens, stats, _ = generate_all(build_engine(s, target, draft), ids)
-                        text = target.detokenize(tokens)
-                        counts = (stats.emitted, stats.decode_s, stats.rounds, stats.loose)
+                    for i, turn in enumerate(turns):
+                        if i == 0:
+                            ids = encoded[p.id]
+                        else:      # a later turn follows this method's own answers
+                            ids = target.tokenize_chat(messages + [{"role": "user", "content": turn}])
+                            if ids is None:
+                                raise FlylocalError(f"{target.name} has no chat template for a second turn")
+                            if len(ids) >= target.n_ctx:
+                                raise FlylocalError(f"turn {i + 1} is {len(ids)} tokens, longer than --ctx {target.n_ctx}")
+                        t0 = time.perf_counter()
+                        tokens, text, emitted, decode_s, rounds, loose = one_turn(m, ids, fresh=i == 0)
+                        wall = time.perf_counter() - t0
+                        for j, v in enumerate((emitted, decode_s, wall, rounds, loose)):
+                            sums[j] += v
+                        outputs.append((list(tokens), text))
+                        messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": text}]
                 except Exception as e:  # noqa: BLE001 - any failure is recorded, and the run goes on
                     fail(row, p, r + 1, e)
                     continue
-                row.tokens += counts[0]
-                row.decode_s += counts[1]
-                row.rounds += counts[2]
-                row.loose += counts[3]
-                row.wall_s += time.perf_counter() - t0
+                row.tokens += sums[0]
+                row.decode_s += sums[1]
+                row.wall_s += sums[2]
+                row.rounds += sums[3]
+                row.loose += sums[4]
+                mine = row.per_prompt.setdefault(p.id, dict(tokens=0, decode_s=0.0, wall_s=0.0, rounds=0, loose=0))
+                for key, v in zip(("tokens", "decode_s", "wall_s", "rounds", "loose"), sums):
+                    mine[key] += v
                 if r == repeat - 1:
-                    row.outputs[p.id] = (list(tokens), text)
+                    row.outputs[p.id] = outputs[0]
+                    row.later[p.id] = [t for t, _ in outputs[1:]]
     for m, row in rows.items():
         for p in prompts:
             if p.id not in row.outputs:
@@ -278,35 +361,97 @@ def _mean(values) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def _speed(row: Row, ids) -> dict:
+    """Summed counts of `row` over the prompt ids given."""
+    t = dict(tokens=0, decode_s=0.0, wall_s=0.0, rounds=0, loose=0)
+    for pid in ids:
+        for key, v in row.per_prompt[pid].items():
+            t[key] += v
+    return t
+
+
+def _ratios(mine: dict, ref: dict | None) -> dict:
+    """Decode and end-to-end tokens/s, and their ratios to `ref`'s (None where undefined)."""
+    tps = mine["tokens"] / mine["decode_s"] if mine["decode_s"] > 0 else 0.0
+    e2e = mine["tokens"] / mine["wall_s"] if mine["wall_s"] > 0 else 0.0
+    out = {"tokens_per_s": round(tps, 2), "speedup": None, "e2e_tokens_per_s": round(e2e, 2), "e2e_speedup": None}
+    if ref is not None and tps and e2e:
+        ref_tps = ref["tokens"] / ref["decode_s"] if ref["decode_s"] > 0 else 0.0
+        ref_e2e = ref["tokens"] / ref["wall_s"] if ref["wall_s"] > 0 else 0.0
+        out["speedup"] = round(tps / ref_tps, 3) if ref_tps else None
+        out["e2e_speedup"] = round(e2e / ref_e2e, 3) if ref_e2e else None
+    return out
+
+
 def metrics(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
-    """One dict per method. Each quality metric is over the prompts the method completed
-    (agreement: over those both it and autoregressive completed); None where there are none."""
+    """One dict per method. Speed ratios compare a method with autoregressive decoding over the
+    prompts both completed; each quality metric is over the prompts the method completed
+    (agreement: over those both it and autoregressive completed, every turn); None where there
+    are none. `categories` holds the same speed figures per prompt group."""
     ref = rows.get("autoregressive")
-    ref_tps = ref.tokens / ref.decode_s if ref and ref.decode_s > 0 else None
     out = []
     for m, row in rows.items():
         done = [p for p in prompts if p.id in row.outputs]
-        tps = row.tokens / row.decode_s if row.decode_s > 0 else 0.0
+        both = [p.id for p in done if ref is not None and p.id in ref.outputs]
+        mine = _speed(row, [p.id for p in done])
+        speed = _ratios(mine, None)
+        if both:
+            speed.update({k: v for k, v in _ratios(_speed(row, both), _speed(ref, both)).items()
+                          if k.endswith("speedup")})
         with_answers = [p for p in done if p.answers]
         accuracy = _mean(any(a.lower() in row.outputs[p.id][1].lower() for a in p.answers) for p in with_answers)
         agreement = None
         if ref is not None:
-            agreement = _mean(row.outputs[p.id][0] == ref.outputs[p.id][0] for p in done if p.id in ref.outputs)
+            agreement = _mean(row.outputs[p.id][0] == ref.outputs[p.id][0]
+                              and row.later.get(p.id, []) == ref.later.get(p.id, [])
+                              for p in done if p.id in ref.outputs)
+        categories = {}
+        for group in _groups(prompts):
+            ids = [p.id for p in done if p.group == group]
+            ref_ids = [pid for pid in ids if ref is not None and pid in ref.outputs]
+            if not ids:
+                continue
+            g = _speed(row, ids)
+            categories[group] = {**_ratios(_speed(row, ref_ids), _speed(ref, ref_ids) if ref_ids else None),
+                                 "mean_accepted_length": round(g["tokens"] / g["rounds"], 3) if g["rounds"] else None,
+                                 "prompts": len(ids)}
         nll = _mean(row.nll.values())
         out.append({
             "method": m,
-            "tokens_per_s": round(tps, 2),
-            "speedup": round(tps / ref_tps, 3) if ref_tps and tps else None,
-            "mean_accepted_length": round(row.tokens / row.rounds, 3) if row.rounds else None,
-            "loose_rate": round(row.loose / row.tokens, 4) if row.rounds and row.tokens else None,
+            **speed,
+            "mean_accepted_length": round(mine["tokens"] / mine["rounds"], 3) if mine["rounds"] else None,
+            "loose_rate": round(mine["loose"] / mine["tokens"], 4) if mine["rounds"] and mine["tokens"] else None,
             "agreement": agreement,
             "accuracy": accuracy,
             "pass_at_1": _mean(row.passed.values()),
             "target_nll": round(nll, 4) if nll is not None else None,
-            "wall_s": round(row.wall_s, 3),
+            "wall_s": round(mine["wall_s"], 3),
             "completed": len(done),
+            "categories": categories,
             "failures": list(row.failures),
         })
+    return out
+
+
+def _groups(prompts: list[Prompt]) -> list[str]:
+    present = {p.group for p in prompts if p.group is not None}
+    return [g for g in GROUP_ORDER if g in present] + sorted(present - set(GROUP_ORDER))
+
+
+def per_prompt(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
+    """One dict per prompt and method: its speed, and its ratios to autoregressive decoding."""
+    ref = rows.get("autoregressive")
+    out = []
+    for p in prompts:
+        for m, row in rows.items():
+            if p.id not in row.per_prompt or p.id not in row.outputs:
+                continue
+            mine = row.per_prompt[p.id]
+            r = ref.per_prompt.get(p.id) if ref is not None and p.id in ref.outputs else None
+            out.append({"prompt": p.id, "category": p.category, "method": m, "tokens": mine["tokens"],
+                        **_ratios(mine, r),
+                        "mean_accepted_length": round(mine["tokens"] / mine["rounds"], 3) if mine["rounds"] else None,
+                        "wall_s": round(mine["wall_s"], 4)})
     return out
 
 
@@ -316,8 +461,8 @@ def machine_info(build: dict) -> dict:
 
 
 def report_md(results: dict) -> str:
-    cols = ["method", "tokens_per_s", "speedup", "mean_accepted_length", "loose_rate", "agreement", "accuracy",
-            "pass_at_1", "target_nll", "wall_s"]
+    cols = ["method", "tokens_per_s", "speedup", "e2e_tokens_per_s", "e2e_speedup", "mean_accepted_length",
+            "loose_rate", "agreement", "accuracy", "pass_at_1", "target_nll", "wall_s"]
     cols = [c for c in cols if any(r.get(c) is not None for r in results["methods"])]
     failures = [(r["method"], f) for r in results["methods"] for f in r.get("failures", [])]
     if failures:
@@ -336,6 +481,31 @@ def report_md(results: dict) -> str:
              "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     for r in results["methods"]:
         lines.append("| " + " | ".join(cell(r, k) for k in cols) + " |")
+    lines += ["", "speedup: decode tokens/s (after the prompt is evaluated) over autoregressive's; e2e: tokens over "
+                  "the wall time from the request to the last token, prefill included, over autoregressive's."]
+    groups = [g for g in GROUP_ORDER if any(g in r.get("categories", {}) for r in results["methods"])]
+    groups += sorted({g for r in results["methods"] for g in r.get("categories", {})} - set(groups))
+    if groups:
+        for title, key in (("end to end", "e2e_speedup"), ("decode", "speedup")):
+            lines += ["", f"## Speedup by category, {title} (Spec-Bench's layout)", "",
+                      "| method | " + " | ".join(groups) + " | overall | mean accepted length |",
+                      "|" + " --- |" * (len(groups) + 3)]
+            for r in results["methods"]:
+                c = r.get("categories", {})
+                cells = [f"{c[g][key]:.2f}x" if g in c and c[g].get(key) else "-" for g in groups]
+                overall = f"{r[key]:.2f}x" if r.get(key) else "-"
+                tau = f"{r['mean_accepted_length']:.2f}" if r.get("mean_accepted_length") else "-"
+                lines.append(f"| {r['method']} | " + " | ".join(cells) + f" | {overall} | {tau} |")
+    rows = results.get("prompts", [])
+    if rows:
+        lines += ["", "## Per prompt", "",
+                  "| prompt | category | method | tokens | tokens/s | speedup | e2e tokens/s | e2e speedup | "
+                  "mean accepted length |", "|" + " --- |" * 9]
+        for r in rows:
+            lines.append("| " + " | ".join(
+                "-" if r.get(k) is None else (f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]))
+                for k in ("prompt", "category", "method", "tokens", "tokens_per_s", "speedup", "e2e_tokens_per_s",
+                          "e2e_speedup", "mean_accepted_length")) + " |")
     if failures:
         lines += ["", "## Failures", "",
                   "Metrics of a method cover only the prompts it completed.", ""]
@@ -344,7 +514,7 @@ def report_md(results: dict) -> str:
             lines.append(f"- `{method}` on `{f['prompt']}` (repeat {f['repeat']}): {message}")
     m = results["machine"]
     lines += ["", f"Machine: {m['processor']}, {m['cpus']} CPUs, llama-cpp-python {m['llama_cpp_python']}, "
-                  f"{'GPU offload' if m['gpu_offload'] else 'CPU only'}.", ""]
+                  f"{m.get('kernels', 'fast')} build, {'GPU offload' if m['gpu_offload'] else 'CPU only'}.", ""]
     return "\n".join(lines)
 
 
@@ -358,9 +528,14 @@ def plot(results: dict, out: Path) -> Path | None:
     rows = results["methods"]
     names = [r["method"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    axes[0].bar(names, [r["speedup"] or 0 for r in rows], color="#4c72b0")
+    x = list(range(len(names)))
+    axes[0].bar([i - 0.2 for i in x], [r["speedup"] or 0 for r in rows], width=0.4, color="#4c72b0", label="decode")
+    axes[0].bar([i + 0.2 for i in x], [r.get("e2e_speedup") or 0 for r in rows], width=0.4, color="#dd8452",
+                label="end to end")
+    axes[0].set_xticks(x, names)
     axes[0].axhline(1.0, color="grey", lw=0.8)
-    axes[0].set_title("speedup over autoregressive (decode tokens/s)")
+    axes[0].legend()
+    axes[0].set_title("speedup over autoregressive (tokens/s)")
     axes[1].bar(names, [r["mean_accepted_length"] or 0 for r in rows], color="#55a868")
     axes[1].set_title("mean accepted length (tokens per round)")
     for ax in axes:

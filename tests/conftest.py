@@ -6,9 +6,22 @@ error, not a skip: these tests are the project's correctness anchor.
 
 from __future__ import annotations
 
-import pytest
+import atexit
+import os
+import shutil
+import tempfile
 
-from flylocal import models
+# The exactness tests compare strict with plain decoding bit for bit, which needs the
+# batch-invariant build (flylocal.kernels); command-line tests inherit it. Cost curves are
+# measured afresh into a directory of this session's own.
+os.environ.setdefault("FLYLOCAL_EXACT", "1")
+_COSTS = tempfile.mkdtemp(prefix="flylocal-test-costs-")
+os.environ["FLYLOCAL_COSTS"] = _COSTS
+atexit.register(shutil.rmtree, _COSTS, True)
+
+import pytest  # noqa: E402
+
+from flylocal import models  # noqa: E402
 from flylocal.runtime import Runtime, RuntimeConfig
 
 SMOL = "smollm2-135m-instruct"

@@ -215,7 +215,7 @@ class Failing:
     def __init__(self, target, fail_on: set[int]):
         self.target, self.fail_on, self.calls = target, fail_on, []
 
-    def generate(self, ids, max_tokens, sampling=None):
+    def generate(self, ids, max_tokens, sampling=None, reuse=False):
         from flylocal.engine import generate_all
         from flylocal.loader import Settings, build_engine
 
@@ -327,3 +327,51 @@ def test_humaneval_pass_at_1_only_with_execute(tmp_path):
     assert "will not be run" in done.stderr and "--execute" in done.stderr
     rows = json.loads((tmp_path / "no" / "results.json").read_text())["methods"]
     assert rows[0]["pass_at_1"] is None and rows[0]["completed"] == 1
+
+
+SPEC_BENCH_ROWS = [
+    {"question_id": 81, "category": "writing", "turns": ["Write one sentence about the sea.",
+                                                           "Now rewrite it in capital letters."]},
+    {"question_id": 82, "category": "roleplay", "turns": ["Say hello as a pirate.", "Now say goodbye."]},
+    {"question_id": 201, "category": "translation", "turns": ["Translate to French: good morning."]},
+    {"question_id": 301, "category": "qa", "turns": ["What is the capital of Italy?"]},
+    {"question_id": 302, "category": "qa", "turns": ["What is the capital of Spain?"]},
+]
+
+
+def test_spec_bench_questions_second_turns_and_category_tables(tmp_path):
+    data = tmp_path / "spec_bench"
+    data.mkdir()
+    (data / "question.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SPEC_BENCH_ROWS))
+    out = tmp_path / "o"
+    done = bench("--prompts", str(data), "--per-category", "1", "--methods", "autoregressive,strict-pld",
+                 "--max-tokens", "8", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    results = json.loads((out / "results.json").read_text())
+    # one per group: the multi-turn group's first (writing), translation's, qa's first
+    assert results["config"]["prompts"] == 3
+    assert {r["prompt"] for r in results["prompts"]} == {"81", "201", "301"}
+    for row in results["methods"]:
+        assert set(row["categories"]) == {"multi-turn", "translation", "qa"}
+        assert row["e2e_speedup"] is not None and row["speedup"] is not None
+    strict = next(r for r in results["methods"] if r["method"] == "strict-pld")
+    assert strict["agreement"] == 1.0                   # every turn equal to autoregressive
+    two_turns = next(r for r in results["prompts"] if r["prompt"] == "81" and r["method"] == "autoregressive")
+    assert 8 < two_turns["tokens"] <= 16                 # the second turn ran, after the model's own answer
+    report = (out / "report.md").read_text()
+    assert "## Speedup by category, end to end" in report and "| multi-turn | translation | qa |" in report
+    assert "## Per prompt" in report
+
+
+def test_per_group_takes_the_first_of_each_group_in_turn_from_its_categories():
+    prompts = [b.Prompt(str(r["question_id"]), r["turns"][0], turns=r["turns"], category=r["category"])
+               for r in SPEC_BENCH_ROWS]
+    assert [p.id for p in b.per_group(prompts, 2)] == ["81", "82", "201", "301", "302"]
+    assert [p.id for p in b.per_group(prompts, 1)] == ["81", "201", "301"]
+    assert [p.group for p in prompts] == ["multi-turn", "multi-turn", "translation", "qa", "qa"]
+
+
+def test_a_bad_spec_bench_row_is_named(tmp_path):
+    bad = tmp_path / "q.jsonl"
+    bad.write_text('{"question_id": 1, "category": "qa", "turns": []}\n')
+    assert_one_line_error(bench("--prompts", str(bad), "--out", str(tmp_path / "o")), f"{bad}:1", "turns")

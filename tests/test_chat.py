@@ -125,7 +125,7 @@ def test_terminal_colours_accepted_tokens():
 
 def test_asd_ledger_spans_the_conversation_until_reset():
     done = chat_pipe(["/verifier asd", "Tell me about cats.", "And dogs?", "/reset", "Tell me about cats."],
-                     "--draft", "smollm2-135m-instruct-q4_0", "--drafter", "model", "--max-tokens", "48")
+                     "--draft", "smollm2-135m-instruct-q4_0", "--drafter", "model", "--k", "8", "--max-tokens", "48")
     left = [float(x) for x in re.findall(r"ASD budget left (-?[\d.]+)", done.stderr)]
     assert len(left) == 3
     assert left[1] <= left[0] < 4.0          # the second turn spends from what the first left
@@ -223,7 +223,7 @@ def test_the_asd_ledger_carries_from_turn_to_turn_until_reset(smol, smol_draft):
     from flylocal.verifiers import VerifierConfig
     from flylocal.verifiers.asd import AsdParams
 
-    conv = conversation(smol, smol_draft, verifier="asd", drafter="model", max_tokens=48, trace=True,
+    conv = conversation(smol, smol_draft, verifier="asd", drafter="model", k=8, max_tokens=48, trace=True,
                         verifiers=VerifierConfig(asd=AsdParams(gate=1.0, cap=4, budget=50.0)))
     answer(conv, "Tell me about cats.")
     first = conv.verifier("asd").spent

@@ -33,7 +33,7 @@ def test_json_output_contract():
     done = flylocal("generate", PROMPT, "--max-tokens", "24", "--json")
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    assert set(out) == {"text", "tokens", "prompt_tokens", "stats"}
+    assert set(out) == {"text", "tokens", "prompt_tokens", "build", "stats"}
     assert out["text"] and len(out["tokens"]) <= 24 and out["prompt_tokens"] > 5
     for key in ("rounds", "drafted", "accepted", "loose", "emitted", "mean_accepted_length",
                 "prefill_s", "wall_s", "target_s", "draft_s", "verify_s", "tokens_per_s"):
@@ -190,7 +190,7 @@ def test_special_token_text_in_a_prompt_is_plain_unless_asked(tmp_path):
 
 
 @pytest.mark.parametrize("args", [
-    ["generate", "Count from 1 to 1000", "--max-tokens", "48", "--ctx", "64", "--draft", "smollm2-135m-instruct-q4_0"],
+    ["generate", "Count from 1 to 1000", "--max-tokens", "48", "--ctx", "64", "--draft", "smollm2-135m-instruct-q4_0", "--k", "8"],
     ["generate", "--raw", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, " * 4, "--ctx", "140", "--max-tokens", "48"],
 ])
 def test_accepted_drafts_that_reach_the_context_end_stop_cleanly(args, tmp_path):
@@ -226,3 +226,48 @@ def test_a_closed_stdout_ends_quietly():
         rc = proc.wait(timeout=120)
         assert rc >= 0, f"{args[0]} died with signal {-rc}"
         assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_the_fast_build_is_the_default_and_exact_is_asked_for(tmp_path):
+    fast = flylocal("generate", PROMPT, "--max-tokens", "8", "--json", env={"FLYLOCAL_EXACT": "0"})
+    assert json.loads(fast.stdout)["build"] == "fast", fast.stderr
+    exact = flylocal("generate", PROMPT, "--max-tokens", "8", "--json", "--exact", env={"FLYLOCAL_EXACT": "0"})
+    assert json.loads(exact.stdout)["build"] == "exact", exact.stderr
+    missing = flylocal("generate", PROMPT, "--exact", env={"FLYLOCAL_EXACT_LIB": str(tmp_path / "none")})
+    assert_one_line_error(missing, "--exact needs the batch-invariant llama.cpp build", "scripts/setup.sh")
+
+
+def test_doctor_reports_both_builds():
+    done = flylocal("doctor", env={"FLYLOCAL_EXACT": "0"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.index("build: fast") < done.stdout.index("build: exact")
+    assert "LLAMAFILE = 1" in done.stdout.split("build: exact")[0]     # llama.cpp's default kernels
+    assert "LLAMAFILE = 1" not in done.stdout.split("build: exact")[1]  # the batch-invariant build
+
+
+def test_the_cost_curve_is_measured_once_per_machine_and_cached(tmp_path):
+    env = {"FLYLOCAL_COSTS": str(tmp_path / "costs")}
+    args = ("generate", PROMPT, "--max-tokens", "8", "--json", "--drafter", "pld")
+    first, second = (json.loads(flylocal(*args, env=env).stdout)["stats"] for _ in range(2))
+    assert (first["cost_curve"], second["cost_curve"]) == ("measured", "cache")
+    again = json.loads(flylocal(*args, "--recalibrate", env=env).stdout)["stats"]
+    assert again["cost_curve"] == "measured"
+    assert second["prefill_s"] < first["prefill_s"]     # the measurement is what the cache saves
+    other = json.loads(flylocal(*args, "--threads", "1", env=env).stdout)["stats"]
+    assert other["cost_curve"] == "measured"            # another thread count is another curve
+
+
+def test_lookup_corpus_drafts_from_a_file(tmp_path):
+    args = ("generate", "--raw", "A list of fruits:", "--max-tokens", "40", "--json", "--verifier", "strict",
+            "--drafter", "pld")
+    alone = json.loads(flylocal(*args, "--k", "8").stdout)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Some notes.\n" + "A list of fruits:" + alone["text"] + "\nMore notes.\n")
+    helped = json.loads(flylocal(*args, "--k", "8", "--lookup-corpus", str(corpus)).stdout)
+    assert helped["tokens"] == alone["tokens"]          # strict: the same output
+    assert helped["stats"]["accepted"] > alone["stats"]["accepted"] + 10
+    assert_one_line_error(flylocal(*args, "--lookup-corpus", str(tmp_path / "nope.txt")),
+                          "cannot read --lookup-corpus", "nope.txt")
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"ok \xff\xfe")
+    assert_one_line_error(flylocal(*args, "--lookup-corpus", str(bad)), "not UTF-8")

@@ -199,3 +199,30 @@ def test_gemma_q4km_diverges_only_at_near_ties(gemma_q4km):
     if not diverged:
         pytest.skip("NOT EXERCISED: strict never left plain decoding on Gemma Q4_K_M in this build, "
                     "so the near-tie property was not checked")
+
+
+@pytest.mark.parametrize("drafter", ["model", "mla"])
+@pytest.mark.parametrize("machine", ["gpu_like", "cpu_like"])
+def test_model_drafters_that_choose_their_length_stay_exact(smol, smol_draft, drafter, machine):
+    """With draft-length control the model drafters choose each round between the draft model
+    (ended by p_min or by cost), prompt lookup alone and a plain step. On a GPU-like cost model
+    they draft with the model; on a CPU-like one lookup drafts and the draft model is never
+    asked. Either way strict equals plain decoding."""
+    import test_costs
+
+    saved = smol.costs, smol_draft.costs
+    try:
+        smol.costs, smol_draft.costs = getattr(test_costs, machine)()
+        for name in ("copy", "own-words"):
+            ids, _ = encode_prompt(smol, SMOL_PROMPTS[name], raw=False)
+            smol_draft.reset()
+            engine = Engine(smol, make_drafter(drafter, smol, smol_draft, k_max=8, adaptive=True, p_min=0.3),
+                            strict, EngineConfig(max_tokens=64, k=8, adaptive=True))
+            tokens, stats, _ = generate_all(engine, ids)
+            assert tokens == plain(smol, ids), name
+            if machine == "gpu_like":
+                assert stats.drafted > 0 and smol_draft.n_past > 0
+            else:
+                assert smol_draft.n_past == 0
+    finally:
+        smol.costs, smol_draft.costs = saved

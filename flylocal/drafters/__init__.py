@@ -24,6 +24,9 @@ EMPTY = np.zeros(0, dtype=np.int32)
 class Draft:
     tokens: np.ndarray      # [k'] int32, k' <= k
     level: int = 0          # confidence bucket for draft-length control (PLD: n-gram size)
+    source: str = ""        # "pld" or "model" where a drafter chose between them this round
+    levels: list | None = None    # a model draft: each token's confidence level
+    seconds: float | None = None  # a model draft: the time it took
 
 
 class Drafter(Protocol):
@@ -49,8 +52,12 @@ class NoDraft:
         return Draft(EMPTY)
 
 
-def make_drafter(name: str, target, draft_model=None, *, pld_ngram: int = 4, pld_tokens: int | None = None):
-    """Build a drafter by name. `target` and `draft_model` are Runtimes."""
+def make_drafter(name: str, target, draft_model=None, *, pld_ngram: int = 4, pld_tokens: int | None = None,
+                 k_max: int = 8, adaptive: bool = False, p_min: float = 0.0, corpus=None,
+                 recalibrate: bool = False):
+    """Build a drafter by name. `target` and `draft_model` are Runtimes. With `adaptive`, the
+    model drafters weigh the draft model against prompt lookup alone each round, on the
+    target's cost curve (flylocal.drafters.model)."""
     from flylocal.drafters.mla import MLADrafter
     from flylocal.drafters.model import ModelDrafter
     from flylocal.drafters.pld import PromptLookup
@@ -58,14 +65,16 @@ def make_drafter(name: str, target, draft_model=None, *, pld_ngram: int = 4, pld
     if name == "none":
         return NoDraft()
     if name == "pld":
-        return PromptLookup(target.eog_mask, max_ngram=pld_ngram, max_tokens=pld_tokens)
+        return PromptLookup(target.eog_mask, max_ngram=pld_ngram, max_tokens=pld_tokens, corpus=corpus)
     if draft_model is None:
         raise ValueError(f"drafter {name} needs a draft model (--draft)")
+    common = dict(k_max=k_max, p_min=p_min, target_costs=target.costs if adaptive else None, corpus=corpus,
+                  recalibrate=recalibrate)
     if name == "model":
-        return ModelDrafter(draft_model, target.n_vocab, target.eog_mask)
+        return ModelDrafter(draft_model, target.n_vocab, target.eog_mask, max_ngram=pld_ngram, **common)
     if name == "mla":
         return MLADrafter(draft_model, target.n_vocab, target.eog_mask, max_ngram=pld_ngram,
-                          max_tokens=pld_tokens or 6, adaptive_lookup=pld_tokens is None)
+                          max_tokens=pld_tokens or 6, adaptive_lookup=pld_tokens is None, **common)
     raise ValueError(f"unknown drafter {name}")
 
 

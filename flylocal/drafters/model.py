@@ -3,37 +3,112 @@
 The draft keeps its own KV cache. Before each draft it rolls back to the longest prefix it
 shares with the committed context and evaluates what it has not seen (the correction or
 bonus token of the last round, or a new chat turn).
+
+With draft-length control (the default; docs/design.md, "Cost model") each round weighs the
+draft model against prompt lookup alone and a plain step, from the measured costs of both
+models and the measured acceptance, and drafts with the one expected to commit the most
+tokens per second. A model draft then ends at a token the draft gives less than `p_min`, or
+where one more token is not expected to pay for itself. With an explicit --k the model drafts
+k tokens (ending early only at p_min).
 """
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
-from flylocal.drafters import Draft
+from flylocal.adaptive import DraftLength, ModelDraftLength, timed_decode, top_probability
+from flylocal.drafters import EMPTY, Draft
+from flylocal.drafters.pld import PromptLookup
 
 
-class ModelDrafter:
-    name = "model"
-    adaptive = False
+class ModelBased:
+    """What `model` and `mla` share: catching the draft's cache up, the confidence stop, and
+    the round's choice between the draft model, prompt lookup alone and a plain step."""
 
-    def __init__(self, model, target_vocab: int, eog: np.ndarray):
+    name = ""
+    adaptive = False          # the engine takes these drafts as they come; the choice is made here
+
+    def __init__(self, model, target_vocab: int, eog: np.ndarray, *, k_max: int = 8, p_min: float = 0.0,
+                 target_costs=None, max_ngram: int = 4, corpus=None, recalibrate: bool = False):
         self.model = model                # Runtime of the draft model
         self.target_vocab = target_vocab
         self.eog = eog                    # [n_vocab] bool, the target's end-of-generation ids
+        self.p_min = p_min
+        self.plan = self.lookup = self.lookup_length = None
+        self.corpus = corpus
+        self.recalibrate = recalibrate
+        self._costs_ready = False
+        if target_costs is not None:      # draft-length control
+            self.plan = ModelDraftLength(k_max, target_costs, model.costs, p_min)
+            self.lookup = PromptLookup(eog, max_ngram=max_ngram, corpus=corpus)
+            self.lookup_length = DraftLength(k_max, self.lookup.level_prior, target_costs)
+
+    def _catch_up(self, context: np.ndarray) -> np.ndarray:
+        """Roll the draft's cache back to what it shares with `context`; return the tokens it
+        has not seen (at least the last one)."""
+        return context[self.model.reuse_prefix(context):]
+
+    def _ensure_costs(self, context: np.ndarray) -> None:
+        """The draft model's own cost curve, from the disk cache or measured once, after the
+        draft has caught up with `context` (but its last token)."""
+        if self._costs_ready:
+            return
+        costs = self.model.costs
+        known = costs.fixed or costs.calibrated or (costs.source == "none" and not self.recalibrate and costs.load())
+        if not known:
+            feed = self._catch_up(context)
+            self.model.decode(feed[:-1])
+            costs.ensure(lambda rows: timed_decode(self.model, int(feed[-1]), rows), max_rows=2,
+                         limit=self.model.n_batch, recalibrate=self.recalibrate)
+        self._costs_ready = True
 
     def propose(self, context: np.ndarray, k: int) -> Draft:
         k = min(k, self.model.n_ctx - len(context))
-        out = []
         if k <= 0:
-            return Draft(np.zeros(0, dtype=np.int32))
-        feed = context[self.model.reuse_prefix(context):]
+            return Draft(EMPTY)
+        if self.plan is None:
+            return self._draft(context, k, lambda levels, p: p >= self.p_min)
+        self._ensure_costs(context)
+        model_rate, model_k = self.plan.best(k)
+        guess = self.lookup.propose(context, k)
+        rates = self.lookup_length.rates(guess.level, len(guess.tokens))
+        j = int(np.argmax(rates))
+        if rates[j] >= model_rate or model_k == 0:
+            return Draft(guess.tokens[:j], guess.level, source="pld")
+        t0 = time.perf_counter()
+        draft = self._draft(context, k, self.plan.keep_going)
+        return Draft(draft.tokens, source="model", levels=draft.levels, seconds=time.perf_counter() - t0)
+
+    def observe(self, draft: Draft, accepted: int) -> None:
+        """Feedback after the round that verified `draft`."""
+        if self.plan is None:
+            return
+        if draft.source == "model":
+            self.plan.observe(draft.levels, accepted, draft.seconds)
+        else:
+            self.lookup_length.update(draft.level, len(draft.tokens), accepted)
+
+    def _draft(self, context: np.ndarray, k: int, keep) -> Draft:
+        raise NotImplementedError
+
+
+class ModelDrafter(ModelBased):
+    name = "model"
+
+    def _draft(self, context: np.ndarray, k: int, keep) -> Draft:
+        out, levels = [], []
+        feed = self._catch_up(context)
         while True:
             logits = self.model.decode(feed, logits_from=len(feed) - 1)   # [1, n_vocab_draft]
             token = int(logits[0].argmax())
-            if token >= self.target_vocab:
+            p = float(top_probability(logits)[0])
+            if token >= self.target_vocab or not keep(levels, p):
                 break
             out.append(token)
+            levels.append(ModelDraftLength.level(p))
             if len(out) == k or self.eog[token]:
                 break
             feed = out[-1:]
-        return Draft(np.asarray(out, dtype=np.int32))
+        return Draft(np.asarray(out, dtype=np.int32), levels=levels)

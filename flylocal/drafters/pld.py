@@ -1,5 +1,10 @@
 """Prompt lookup (PLD): propose the continuation of the most recent earlier occurrence of the
-context's final n-gram, trying n from `max_ngram` down to 1. No model, no training."""
+context's final n-gram, trying n from `max_ngram` down to 1. No model, no training.
+
+Beyond the context, lookup also searches a `Corpus`: a file the user names (--lookup-corpus)
+and what was generated earlier in the session (chat turns, server requests). A longer match
+wins; at equal length the context's, which is more recent.
+"""
 
 from __future__ import annotations
 
@@ -51,6 +56,49 @@ def match_length(tokens: np.ndarray, end: int, limit: int) -> int:
     return n
 
 
+class Corpus:
+    """Token ids searched after the context, indexed by token: `order` [m] sorts positions
+    0..m-1 by their token (stable, so each token's positions stay ascending)."""
+
+    LIMIT = 1 << 20        # tokens kept; the oldest generated text goes first
+
+    def __init__(self, tokens=None):
+        self.tokens = EMPTY if tokens is None else np.asarray(tokens, dtype=np.int32)
+        self._index()
+
+    def _index(self) -> None:
+        body = self.tokens[:-1]                     # a match needs a token after it
+        self.order = np.argsort(body, kind="stable").astype(np.int64)
+        self.sorted = body[self.order]
+
+    def add(self, tokens) -> None:
+        """Remember generated text (it is searched from the next round on)."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if not len(tokens):
+            return
+        self.tokens = np.concatenate([self.tokens, tokens])[-self.LIMIT:]
+        self._index()
+
+    def find(self, context: np.ndarray, max_ngram: int) -> tuple[int, int]:
+        """(end, n) of the most recent occurrence in the corpus of the longest suffix n-gram of
+        `context` (n <= max_ngram); (-1, 0) when its last token never occurs."""
+        if not len(self.sorted) or not len(context):
+            return -1, 0
+        last = context[-1]
+        lo, hi = np.searchsorted(self.sorted, last), np.searchsorted(self.sorted, last, side="right")
+        ends = self.order[lo:hi]
+        if not ends.size:
+            return -1, 0
+        n = 1
+        while n < max_ngram and n < len(context):
+            room = ends[ends >= n]
+            longer = room[self.tokens[room - n] == context[-1 - n]]
+            if not longer.size:
+                break
+            ends, n = longer, n + 1
+        return int(ends[-1]), n
+
+
 # Confidence levels for draft-length control: the n-gram size up to max_ngram, then one level
 # more for each bucket of how far back the chosen match really extends. A long match means the
 # text is being copied, and its continuation is far more likely to be accepted.
@@ -75,16 +123,25 @@ class PromptLookup:
     name = "pld"
     adaptive = True
 
-    def __init__(self, eog: np.ndarray, max_ngram: int = 4, max_tokens: int | None = None):
+    def __init__(self, eog: np.ndarray, max_ngram: int = 4, max_tokens: int | None = None,
+                 corpus: Corpus | None = None):
         self.eog = eog                  # [n_vocab] bool
         self.max_ngram = max_ngram
         self.max_tokens = max_tokens    # None: up to the round's k
+        self.corpus = corpus
         self.level_prior = level_prior(max_ngram)     # [levels] float64
 
     def propose(self, context: np.ndarray, k: int) -> Draft:
         cap = k if self.max_tokens is None else min(k, self.max_tokens)
+        if cap <= 0:
+            return Draft(EMPTY)
         end, n = find_match(context, self.max_ngram)
-        if n == 0 or cap <= 0:
+        if n < self.max_ngram and self.corpus is not None:
+            c_end, c_n = self.corpus.find(context, self.max_ngram)
+            if c_n > n:
+                tokens = self.corpus.tokens[c_end + 1 : c_end + 1 + cap]
+                return Draft(stop_at_eog(tokens, self.eog), level=min(c_n, self.max_ngram))
+        if n == 0:
             return Draft(EMPTY)
         tokens = context[end + 1 : end + 1 + cap]
         level = confidence_level(context, end, n, self.max_ngram)

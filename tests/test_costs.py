@@ -1,0 +1,178 @@
+"""The cost model: cost curves measured once and cached, a draft model that drafts only where
+it pays, and lookup beyond the context. Fake cost curves stand in for machines: a CPU-like
+one, where a row costs 40% of a step, and a GPU-like flat one."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from flylocal.adaptive import CostCurve, ModelDraftLength, costs_dir
+from flylocal.drafters.pld import Corpus, PromptLookup, find_match
+
+KEY = {"model": "/m.gguf", "size": 1, "threads": 2}
+
+
+def probe(calls, single=0.01, per_row=0.4):
+    def timed(rows):
+        calls.append(rows)
+        return single * (1 + per_row * (rows - 1))
+    return timed
+
+
+@pytest.fixture
+def costs(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLYLOCAL_COSTS", str(tmp_path / "costs"))
+    return tmp_path / "costs"
+
+
+def test_a_curve_is_measured_once_then_read_from_the_cache(costs):
+    calls = []
+    first = CostCurve(key=KEY)
+    first.ensure(probe(calls), max_rows=11)
+    assert first.source == "measured" and {1, 2, 3, 5, 9, 11, 17} <= set(calls)
+    assert len(list(costs.glob("*.json"))) == 1
+    n = len(calls)
+    first.ensure(probe(calls), max_rows=11)            # within a process: never again
+    assert len(calls) == n
+    second = CostCurve(key=KEY)                         # another process, same key
+    second.ensure(probe(calls), max_rows=11)
+    assert len(calls) == n and second.source == "cache"
+    assert np.allclose(second.cost(17), first.cost(17))
+    other = CostCurve(key={**KEY, "threads": 1})        # another thread count is another curve
+    other.ensure(probe(calls), max_rows=11)
+    assert len(calls) > n and other.source == "measured"
+
+
+def test_recalibrate_measures_again_and_a_bad_cache_file_is_measured_over(costs):
+    calls = []
+    CostCurve(key=KEY).ensure(probe(calls), max_rows=9)
+    n = len(calls)
+    again = CostCurve(key=KEY)
+    again.ensure(probe(calls, single=0.02), max_rows=9, recalibrate=True)
+    assert len(calls) > n and again.source == "measured"
+    reread = CostCurve(key=KEY)
+    reread.load()
+    assert np.isclose(reread.cost(1)[0], 0.02)         # the new measurement replaced the old one
+    for path in costs.glob("*.json"):
+        path.write_text("{not json")
+    broken = CostCurve(key=KEY)
+    n = len(calls)
+    broken.ensure(probe(calls), max_rows=9)
+    assert len(calls) > n and broken.source == "measured"
+    for path in costs.glob("*.json"):
+        data = json.loads(path.read_text())
+        data["seconds"][0] = -1.0
+        path.write_text(json.dumps(data))
+    assert not CostCurve(key=KEY).load()               # a negative time is not a curve
+
+
+def test_rounds_refine_the_curve_and_the_refinement_is_saved(costs):
+    curve = CostCurve(key=KEY)
+    curve.ensure(probe([]), max_rows=9)
+    for _ in range(40):
+        curve.update(9, 0.5)                           # 9-row rounds turn out much dearer
+    assert curve.cost(9)[8] > 0.4 and curve.dirty
+    curve.save()
+    again = CostCurve(key=KEY)
+    assert again.load() and again.cost(9)[8] > 0.4
+
+
+def test_interpolation_and_growth_past_the_largest_size():
+    curve = CostCurve(seconds=[0.01, 0.02, np.nan, 0.03])
+    cost = curve.cost(6)
+    assert np.allclose(cost[:4], [0.01, 0.02, 0.025, 0.03])
+    assert np.allclose(cost[4:], [0.035, 0.04])        # the last measured slope
+    assert np.allclose(CostCurve().cost(3), 0.01 * np.array([1.0, 1.4, 1.8]))   # the prior's shape
+
+
+def cpu_like(single=0.01):
+    """A 2-core CPU: each row costs 40% of a step, and a draft step costs what a target step does."""
+    target = CostCurve(seconds=single * (1 + 0.4 * np.arange(17)), fixed=True)
+    draft = CostCurve(seconds=single * (1 + 0.4 * np.arange(17)), fixed=True)
+    return target, draft
+
+
+def gpu_like(single=0.01):
+    """A GPU: verifying 17 rows costs what 1 does, and the draft is 20x cheaper than the target."""
+    target = CostCurve(seconds=np.full(17, single), fixed=True)
+    draft = CostCurve(seconds=np.full(17, single / 20), fixed=True)
+    return target, draft
+
+
+def test_a_draft_model_that_costs_a_target_step_never_drafts():
+    plan = ModelDraftLength(8, *cpu_like())
+    rate, k = plan.best(8)
+    assert k == 0 and np.isclose(rate, 1 / 0.01)       # a plain step is best
+    for _ in range(50):                                 # even a draft that is always right
+        plan.observe([5] * 8, 8, 0.08)
+    assert plan.best(8)[1] == 0
+
+
+def test_a_cheap_draft_on_a_flat_curve_drafts_long():
+    plan = ModelDraftLength(8, *gpu_like())
+    rate, k = plan.best(8)
+    assert k >= 3 and rate > 1.5 / 0.01                 # at the prior's mean acceptance
+    assert all(plan.keep_going([5] * j, 0.99) for j in range(8))    # confident tokens: on to k
+    for _ in range(20):
+        plan.observe([5] * 8, 8, 0.004)
+    assert plan.best(8)[1] == 8                         # measured acceptance: the whole length
+    for _ in range(80):                                 # drafts that are all rejected bring it down
+        plan.observe([0, 0, 0, 0], 0, 0.002)
+    assert plan.best(8)[1] < 3
+
+
+def test_p_min_ends_a_draft_and_keep_going_weighs_the_next_token():
+    plan = ModelDraftLength(8, *gpu_like(), p_min=0.6)
+    assert not plan.keep_going([], 0.59) and plan.keep_going([], 0.61)
+    steep = ModelDraftLength(8, CostCurve(seconds=0.01 * (1 + 0.4 * np.arange(17)), fixed=True),
+                             CostCurve(seconds=np.full(17, 0.0005), fixed=True))
+    assert steep.keep_going([5], 0.99)                  # one more confident token still pays
+    assert not steep.keep_going([5, 0, 0], 0.1)         # after two unlikely ones, another does not
+
+
+def test_the_model_drafter_weighs_the_model_against_lookup(smol, smol_draft):
+    """The round's choice, on real models with fake cost curves: on a CPU-like curve the draft
+    model is never asked and prompt lookup (or a plain step) drafts; on a GPU-like curve the
+    model drafts, long."""
+    from flylocal.drafters.model import ModelDrafter
+
+    ids = smol.tokenize_chat([{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}])
+    saved = smol.costs, smol_draft.costs
+    try:
+        for curves, expect in ((cpu_like(), "pld"), (gpu_like(), "model")):
+            smol.costs, smol_draft.costs = curves
+            smol.reset()
+            smol_draft.reset()
+            drafter = ModelDrafter(smol_draft, smol.n_vocab, smol.eog_mask, k_max=8, p_min=0.0,
+                                   target_costs=smol.costs)
+            draft = drafter.propose(ids, 8)
+            assert draft.source == expect
+            if expect == "model":
+                assert len(draft.tokens) >= 5 and len(draft.levels) == len(draft.tokens)
+            else:
+                assert smol_draft.n_past == 0            # the draft model did no work at all
+    finally:
+        smol.costs, smol_draft.costs = saved
+
+
+def test_corpus_lookup_finds_the_longest_match_and_prefers_the_context_on_ties():
+    corpus = Corpus(np.array([7, 1, 2, 3, 4, 9, 9, 1, 2, 3, 5], dtype=np.int32))
+    assert corpus.find(np.array([2, 3], dtype=np.int32), 4) == (9, 2)     # the most recent "2 3"
+    assert corpus.find(np.array([7, 1, 2, 3], dtype=np.int32), 4) == (3, 4)
+    assert corpus.find(np.array([8], dtype=np.int32), 4) == (-1, 0)
+    eog = np.zeros(16, dtype=bool)
+    lookup = PromptLookup(eog, max_ngram=4, corpus=corpus)
+    context = np.array([6, 7, 1, 2, 3], dtype=np.int32)   # in the context only "3" recurs (nowhere): corpus wins
+    assert list(lookup.propose(context, 3).tokens) == [4, 9, 9]
+    context = np.array([2, 3, 8, 2, 3], dtype=np.int32)   # "2 3" in both: the context's continuation
+    assert find_match(context, 4) == (1, 2)
+    assert list(lookup.propose(context, 2).tokens) == [8, 2]
+    corpus.add(np.array([6, 6, 2, 3, 11], dtype=np.int32))   # generated text is searched next time
+    assert list(PromptLookup(eog, corpus=corpus).propose(np.array([0, 2, 3], dtype=np.int32), 1).tokens) == [11]
+
+
+def test_the_cost_cache_lives_where_it_is_told(costs):
+    assert costs_dir() == costs
