@@ -38,17 +38,15 @@ METHODS = ("autoregressive", "llama-cpp-python", "llama-cpp-python-pld", "strict
 NEEDS_DRAFT = {m for m in METHODS if m.endswith(("-model", "-mla"))}
 
 
-# Spec-Bench's six groups: its eight MT-Bench categories pool as multi-turn conversation.
-SPEC_BENCH_GROUPS = {"translation": "translation", "summarization": "summarization", "qa": "qa",
-                     "math_reasoning": "math_reasoning", "rag": "rag"}
+# Spec-Bench's six groups: its eight MT-Bench categories pool as multi-turn conversation; any
+# other category is a group of its own.
 MT_BENCH = "multi-turn"
+MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 GROUP_ORDER = (MT_BENCH, "translation", "summarization", "qa", "math_reasoning", "rag")
 
 
 def group_of(category: str | None) -> str | None:
-    if category is None:
-        return None
-    return SPEC_BENCH_GROUPS.get(category, MT_BENCH)
+    return MT_BENCH if category in MT_BENCH_CATEGORIES else category
 
 
 @dataclass
@@ -341,8 +339,8 @@ def run(settings: Settings, target, draft, baselines: dict, prompts: list[Prompt
                 if r == repeat - 1:
                     row.outputs[p.id] = outputs[0]
                     row.later[p.id] = [t for t, _ in outputs[1:]]
-    for m, row in rows.items():
-        for p in prompts:
+    for p in prompts:                 # prompt-major: the target's cache keeps the prompt between methods
+        for m, row in rows.items():
             if p.id not in row.outputs:
                 continue
             tokens, text = row.outputs[p.id]

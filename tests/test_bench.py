@@ -369,6 +369,7 @@ def test_per_group_takes_the_first_of_each_group_in_turn_from_its_categories():
     assert [p.id for p in b.per_group(prompts, 2)] == ["81", "82", "201", "301", "302"]
     assert [p.id for p in b.per_group(prompts, 1)] == ["81", "201", "301"]
     assert [p.group for p in prompts] == ["multi-turn", "multi-turn", "translation", "qa", "qa"]
+    assert b.group_of("copy-edit") == "copy-edit" and b.group_of(None) is None   # other categories stand alone
 
 
 def test_a_bad_spec_bench_row_is_named(tmp_path):

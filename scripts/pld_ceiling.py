@@ -1,0 +1,116 @@
+"""How close prompt lookup's draft-length control comes to the best possible, on Spec-Bench.
+
+Strict decoding is deterministic, so once the target's greedy output for a prompt is known,
+every round of a prompt-lookup run can be replayed without the model: at each position the
+lookup proposal is a function of the context, and the accepted length is its agreement with
+the known output. Given this machine's cost curve t(n) (the one the engine uses), the script
+compares, in decode time against plain decoding:
+
+- the controller flylocal runs (flylocal.adaptive.DraftLength, as in the engine);
+- the best fixed draft length per confidence level, chosen in hindsight on these prompts;
+- an oracle that knows how many proposed tokens will be accepted and drafts exactly those:
+  a ceiling no controller that sees only the proposal can reach.
+
+    .venv/bin/python scripts/pld_ceiling.py [--per-category 16] [--max-tokens 128] [--exact]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
+                                                      "spec_bench"))
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--per-category", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=8, help="the controller's longest draft")
+    ap.add_argument("--exact", action="store_true", help="the batch-invariant build")
+    args = ap.parse_args()
+
+    from flylocal import kernels
+    kernels.choose(args.exact)
+
+    from flylocal.adaptive import DraftLength, timed_decode
+    from flylocal.bench import load_prompts, per_group
+    from flylocal.drafters.pld import PromptLookup
+    from flylocal.engine import generate_all
+    from flylocal.loader import Settings, encode_prompt, load
+
+    loaded = load(Settings(target=args.target, drafter="none", verifier="strict", max_tokens=args.max_tokens))
+    target = loaded.target
+    items = []
+    for p in per_group(load_prompts(args.prompts), args.per_category):
+        ids, _ = encode_prompt(target, p.text, raw=False)
+        target.reset()
+        tokens, _, _ = generate_all(loaded.engine, ids)
+        items.append((p.group, np.concatenate([ids, np.asarray(tokens, dtype=np.int32)]), len(ids)))
+        print(f"\r{len(items)} prompts", end="", file=sys.stderr)
+    print(file=sys.stderr)
+    target.reset()
+    probe = items[0][1]
+    target.decode(probe[:-1][:256])
+    target.costs.ensure(lambda rows: timed_decode(target, int(probe[0]), rows), max_rows=17, limit=target.n_batch)
+    cost = target.costs.cost(17)                                      # [17] t(1..17)
+    lookup = PromptLookup(np.zeros(target.n_vocab, dtype=bool))
+
+    def replay(choose, update=lambda *a: None):
+        per = collections.defaultdict(lambda: [0.0, 0.0])             # group -> plain seconds, seconds
+        for group, full, n0 in items:
+            state = {}
+            pos, t = n0, 0.0
+            while pos < len(full):
+                k = min(16, len(full) - pos - 1)
+                prop = lookup.propose(full[:pos], k) if k > 0 else None
+                truth = full[pos: pos + len(prop.tokens)] if prop is not None else full[:0]
+                agree = 0
+                while prop is not None and agree < len(prop.tokens) and prop.tokens[agree] == truth[agree]:
+                    agree += 1
+                kk = choose(state, prop, agree) if prop is not None and len(prop.tokens) else 0
+                accepted = min(agree, kk)
+                update(state, prop, kk, accepted)
+                t += cost[kk]
+                pos += accepted + 1
+            per[group][0] += (len(full) - n0) * cost[0]
+            per[group][1] += t
+        overall = sum(a for a, _ in per.values()) / sum(b for _, b in per.values())
+        return {g: a / b for g, (a, b) in per.items()}, overall
+
+    def controller(state, prop, agree):
+        state.setdefault("dl", DraftLength(args.k, lookup.level_prior, target.costs))
+        return state["dl"].choose(prop.level, len(prop.tokens))
+
+    def controller_update(state, prop, kk, accepted):
+        if "dl" in state:
+            state["dl"].update(prop.level if prop is not None else 0, kk, accepted)
+
+    levels = range(len(lookup.level_prior))
+    best: dict[int, int] = {}
+    for level in levels:            # the best fixed length per level, one level at a time
+        scores = {k: replay(lambda s, p, a, m={**best, level: k}: min(m.get(p.level, 0), len(p.tokens)))[1]
+                  for k in (0, 2, 3, 4, 6, 8, 12, 16)}
+        best[level] = max(scores, key=scores.get)
+
+    rows = [("controller (flylocal)", replay(controller, controller_update)),
+            (f"best fixed length per level {best}", replay(lambda s, p, a: min(best.get(p.level, 0), len(p.tokens)))),
+            ("oracle: drafts exactly what will be accepted", replay(lambda s, p, a: a))]
+    groups = [g for g in ("multi-turn", "translation", "summarization", "qa", "math_reasoning", "rag")
+              if g in rows[0][1][0]]
+    print(f"decode speedup over plain decoding, {len(items)} prompts, {kernels.mode()} build, cost curve (ms): "
+          + ", ".join(f"{n}: {1000 * cost[n - 1]:.1f}" for n in (1, 2, 3, 5, 9, 17)))
+    print("| policy | " + " | ".join(groups) + " | overall |")
+    print("|" + " --- |" * (len(groups) + 2))
+    for name, (per, overall) in rows:
+        print(f"| {name} | " + " | ".join(f"{per[g]:.3f}" for g in groups) + f" | {overall:.3f} |")
+    loaded.close()
+
+
+if __name__ == "__main__":
+    main()
