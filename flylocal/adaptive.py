@@ -19,6 +19,7 @@ rounds actually run, and shared by everything that drafts for that model in one 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -167,15 +168,21 @@ class CostCurve:
             return
         data = {"format": COST_FORMAT, "key": self.key, "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "seconds": [None if np.isnan(v) else float(v) for v in self.seconds]}
+        tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".costs-", suffix=".part")
             with os.fdopen(fd, "w") as f:
                 json.dump(data, f)
             os.replace(tmp, path)
+            tmp = None
             self.dirty = False
         except OSError:
             pass
+        finally:                      # an error or a Ctrl-C leaves no temporary file behind
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
     def ensure(self, timed_decode, max_rows: int, limit: int | None = None, recalibrate: bool = False) -> None:
         """Make the curve usable up to `max_rows`: from the disk cache when it holds this key

@@ -34,7 +34,13 @@ from flylocal.errors import FlylocalError
 
 KERNELS = kernels.activate()     # fast or exact: which llama.cpp library is loaded just below
 
-import llama_cpp  # noqa: E402 - after the build is chosen
+try:
+    import llama_cpp  # noqa: E402 - after the build is chosen
+except (OSError, RuntimeError) as _e:
+    _where = os.environ.get("LLAMA_CPP_LIB_PATH") or "llama-cpp-python's own"
+    raise FlylocalError(f"cannot load the {KERNELS} llama.cpp build ({_where}): "
+                        f"{str(_e).strip().splitlines()[-1] if str(_e).strip() else type(_e).__name__}; "
+                        "run scripts/setup.sh again") from None
 
 GGUF_MAGIC = b"GGUF"
 

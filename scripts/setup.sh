@@ -97,6 +97,8 @@ wheel_dir() {
     CMAKE_ARGS="$1" "${PIP[@]}" wheel --no-deps --no-cache-dir -w "$wheels.tmp" \
       "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" >&2
     rm -rf "$wheels" && mv "$wheels.tmp" "$wheels"
+  else
+    say "using the llama-cpp-python wheel built earlier with CMAKE_ARGS=\"$1\" ($wheels)"
   fi
   echo "$wheels"
 }

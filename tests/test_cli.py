@@ -235,6 +235,11 @@ def test_the_fast_build_is_the_default_and_exact_is_asked_for(tmp_path):
     assert json.loads(exact.stdout)["build"] == "exact", exact.stderr
     missing = flylocal("generate", PROMPT, "--exact", env={"FLYLOCAL_EXACT_LIB": str(tmp_path / "none")})
     assert_one_line_error(missing, "--exact needs the batch-invariant llama.cpp build", "scripts/setup.sh")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "libllama.so").write_bytes(b"not a library")
+    assert_one_line_error(flylocal("generate", PROMPT, "--exact", env={"FLYLOCAL_EXACT_LIB": str(broken)}),
+                          "cannot load the exact llama.cpp build", str(broken))
 
 
 def test_doctor_reports_both_builds():
@@ -252,7 +257,6 @@ def test_the_cost_curve_is_measured_once_per_machine_and_cached(tmp_path):
     assert (first["cost_curve"], second["cost_curve"]) == ("measured", "cache")
     again = json.loads(flylocal(*args, "--recalibrate", env=env).stdout)["stats"]
     assert again["cost_curve"] == "measured"
-    assert second["prefill_s"] < first["prefill_s"]     # the measurement is what the cache saves
     other = json.loads(flylocal(*args, "--threads", "1", env=env).stdout)["stats"]
     assert other["cost_curve"] == "measured"            # another thread count is another curve
 
