@@ -274,16 +274,6 @@ class Runtime:
         self.close()
 
     # ----- metadata -----
-    def meta(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(256)
-        n = llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        if n < 0:
-            return None
-        if n >= len(buf):
-            buf = ctypes.create_string_buffer(n + 1)
-            llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", "replace")
-
     def chat_template(self) -> str | None:
         self._check_open()
         raw = llama_cpp.llama_model_chat_template(self._model, None)

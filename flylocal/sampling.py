@@ -67,15 +67,13 @@ def processed_probs(z: np.ndarray, history: np.ndarray, p: SamplingParams) -> tu
 
 
 def sample_targets(draft: np.ndarray, logits: np.ndarray, committed: np.ndarray, p: SamplingParams,
-                   rng: np.random.Generator, rows: int | None = None) -> np.ndarray:
+                   rng: np.random.Generator) -> np.ndarray:
     """a [k+1] int32: at each draft position, d[j] with probability q_j(d[j]), otherwise a
     sample from q_j without d[j]; at the bonus position a plain sample. Each a[j] is an exact
-    sample from q_j given the draft prefix before it. `rows` limits the work to the first rows
-    (the rest are -1)."""
+    sample from q_j given the draft prefix before it."""
     k = len(draft)
-    rows = k + 1 if rows is None else rows
     out = np.full(k + 1, -1, dtype=np.int32)
-    for j in range(rows):
+    for j in range(k + 1):
         ids, probs = processed_probs(logits[j], np.concatenate([committed, draft[:j]]), p)
         if j < k:
             hit = np.flatnonzero(ids == draft[j])

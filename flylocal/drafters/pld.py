@@ -37,12 +37,12 @@ def find_match(tokens: np.ndarray, max_ngram: int) -> tuple[int, int]:
     return int(ends[-1]), n
 
 
-def prompt_lookup(tokens: np.ndarray, max_ngram: int, max_tokens: int, min_ngram: int = 1) -> tuple[np.ndarray, int]:
+def prompt_lookup(tokens: np.ndarray, max_ngram: int, max_tokens: int) -> tuple[np.ndarray, int]:
     """(continuation [<= max_tokens] int32, n) after the match `find_match` picks; (empty, 0) if none."""
     if max_tokens <= 0:
         return EMPTY, 0
     end, n = find_match(tokens, max_ngram)
-    if n < max(min_ngram, 1):
+    if n == 0:
         return EMPTY, 0
     return tokens[end + 1 : end + 1 + max_tokens], n
 
