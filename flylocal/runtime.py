@@ -241,10 +241,7 @@ class Runtime:
 
     def close(self) -> None:
         """Free the context and the model. Any later use raises instead of touching freed memory.
-        A cost curve refined by the rounds run is written to the disk cache first."""
-        costs = getattr(self, "costs", None)
-        if costs is not None and costs.dirty:
-            costs.save()
+        A cost curve refined by the rounds run is then written to the disk cache."""
         if getattr(self, "_ctx", None):
             ctx, self._ctx = self._ctx, None
             llama_cpp.llama_batch_free(self._batch)
@@ -252,6 +249,9 @@ class Runtime:
         if getattr(self, "_model", None):
             model, self._model, self._vocab = self._model, None, None
             llama_cpp.llama_model_free(model)
+        costs = getattr(self, "costs", None)
+        if costs is not None and costs.dirty:      # after freeing: a Ctrl-C here leaks nothing
+            costs.save()
 
     @property
     def closed(self) -> bool:

@@ -63,10 +63,11 @@ class MLADrafter(ModelBased):
             if self.inner is not None:
                 self.inner.update(level, len(guess), m, time.perf_counter() - t0)
             new = np.append(guess[:m], choice[m]).astype(np.int32)
-            p = top_probability(logits[: m + 1])                # [m+1] the draft's confidence in each
+            # [m+1] the draft's confidence in each
+            p = top_probability(logits[: m + 1]) if keep is not None else np.ones(m + 1)
             stop = len(new)
             for i in range(len(new)):
-                if new[i] >= self.target_vocab or not keep(levels, float(p[i])):
+                if new[i] >= self.target_vocab or (keep is not None and not keep(levels, float(p[i]))):
                     stop = i
                     break
                 levels.append(ModelDraftLength.level(float(p[i])))

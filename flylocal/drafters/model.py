@@ -55,21 +55,24 @@ class ModelBased:
         draft has caught up with `context` (but its last token)."""
         if self._costs_ready:
             return
-        costs = self.model.costs
-        known = costs.fixed or costs.calibrated or (costs.source == "none" and not self.recalibrate and costs.load())
-        if not known:
-            feed = self._catch_up(context)
-            self.model.decode(feed[:-1])
-            costs.ensure(lambda rows: timed_decode(self.model, int(feed[-1]), rows), max_rows=2,
-                         limit=self.model.n_batch, recalibrate=self.recalibrate)
+        token = []
+
+        def probe(rows):                  # the catch-up is paid only if the curve must be measured
+            if not token:
+                feed = self._catch_up(context)
+                self.model.decode(feed[:-1])
+                token.append(int(feed[-1]))
+            return timed_decode(self.model, token[0], rows)
+
+        self.model.costs.ensure(probe, max_rows=2, limit=self.model.n_batch, recalibrate=self.recalibrate)
         self._costs_ready = True
 
     def propose(self, context: np.ndarray, k: int) -> Draft:
         k = min(k, self.model.n_ctx - len(context))
         if k <= 0:
             return Draft(EMPTY)
-        if self.plan is None:
-            return self._draft(context, k, lambda levels, p: p >= self.p_min)
+        if self.plan is None:           # an explicit --k: k tokens, ended early only by p_min
+            return self._draft(context, k, (lambda levels, p: p >= self.p_min) if self.p_min > 0 else None)
         self._ensure_costs(context)
         model_rate, model_k = self.plan.best(k)
         guess = self.lookup.propose(context, k)
@@ -91,6 +94,9 @@ class ModelBased:
             self.lookup_length.update(draft.level, len(draft.tokens), accepted)
 
     def _draft(self, context: np.ndarray, k: int, keep) -> Draft:
+        """Up to k draft tokens. `keep(levels, p)` says whether the next token, which the draft
+        gives probability p, is kept and drafting goes on; None keeps every token (and spares
+        the softmax)."""
         raise NotImplementedError
 
 
@@ -103,8 +109,8 @@ class ModelDrafter(ModelBased):
         while True:
             logits = self.model.decode(feed, logits_from=len(feed) - 1)   # [1, n_vocab_draft]
             token = int(logits[0].argmax())
-            p = float(top_probability(logits)[0])
-            if token >= self.target_vocab or not keep(levels, p):
+            p = float(top_probability(logits)[0]) if keep is not None else 1.0
+            if token >= self.target_vocab or (keep is not None and not keep(levels, p)):
                 break
             out.append(token)
             levels.append(ModelDraftLength.level(p))
