@@ -31,7 +31,10 @@ from flylocal.errors import FlylocalError
 from flylocal.sandbox import run_python
 
 if TYPE_CHECKING:
-    from flylocal.loader import Settings
+    from flylocal.loader import Models
+    from flylocal.settings import Settings
+
+Progress = Callable[[int, int, str], None]     # (step, total, what): told before each step runs
 
 METHODS = ("autoregressive", "llama-cpp-python", "llama-cpp-python-pld", "strict-pld", "fly-pld",
            "strict-model", "fly-model", "asd-model", "strict-mla", "fly-mla", "asd-mla")
@@ -66,18 +69,17 @@ class Prompt:
         return group_of(self.category)
 
 
+COUNTS = ("tokens", "decode_s", "wall_s", "rounds", "loose", "verify_s")    # summed per prompt over turns, repeats
+
+
 @dataclass
 class Row:
     method: str
-    tokens: int = 0
-    decode_s: float = 0.0
-    wall_s: float = 0.0
-    rounds: int = 0
-    loose: int = 0
-    per_prompt: dict = field(default_factory=dict)  # prompt id -> summed tokens, decode_s, wall_s, rounds, loose
+    per_prompt: dict = field(default_factory=dict)  # prompt id -> {COUNTS}
     outputs: dict = field(default_factory=dict)    # prompt id -> (token ids, text) of the first turn, last repeat
     later: dict = field(default_factory=dict)      # prompt id -> [token ids of each later turn], last repeat
     nll: dict = field(default_factory=dict)        # prompt id -> target NLL
+    spent: dict = field(default_factory=dict)      # prompt id -> ASD regret spent (every turn), last repeat
     passed: dict = field(default_factory=dict)     # prompt id -> HumanEval tests passed (with execute)
     failures: list = field(default_factory=list)   # {"prompt", "repeat", "error"} per failed prompt
 
@@ -146,6 +148,17 @@ def load_prompts(path: str) -> list[Prompt]:
     if not prompts:
         raise FlylocalError(f"no prompts: {path} has no rows")
     return prompts
+
+
+def of_categories(prompts: list[Prompt], spec: str, source: str) -> list[Prompt]:
+    """The prompts whose category, or category group, is one of the comma-separated names."""
+    wanted = {c.strip() for c in spec.split(",") if c.strip()}
+    chosen = [p for p in prompts if p.category in wanted or p.group in wanted]
+    if not chosen:
+        present = sorted({c for p in prompts for c in (p.category, p.group) if c})
+        raise FlylocalError(f"no prompt in {source} has category {spec!r}"
+                            + (f"; its categories: {', '.join(present)}" if present else "; it has no categories"))
+    return chosen
 
 
 def per_group(prompts: list[Prompt], n: int) -> list[Prompt]:
@@ -252,19 +265,20 @@ def one_line(e: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def run(settings: Settings, target, draft, baselines: dict, prompts: list[Prompt], methods: list[str],
-        repeat: int, progress: Callable[[str], None], raw: bool = False, *, encoded: dict | None = None,
-        execute: bool = False, warn: Callable[[str], None] | None = None) -> dict[str, Row]:
+def run(settings: Settings, models: Models, baselines: dict, prompts: list[Prompt], methods: list[str],
+        repeat: int, progress: Progress | None = None, raw: bool = False, *, encoded: dict | None = None,
+        execute: bool = False, warn: Callable[[str], None] = lambda s: None) -> dict[str, Row]:
     """Run every method on every prompt, `repeat` times, interleaved. `settings` carries the
     engine settings shared by all methods; each method sets its verifier and drafter.
     `encoded` is encode_all's result (computed here if not given). A method that raises on a
     prompt gets a failure recorded for it and is not run on that prompt again. With `execute`,
-    HumanEval completions are run against their tests (in flylocal.sandbox)."""
+    HumanEval completions are run against their tests (in flylocal.sandbox). `progress(step,
+    total, what)` is told of each step before it runs."""
     from flylocal.engine import generate_all
     from flylocal.loader import build_engine
     from flylocal.quality import target_nll
 
-    warn = warn or progress
+    target, draft = models.target, models.draft
     rows = {m: Row(m) for m in methods}
     if encoded is None:
         encoded = encode_all(target, prompts, raw)
@@ -280,11 +294,11 @@ def run(settings: Settings, target, draft, baselines: dict, prompts: list[Prompt
             draft.reset()
 
     def one_turn(m: str, ids, fresh: bool):
-        """(token ids, text, emitted, decode seconds, rounds, loose) of method m on prompt ids."""
+        """(token ids, text, {COUNTS but wall_s}, ASD regret spent or None) of method m on prompt ids."""
         if m.startswith("llama-cpp-python"):
             text, n, _, decode_s = baselines[m].generate(ids, settings.max_tokens, settings.sampling, reuse=not fresh)
             tokens = list(target.tokenize(text, add_special=False, parse_special=False)) if text else []
-            return tokens, text, max(n - 1, 0), decode_s, 0, 0
+            return tokens, text, dict(tokens=max(n - 1, 0), decode_s=decode_s, rounds=0, loose=0, verify_s=0.0), None
         verifier, _, drafter = m.partition("-")
         s = dataclasses.replace(settings, verifier="strict" if m == "autoregressive" else verifier,
                                 drafter="none" if m == "autoregressive" else drafter)
@@ -292,8 +306,12 @@ def run(settings: Settings, target, draft, baselines: dict, prompts: list[Prompt
             target.reset()
             if draft is not None:
                 draft.reset()
-        tokens, stats, _ = generate_all(build_engine(s, target, draft), ids)
-        return tokens, target.detokenize(tokens), stats.emitted, stats.decode_s, stats.rounds, stats.loose
+        # Each run searches the --lookup-corpus file alone, never what other runs generated.
+        corpus = models.corpus.copy() if models.corpus is not None else None
+        tokens, stats, _ = generate_all(build_engine(s, target, draft, corpus), ids)
+        counts = dict(tokens=stats.emitted, decode_s=stats.decode_s, rounds=stats.rounds, loose=stats.loose,
+                      verify_s=stats.verify_s)
+        return tokens, target.detokenize(tokens), counts, stats.budget_spent
 
     total = repeat * len(prompts) * len(methods)
     step = 0
@@ -304,10 +322,11 @@ def run(settings: Settings, target, draft, baselines: dict, prompts: list[Prompt
                 row = rows[m]
                 if any(f["prompt"] == p.id for f in row.failures):
                     continue
-                progress(f"[{step}/{total}] {m} on {p.id} (repeat {r + 1}/{repeat})")
+                if progress is not None:
+                    progress(step, total, f"{m} on {p.id}" + (f" (repeat {r + 1}/{repeat})" if repeat > 1 else ""))
                 turns = p.turns or [p.text]
                 messages: list[dict] = []
-                outputs, sums = [], [0, 0.0, 0.0, 0, 0]       # tokens, decode_s, wall_s, rounds, loose
+                outputs, sums, spent = [], dict.fromkeys(COUNTS, 0), None
                 try:
                     for i, turn in enumerate(turns):
                         if i == 0:
@@ -319,26 +338,25 @@ def run(settings: Settings, target, draft, baselines: dict, prompts: list[Prompt
                             if len(ids) >= target.n_ctx:
                                 raise FlylocalError(f"turn {i + 1} is {len(ids)} tokens, longer than --ctx {target.n_ctx}")
                         t0 = time.perf_counter()
-                        tokens, text, emitted, decode_s, rounds, loose = one_turn(m, ids, fresh=i == 0)
-                        wall = time.perf_counter() - t0
-                        for j, v in enumerate((emitted, decode_s, wall, rounds, loose)):
-                            sums[j] += v
+                        tokens, text, counts, budget = one_turn(m, ids, fresh=i == 0)
+                        counts["wall_s"] = time.perf_counter() - t0
+                        for key, v in counts.items():
+                            sums[key] += v
+                        if budget is not None:
+                            spent = (spent or 0.0) + budget
                         outputs.append((list(tokens), text))
                         messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": text}]
                 except Exception as e:  # noqa: BLE001 - any failure is recorded, and the run goes on
                     fail(row, p, r + 1, e)
                     continue
-                row.tokens += sums[0]
-                row.decode_s += sums[1]
-                row.wall_s += sums[2]
-                row.rounds += sums[3]
-                row.loose += sums[4]
-                mine = row.per_prompt.setdefault(p.id, dict(tokens=0, decode_s=0.0, wall_s=0.0, rounds=0, loose=0))
-                for key, v in zip(("tokens", "decode_s", "wall_s", "rounds", "loose"), sums):
+                mine = row.per_prompt.setdefault(p.id, dict.fromkeys(COUNTS, 0))
+                for key, v in sums.items():
                     mine[key] += v
                 if r == repeat - 1:
                     row.outputs[p.id] = outputs[0]
                     row.later[p.id] = [t for t, _ in outputs[1:]]
+                    if spent is not None:
+                        row.spent[p.id] = spent
     for p in prompts:                 # prompt-major: the target's cache keeps the prompt between methods
         for m, row in rows.items():
             if p.id not in row.outputs:
@@ -354,6 +372,63 @@ def run(settings: Settings, target, draft, baselines: dict, prompts: list[Prompt
     return rows
 
 
+def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, humaneval_limit: int | None,
+         category: str | None, per_category: int | None, execute: bool, out_dir: str, methods: str | None, repeat: int, raw: bool,
+         note: Callable[[str], None], progress: Progress | None = None,
+         warn: Callable[[str], None] = lambda s: None) -> str:
+    """`flylocal bench`: check everything that can be checked before a model loads, load the
+    models through the loader like every command, run, and write the results. Returns the
+    report's text."""
+    from flylocal.loader import load, runtime_config
+
+    if (prompts_path is None) == (not humaneval):
+        raise FlylocalError("give --prompts FILE_OR_DIR or --humaneval (one of them)")
+    if execute and not humaneval:
+        raise FlylocalError("--execute runs HumanEval completions; it needs --humaneval")
+    prompts = humaneval_prompts(humaneval_limit) if humaneval else load_prompts(prompts_path)
+    if category is not None:
+        prompts = of_categories(prompts, category, "HumanEval" if humaneval else prompts_path)
+    if per_category is not None:
+        prompts = per_group(prompts, per_category)
+    notes = []                        # said once every check has passed, so that an error stays one line
+    chosen = parse_methods(methods, settings.draft is not None, notes.append)
+    out = prepare_out(out_dir)
+    if humaneval and not execute:
+        notes.append("HumanEval completions will not be run (no pass@1); --execute runs them, see --help")
+    models = load(settings, log=note)
+    from flylocal.runtime import LlamaCppPythonBaseline, build_info     # loaded by now
+
+    baselines = {}
+    try:
+        encoded = encode_all(models.target, prompts, raw)
+        for message in notes:
+            note(message)
+        for m in chosen:
+            if m.startswith("llama-cpp-python"):
+                baselines[m] = LlamaCppPythonBaseline(models.target.path, runtime_config(settings),
+                                                      prompt_lookup=m.endswith("-pld"))
+        rows = run(settings, models, baselines, prompts, chosen, repeat, progress, raw=raw, encoded=encoded,
+                   execute=execute, warn=warn)
+        results = {
+            "methods": metrics(rows, prompts),
+            "prompts": per_prompt(rows, prompts),
+            "machine": machine_info(build_info()),
+            "config": {"target": settings.target, "draft": settings.draft,
+                       "source": "HumanEval" if humaneval else prompts_path, "prompts": len(prompts),
+                       "category": category, "per_category": per_category, "max_tokens": settings.max_tokens, "repeat": repeat,
+                       "k": settings.k, "ctx": settings.ctx, "exact": settings.exact, "threads": settings.threads,
+                       "methods": chosen, "executed": execute if humaneval else None},
+        }
+        report, png = write_results(out, results)
+        if png is None:
+            note("matplotlib is not installed: no plot (pip install 'flylocal[plot]')")
+        return report
+    finally:
+        for x in baselines.values():
+            x.close()
+        models.close()
+
+
 def _mean(values) -> float | None:
     values = list(values)
     return statistics.fmean(values) if values else None
@@ -361,7 +436,7 @@ def _mean(values) -> float | None:
 
 def _speed(row: Row, ids) -> dict:
     """Summed counts of `row` over the prompt ids given."""
-    t = dict(tokens=0, decode_s=0.0, wall_s=0.0, rounds=0, loose=0)
+    t = dict.fromkeys(COUNTS, 0)
     for pid in ids:
         for key, v in row.per_prompt[pid].items():
             t[key] += v
@@ -420,15 +495,32 @@ def metrics(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
             "mean_accepted_length": round(mine["tokens"] / mine["rounds"], 3) if mine["rounds"] else None,
             "loose_rate": round(mine["loose"] / mine["tokens"], 4) if mine["rounds"] and mine["tokens"] else None,
             "agreement": agreement,
+            "first_divergence": first_divergence(row, ref, done),
             "accuracy": accuracy,
             "pass_at_1": _mean(row.passed.values()),
             "target_nll": round(nll, 4) if nll is not None else None,
+            "budget_spent": round(_mean(row.spent.values()), 4) if row.spent else None,
+            "verify_share": round(mine["verify_s"] / mine["decode_s"], 4) if mine["rounds"] and mine["decode_s"] else None,
             "wall_s": round(mine["wall_s"], 3),
             "completed": len(done),
             "categories": categories,
             "failures": list(row.failures),
         })
     return out
+
+
+def first_divergence(row: Row, ref: Row | None, done: list[Prompt]) -> float | None:
+    """The median position of the first token where a first turn differs from autoregressive's,
+    over the prompts where it differs; None where none does."""
+    if ref is None or row is ref:
+        return None
+    where = []
+    for p in done:
+        if p.id in ref.outputs:
+            a, b = row.outputs[p.id][0], ref.outputs[p.id][0]
+            if a != b:
+                where.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    return float(statistics.median(where)) if where else None
 
 
 def _groups(prompts: list[Prompt]) -> list[str]:
@@ -460,7 +552,8 @@ def machine_info(build: dict) -> dict:
 
 def report_md(results: dict) -> str:
     cols = ["method", "tokens_per_s", "speedup", "e2e_tokens_per_s", "e2e_speedup", "mean_accepted_length",
-            "loose_rate", "agreement", "accuracy", "pass_at_1", "target_nll", "wall_s"]
+            "loose_rate", "agreement", "first_divergence", "accuracy", "pass_at_1", "target_nll", "budget_spent",
+            "verify_share", "wall_s"]
     cols = [c for c in cols if any(r.get(c) is not None for r in results["methods"])]
     failures = [(r["method"], f) for r in results["methods"] for f in r.get("failures", [])]
     if failures:
@@ -480,7 +573,10 @@ def report_md(results: dict) -> str:
     for r in results["methods"]:
         lines.append("| " + " | ".join(cell(r, k) for k in cols) + " |")
     lines += ["", "speedup: decode tokens/s (after the prompt is evaluated) over autoregressive's; e2e: tokens over "
-                  "the wall time from the request to the last token, prefill included, over autoregressive's."]
+                  "the wall time from the request to the last token, prefill included, over autoregressive's. "
+                  "agreement: outputs identical to autoregressive's; first_divergence: the median token where the "
+                  "others first differ. budget_spent: ASD's regret per prompt. verify_share: the verifier's share "
+                  "of decoding time."]
     groups = [g for g in GROUP_ORDER if any(g in r.get("categories", {}) for r in results["methods"])]
     groups += sorted({g for r in results["methods"] for g in r.get("categories", {})} - set(groups))
     if groups:

@@ -1,18 +1,20 @@
-"""The round loop: draft, score on the target in one decode, decide, commit, roll back.
+"""The round loop: draft, score on the target in one decode, decide, commit, roll back
+(docs/design.md, "The round").
 
     context -> drafter.propose -> target.decode([last, *draft], all k+1 rows)
-            -> verifier(draft, target_argmax, logits) -> target.truncate(n_past + L + 1)
+            -> verifier(draft, a, logits) -> target.truncate(n_past + m)
 
 The target's cache always holds the committed tokens but the last one (`last`), which is
-decoded at the head of the next round's batch. `generate` is a generator of events; it prints
-nothing.
+decoded at the head of the next round's batch. `Engine.generate` returns a Generation: an
+iterable of RoundEvents that owns the request's stats, its output tokens and its stop reason.
+The engine prints nothing.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Union
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -39,23 +41,57 @@ class EngineConfig:
 @dataclass(frozen=True)
 class RoundEvent:
     index: int
-    tokens: tuple[int, ...]    # committed this round, cut at EOG / max_tokens
-    kinds: tuple[str, ...]     # ACCEPTED, LOOSE or TARGET per committed token
+    tokens: tuple[int, ...]    # output committed this round, cut at max_tokens and the context's end;
+                               # an end-of-generation token is committed but is not output
+    kinds: tuple[str, ...]     # ACCEPTED, LOOSE or TARGET per token of `tokens`
     trace: dict | None = None
 
 
-@dataclass(frozen=True)
-class DoneEvent:
-    stats: Stats
-    tokens: tuple[int, ...] = field(default=())   # all generated ids, EOG excluded
+class Generation:
+    """One request. Iterating yields a RoundEvent per round. `stats` (with its `stop` reason)
+    and `tokens` (the output ids, end-of-generation excluded) belong to the request and are
+    final once iteration ends or `close()` is called, whether the request ran to its end, was
+    interrupted (Ctrl-C, a closed client) or failed. `on_end(generation)` is called once then."""
 
+    def __init__(self, engine: Engine, prompt: np.ndarray, on_end: Callable[[Generation], None] | None = None):
+        self.stats = Stats(prompt_tokens=len(prompt))
+        self.tokens: list[int] = []
+        self._on_end = on_end
+        self._ended = False
+        self._rounds = engine._rounds(prompt, self)
 
-Event = Union[RoundEvent, DoneEvent]
+    def __iter__(self) -> Iterator[RoundEvent]:
+        return self._rounds
+
+    def run(self) -> Generation:
+        """Run to the end (or until an error, which is raised)."""
+        for _ in self._rounds:
+            pass
+        return self
+
+    def close(self) -> None:
+        """Stop here; the caches stay consistent with what was yielded."""
+        self._rounds.close()
+        if not self.stats.stop:        # closed before it started
+            self.stats.stop = "interrupted"
+        self._end()
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            if self._on_end is not None:
+                self._on_end(self)
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class Engine:
     def __init__(self, target, drafter, verifier: Verifier, config: EngineConfig = EngineConfig()):
-        self.target = target          # Runtime
+        self.target = target          # Runtime, or anything with its decode/truncate/reuse_prefix interface
         self.drafter = drafter
         self.verifier = verifier
         self.config = config
@@ -68,23 +104,25 @@ class Engine:
         self.corpus = getattr(drafter, "corpus", None)     # lookup remembers what was generated
         self.rng = np.random.default_rng(config.sampling.seed)
 
-    def generate(self, prompt: np.ndarray) -> Iterator[Event]:
-        """Generate after `prompt` [n] int32. Yields a RoundEvent per round, then a DoneEvent.
-        Closing the generator early (Ctrl-C) leaves the caches consistent with what was yielded."""
-        cfg, target = self.config, self.target
+    def generate(self, prompt: np.ndarray, on_end: Callable[[Generation], None] | None = None) -> Generation:
+        """Generate after `prompt` [n] int32. Checks the prompt at once (FlylocalError); the
+        work happens as the Generation is iterated."""
         prompt = np.asarray(prompt, dtype=np.int32)
         if len(prompt) == 0:
             raise FlylocalError("the prompt is empty")
-        if len(prompt) >= target.n_ctx:
+        if len(prompt) >= self.target.n_ctx:
             raise FlylocalError(
-                f"the prompt is {len(prompt)} tokens, longer than the context (--ctx {target.n_ctx})")
-        stats = Stats(prompt_tokens=len(prompt), stop="max_tokens")
+                f"the prompt is {len(prompt)} tokens, longer than the context (--ctx {self.target.n_ctx})")
+        return Generation(self, prompt, on_end)
+
+    def _rounds(self, prompt: np.ndarray, gen: Generation) -> Iterator[RoundEvent]:
+        cfg, target, stats, out = self.config, self.target, gen.stats, gen.tokens
         t_start = time.perf_counter()
         context = np.zeros(target.n_ctx, dtype=np.int32)    # [n_ctx] prompt + committed
         n = len(prompt)
         context[:n] = prompt
-        generated: list[int] = []
         commit = getattr(self.verifier, "commit", None)
+        eog_mask = target.eog_mask
         try:
             reused = target.reuse_prefix(prompt)
             target.decode(prompt[reused:-1])
@@ -95,12 +133,15 @@ class Engine:
                 stats.cost_curve = "reused" if known else self.costs.source
             stats.prompt_reused, stats.prompt_evaluated = reused, len(prompt) - reused
             stats.prefill_s = time.perf_counter() - t_start
-            while len(generated) < cfg.max_tokens:
+            while True:
+                if len(out) >= cfg.max_tokens:
+                    stats.stop = "max_tokens"
+                    break
                 if n >= target.n_ctx:
                     stats.stop = "context"
                     break
                 # Room: the batch [last, *draft] needs k+1 cells, and drafting past max_tokens is waste.
-                k = max(0, min(cfg.k, target.n_ctx - n, cfg.max_tokens - len(generated) - 1))
+                k = max(0, min(cfg.k, target.n_ctx - n, cfg.max_tokens - len(out) - 1))
                 t0 = time.perf_counter()
                 proposal = self.drafter.propose(context[:n], k) if k else None
                 draft = proposal.tokens[:k] if proposal is not None else context[:0]
@@ -113,19 +154,21 @@ class Engine:
                 n_past = target.n_past
                 logits = target.decode(batch, logits_from=0)          # [k+1, n_vocab]
                 t2 = time.perf_counter()
+                # a[0..k]: the target's token at each position, its argmax at temperature 0 and
+                # its speculative-sampling decision otherwise (docs/design.md, "Temperature > 0").
                 if cfg.sampling.greedy:
-                    target_argmax = logits.argmax(axis=1).astype(np.int32)  # [k+1]
-                else:   # the target's sample at each position stands in for its argmax
-                    target_argmax = sample_targets(draft, logits, context[:n], cfg.sampling, self.rng)
-                decision = self.verifier(draft, target_argmax, logits)
+                    a = logits.argmax(axis=1).astype(np.int32)           # [k+1]
+                else:
+                    a = sample_targets(draft, logits, context[:n], cfg.sampling, self.rng)
+                decision = self.verifier(draft, a, logits)
                 L = decision.accepted
-                emitted = emitted_tokens(draft, target_argmax, L)             # [L+1]
+                emitted = emitted_tokens(draft, a, L)                    # [L+1]
                 t3 = time.perf_counter()
 
                 # Cut at the first end-of-generation token, at max_tokens and at the context's end.
-                eog = np.flatnonzero(target.eog_mask[emitted])
+                eog = np.flatnonzero(eog_mask[emitted])
                 m = int(eog[0]) + 1 if eog.size else len(emitted)
-                m = min(m, cfg.max_tokens - len(generated), target.n_ctx - n)
+                m = min(m, cfg.max_tokens - len(out), target.n_ctx - n)
                 committed = emitted[:m]
                 target.truncate(n_past + m)        # [last, *committed[:-1]] stay; committed[-1] is the new last
                 if commit is not None:             # a ledger pays only for what was committed
@@ -134,17 +177,18 @@ class Engine:
 
                 context[n : n + m] = committed
                 n += m
+                ended = bool(eog.size) and int(eog[0]) < m
+                shown = m - ended                  # the end-of-generation token is not output
                 loose = set(decision.loose)
-                kinds = tuple(LOOSE if j in loose else ACCEPTED if j < L else TARGET for j in range(m))
+                kinds = tuple(LOOSE if j in loose else ACCEPTED if j < L else TARGET for j in range(shown))
                 stats.rounds += 1
                 stats.drafted += len(draft)
                 stats.accepted += min(L, m)
                 committed_loose = sum(1 for j in loose if j < m)
                 stats.loose += committed_loose
                 stats.mismatches += committed_loose + (L < len(draft))
-                if "budget_spent" in decision.trace:
-                    stats.budget_spent = decision.trace["budget_spent"]
-                    stats.budget_left = decision.trace["budget_left"]
+                if decision.budget_spent is not None:
+                    stats.budget_spent, stats.budget_left = decision.budget_spent, decision.budget_left
                 stats.emitted += m
                 stats.draft_s += t1 - t0
                 stats.target_s += (t2 - t1) + (t4 - t3)
@@ -155,53 +199,58 @@ class Engine:
                     self.observe(proposal, min(L, m))     # drafts that choose their own length
                 if self.costs is not None:
                     self.costs.update(len(draft) + 1, t4 - t1)
-                trace = self._trace_row(stats.rounds - 1, n_past, draft, target_argmax, logits,
+                trace = self._trace_row(stats.rounds - 1, n_past, draft, a, logits,
                                         decision, emitted) if cfg.trace else None
-                stop = bool(eog.size) and int(eog[0]) < m
-                if stop:
-                    generated.extend(int(t) for t in committed[:-1])
-                else:
-                    generated.extend(int(t) for t in committed)
-                yield RoundEvent(stats.rounds - 1, tuple(int(t) for t in committed), kinds, trace)
-                if stop:
+                tokens = tuple(int(t) for t in committed[:shown])
+                out.extend(tokens)
+                # The stop is known before the last event goes out: a consumer that closes
+                # the generation right after it gets the real reason.
+                if ended:
                     stats.stop = "eog"
+                elif len(out) >= cfg.max_tokens:
+                    stats.stop = "max_tokens"
+                elif n >= target.n_ctx:
+                    stats.stop = "context"
+                yield RoundEvent(stats.rounds - 1, tokens, kinds, trace)
+                if stats.stop:
                     break
-        except (GeneratorExit, KeyboardInterrupt):
+        except GeneratorExit:
+            stats.stop = stats.stop or "interrupted"     # closed after its last event: it had ended
+            raise
+        except KeyboardInterrupt:
             stats.stop = "interrupted"
+            raise
+        except BaseException:
+            stats.stop = "error"
             raise
         finally:
             stats.wall_s = time.perf_counter() - t_start
-            self.last_stats = stats
             if self.corpus is not None:
-                self.corpus.add(generated)
-        yield DoneEvent(stats, tuple(generated))
+                self.corpus.add(out)
+            gen._end()
 
-    def _trace_row(self, index, n_past, draft, target_argmax, logits, decision: Decision, emitted) -> dict:
+    def _trace_row(self, index, n_past, draft, a, logits, decision: Decision, emitted) -> dict:
         k = len(draft)
-        regret = regrets(draft, target_argmax, logits)                      # [k] float64
         entropy = decision.entropy
         row = {
             "round": index,
             "n_past": int(n_past),
             "draft": [int(t) for t in draft],
-            "target_argmax": [int(t) for t in target_argmax],
+            "target_argmax": [int(t) for t in a],
             "entropy": [None if entropy is None or np.isnan(e) else float(e) for e in
                         (entropy if entropy is not None else [np.nan] * k)],
-            "regret": [float(r) for r in regret],
+            "regret": [float(r) for r in regrets(draft, a, logits)],
             "accepted": int(decision.accepted),
             "loose": [int(j) for j in decision.loose],
             "emitted": [int(t) for t in emitted],
         }
-        row.update(decision.trace)
+        if decision.budget_spent is not None:
+            row["budget_spent"], row["budget_left"] = decision.budget_spent, decision.budget_left
         return row
 
 
 def generate_all(engine: Engine, prompt: np.ndarray) -> tuple[list[int], Stats, list[dict]]:
-    """Run to completion: (generated ids, stats, trace rows)."""
-    traces = []
-    for event in engine.generate(prompt):
-        if isinstance(event, RoundEvent) and event.trace is not None:
-            traces.append(event.trace)
-        elif isinstance(event, DoneEvent):
-            return list(event.tokens), event.stats, traces
-    raise RuntimeError("generation ended without a DoneEvent")
+    """Run to completion: (output ids, stats, trace rows)."""
+    gen = engine.generate(prompt)
+    traces = [event.trace for event in gen if event.trace is not None]
+    return list(gen.tokens), gen.stats, traces

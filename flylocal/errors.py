@@ -3,3 +3,7 @@
 
 class FlylocalError(Exception):
     """A problem with the user's input or setup, reported as one line without a traceback."""
+
+
+class ModelError(FlylocalError):
+    """A model file that cannot be used."""

@@ -1,9 +1,9 @@
-"""Turning command-line settings into loaded models and an engine, in one place."""
+"""Turning Settings into loaded models and engines, in one place: every command goes through here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -12,65 +12,27 @@ from flylocal.drafters import make_drafter
 from flylocal.drafters.pld import Corpus
 from flylocal.engine import Engine, EngineConfig
 from flylocal.errors import FlylocalError
-from flylocal.runtime import Runtime, RuntimeConfig, gpu_offload
-from flylocal.sampling import SamplingParams
-from flylocal.verifiers import VerifierConfig, make_verifier
+from flylocal.settings import Settings
+from flylocal.verifiers import Verifier, make_verifier
 
-DEFAULT_TARGET = "smollm2-135m-instruct"
-DEFAULT_K = 8
-DEFAULT_P_MIN = 0.5     # a draft model's token it gives less than this ends its draft (adaptive runs)
-
-
-@dataclass(frozen=True)
-class Settings:
-    target: str = DEFAULT_TARGET
-    draft: str | None = None
-    drafter: str | None = None        # None: mla with a draft, pld without
-    verifier: str = "fly"
-    k: int | None = None              # None: adaptive up to DEFAULT_K for drafters that adapt
-    max_tokens: int = 256
-    ctx: int = 4096
-    threads: int = 0
-    batch_size: int = 512
-    flash_attn: str = "auto"
-    gpu_layers: int = 0
-    pld_ngram: int = 4
-    pld_tokens: int | None = None
-    seed: int | None = None
-    draft_p_min: float | None = None  # None: 0.5 when the draft length adapts, 0 with an explicit --k
-    recalibrate: bool = False         # measure the cost curves again instead of reading the cache
-    exact: bool = False               # the batch-invariant build (flylocal.kernels)
-    lookup_corpus: str | None = None  # a text file prompt lookup also searches
-    verifiers: VerifierConfig = field(default_factory=VerifierConfig)
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    trace: bool = False               # attach trace rows (docs/design.md) to round events
-
-    @property
-    def drafter_name(self) -> str:
-        return self.drafter or ("mla" if self.draft else "pld")
-
-    @property
-    def window(self) -> int:
-        """The FLy window that drafts must fit, or 0 when no verifier needs one."""
-        fly = self.verifiers.fly
-        return fly.window if self.verifier == "fly" and fly.use_window else 0
-
-    @property
-    def draft_length(self) -> int:
-        """--k, or the default: 8, or with FLy's window at least W+4, so that a mismatch in the
-        first four draft positions can still be accepted loosely (it needs j + W < k)."""
-        if self.k is not None:
-            return self.k
-        return max(DEFAULT_K, self.window + 4) if self.window else DEFAULT_K
+if TYPE_CHECKING:      # llama.cpp is imported when models are loaded, not before (flylocal.kernels)
+    from flylocal.runtime import Runtime, RuntimeConfig
 
 
 @dataclass
-class Loaded:
+class Models:
+    """The loaded models of a run, and what lookup searches beyond the context. Engines are
+    built from them (`engine`); sessions and commands own them and close them."""
+
     settings: Settings
     target: Runtime
     draft: Runtime | None
-    engine: Engine
     corpus: Corpus | None = None      # what lookup searches beyond the context, for the session
+
+    def engine(self, settings: Settings | None = None, verifier: Verifier | None = None) -> Engine:
+        """An engine over these models for `settings` (default: the ones they were loaded with).
+        `verifier` passes a verifier object to keep, such as a conversation's ASD ledger."""
+        return build_engine(settings or self.settings, self.target, self.draft, self.corpus, verifier)
 
     def close(self):
         for rt in (self.draft, self.target):
@@ -78,18 +40,23 @@ class Loaded:
                 rt.close()
 
 
-def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Loaded:
-    """Resolve and load the models, check the pair, and build the engine."""
-    drafter_name = settings.drafter_name
+def check(settings: Settings) -> None:
+    """Refuse settings no engine can run, before any model is loaded."""
     k = settings.draft_length
     if k + 1 > settings.batch_size:
         raise FlylocalError(f"--k {k} verifies {k + 1} rows per round; --batch-size must be at least {k + 1}")
-    if drafter_name in ("model", "mla") and not settings.draft:
-        raise FlylocalError(f"--drafter {drafter_name} needs a draft model (--draft NAME|PATH)")
-    rconf = RuntimeConfig(n_ctx=settings.ctx, n_batch=settings.batch_size, n_threads=settings.threads,
-                          n_gpu_layers=settings.gpu_layers, flash_attn=settings.flash_attn)
+    if settings.drafter_name in ("model", "mla") and not settings.draft:
+        raise FlylocalError(f"--drafter {settings.drafter_name} needs a draft model (--draft NAME|PATH)")
+
+
+def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Models:
+    """Resolve and load the models, check the pair, and read the lookup corpus."""
+    check(settings)
     target_path = models.resolve(settings.target, log)
     draft_path = models.resolve(settings.draft, log) if settings.draft else None
+    from flylocal.runtime import Runtime, gpu_offload     # llama.cpp, once the files are known good
+
+    rconf = runtime_config(settings)
     if settings.gpu_layers and not gpu_offload():
         log("this llama.cpp build has no GPU backend: --gpu-layers is ignored")
     target = Runtime(target_path, rconf)
@@ -99,13 +66,20 @@ def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Loa
             draft = Runtime(draft_path, rconf)
             models.check_compatible(target, draft)
         corpus = read_corpus(settings.lookup_corpus, target)
-        engine = build_engine(settings, target, draft, corpus)
     except BaseException:
         if draft is not None:
             draft.close()
         target.close()
         raise
-    return Loaded(settings, target, draft, engine, corpus)
+    return Models(settings, target, draft, corpus)
+
+
+def runtime_config(settings: Settings) -> RuntimeConfig:
+    from flylocal.runtime import RuntimeConfig
+
+    return RuntimeConfig(n_ctx=settings.ctx, n_batch=settings.batch_size, n_threads=settings.threads,
+                         n_gpu_layers=999 if settings.gpu_layers == -1 else settings.gpu_layers,
+                         flash_attn=settings.flash_attn)
 
 
 CORPUS_LIMIT = 64 << 20     # bytes of --lookup-corpus text
@@ -130,9 +104,10 @@ def read_corpus(path: str | None, target: Runtime) -> Corpus:
     return Corpus(target.tokenize(text, add_special=False, parse_special=False) if text else None)
 
 
-def build_engine(settings: Settings, target: Runtime, draft: Runtime | None, corpus: Corpus | None = None) -> Engine:
+def build_engine(settings: Settings, target: Runtime, draft: Runtime | None, corpus: Corpus | None = None,
+                 verifier: Verifier | None = None) -> Engine:
     adaptive = settings.k is None
-    p_min = settings.draft_p_min if settings.draft_p_min is not None else (DEFAULT_P_MIN if adaptive else 0.0)
+    p_min = settings.draft_p_min_value
     drafter = make_drafter(settings.drafter_name, target, draft, pld_ngram=settings.pld_ngram,
                            pld_tokens=settings.pld_tokens, k_max=settings.draft_length, adaptive=adaptive,
                            p_min=p_min, corpus=corpus, recalibrate=settings.recalibrate)
@@ -144,7 +119,7 @@ def build_engine(settings: Settings, target: Runtime, draft: Runtime | None, cor
         trace=settings.trace,
         sampling=settings.sampling,
     )
-    return Engine(target, drafter, make_verifier(settings.verifier, settings.verifiers), config)
+    return Engine(target, drafter, verifier or make_verifier(settings.verifier, settings.verifiers), config)
 
 
 def encode_prompt(target: Runtime, text: str, raw: bool, system: str | None = None,

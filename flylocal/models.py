@@ -41,7 +41,7 @@ try:
 except ImportError:          # not POSIX: fetches are not serialized, but still atomic
     fcntl = None
 
-from flylocal.errors import FlylocalError
+from flylocal.errors import FlylocalError, ModelError
 
 REGISTRY = Path(__file__).with_name("models.txt")
 CHUNK = 1 << 20
@@ -97,6 +97,25 @@ def local_path(name: str) -> Path:
     return cache_dir() / f"{name}.gguf"
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf_file(path: Path) -> None:
+    """Raise ModelError unless `path` is a readable file that starts like a GGUF file (before
+    llama.cpp is asked to load it; llama.cpp itself names what is wrong inside one)."""
+    if not path.exists():
+        raise ModelError(f"model file not found: {path}")
+    if not path.is_file():
+        raise ModelError(f"model path is not a file: {path}")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise ModelError(f"cannot read model file {path}: {e.strerror}") from None
+    if len(head) < 8 or head[:4] != GGUF_MAGIC:
+        raise ModelError(f"not a GGUF file: {path}")
+
+
 def resolve(spec: str, log: Callable[[str], None] = lambda s: None) -> Path:
     """A registry name or a path -> the local GGUF path. Derives offline where it can.
 
@@ -114,6 +133,7 @@ def resolve(spec: str, log: Callable[[str], None] = lambda s: None) -> Path:
         raise FlylocalError(f"model {spec} is not fetched yet: run `flylocal models fetch {spec}`")
     path = Path(spec).expanduser()
     if path.exists() or os.sep in spec or spec.endswith(".gguf"):
+        check_gguf_file(path)
         return path
     raise FlylocalError(f"unknown model {spec!r}: not a file and not in models.txt (see `flylocal models list`)")
 

@@ -16,6 +16,7 @@ be rebuilt and compared.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import ctypes
 import hashlib
@@ -30,24 +31,21 @@ import numpy as np
 
 from flylocal import kernels
 from flylocal.adaptive import CostCurve
-from flylocal.errors import FlylocalError
+from flylocal.cache import reusable_prefix
+from flylocal.errors import FlylocalError, ModelError
+from flylocal.models import check_gguf_file
 
 KERNELS = kernels.activate()     # fast or exact: which llama.cpp library is loaded just below
 
 try:
     import llama_cpp  # noqa: E402 - after the build is chosen
+except ImportError as _e:
+    raise FlylocalError(f"llama-cpp-python is not installed here ({_e}); run scripts/setup.sh") from None
 except (OSError, RuntimeError) as _e:
     _where = os.environ.get("LLAMA_CPP_LIB_PATH") or "llama-cpp-python's own"
     raise FlylocalError(f"cannot load the {KERNELS} llama.cpp build ({_where}): "
                         f"{str(_e).strip().splitlines()[-1] if str(_e).strip() else type(_e).__name__}; "
                         "run scripts/setup.sh again") from None
-
-GGUF_MAGIC = b"GGUF"
-
-
-class ModelError(FlylocalError):
-    """A model file that cannot be used."""
-
 
 # llama.cpp logs to stderr by default. flylocal keeps its stderr for its own one-line
 # messages, so llama.cpp's log goes to a small ring; load errors quote its last error.
@@ -108,21 +106,6 @@ def interrupts_deferred():
         signal.signal(signal.SIGINT, previous)
     if caught:
         raise KeyboardInterrupt
-
-
-def check_gguf_file(path: Path) -> None:
-    """Raise ModelError unless `path` is a readable file that starts like a GGUF file."""
-    if not path.exists():
-        raise ModelError(f"model file not found: {path}")
-    if not path.is_file():
-        raise ModelError(f"model path is not a file: {path}")
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-    except OSError as e:
-        raise ModelError(f"cannot read model file {path}: {e.strerror}") from None
-    if len(head) < 8 or head[:4] != GGUF_MAGIC:
-        raise ModelError(f"not a GGUF file: {path}")
 
 
 @dataclass(frozen=True)
@@ -515,14 +498,23 @@ class Runtime:
         """Keep the longest cached prefix of `tokens`, leaving at least the last token out of
         the cache, and return how many tokens were kept. tokens[kept:] still need decoding."""
         self._sync()
-        limit = min(self.n_past, len(tokens) - 1)
-        if limit <= 0:
-            self.truncate(0)
-            return 0
-        diff = np.flatnonzero(self._tokens[:limit] != tokens[:limit])
-        keep = int(diff[0]) if diff.size else limit
+        keep = reusable_prefix(self._tokens[: self.n_past], tokens)
         self.truncate(keep)
         return keep
+
+
+class TextStream:
+    """Token ids in, text out, never splitting a multibyte character."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def feed(self, tokens) -> str:
+        return self.decoder.decode(b"".join(self.runtime.piece(t) for t in tokens))
+
+    def flush(self) -> str:
+        return self.decoder.decode(b"", final=True)
 
 
 def quantize(src: Path, dst: Path, qtype: str, threads: int = 0) -> None:

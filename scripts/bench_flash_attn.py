@@ -16,7 +16,8 @@ import sys
 
 from bench_pld import PROMPTS
 from flylocal.engine import generate_all
-from flylocal.loader import Settings, build_engine, encode_prompt
+from flylocal.loader import build_engine, encode_prompt
+from flylocal.settings import Settings
 from flylocal.models import resolve
 from flylocal.runtime import Runtime, RuntimeConfig
 

@@ -15,31 +15,19 @@ import argparse
 import dataclasses
 import statistics
 import sys
+from pathlib import Path
 
 from flylocal.engine import generate_all
-from flylocal.loader import Settings, build_engine, encode_prompt
+from flylocal.bench import load_prompts
+from flylocal.loader import build_engine, encode_prompt
 from flylocal.models import resolve
 from flylocal.runtime import Runtime, RuntimeConfig
+from flylocal.settings import Settings
 
-PROMPTS = {
-    "copy-edit": (
-        "Fix the typos in this text:\n\n"
-        "The old lighthouse stood at the edge of the cliff for more then two hundred years. Every nigth its keeper "
-        "climbed the narow stairs to light the lamp, and every morning he wrote the wether in a leather book. When the "
-        "keeper retired, the town decided to keep the light burning with an automatic system, but they kept the book "
-        "in the libary so that visitors could read it.\n\nThe book is now one of the most popular things in the museum. "
-        "Children like to find the days when storms hit the coast, and older visitors look for the day they were born. "
-        "Last year the museum made a copy of every page and put it online, so people from all over the world can read "
-        "the keepers notes."
-    ),
-    "summarise": (
-        "Summarize the following text in two sentences: The city council voted on Monday to expand the bike "
-        "lane network across the downtown area. The plan adds twelve miles of protected lanes over the next "
-        "two years, funded by a state transportation grant. Supporters said the lanes would make cycling "
-        "safer, while some business owners worried about losing parking spaces."
-    ),
-    "own-words": "Write a short story about a robot who learns to paint.",
-}
+ROOT = Path(__file__).resolve().parent.parent
+# label -> the prompt of that id in data/prompts.jsonl
+PROMPTS = {label: p.text for label, pid in {'copy-edit': 'copy-edit-keeper', 'summarise': 'summarise-council', 'own-words': 'story-robot'}.items()
+           for p in load_prompts(str(ROOT / "data" / "prompts.jsonl")) if p.id == pid}
 
 
 def main() -> int:

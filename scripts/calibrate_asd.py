@@ -1,36 +1,24 @@
 #!/usr/bin/env python3
-"""Choose ASD's defaults by measurement, on prompts kept apart from the tests and benchmarks.
+"""Choose ASD's defaults by measurement, on prompts kept apart from the tests and benchmarks
+(the `held-apart` category of data/prompts.jsonl): a preset of `flylocal bench`.
 
 For each setting (g, M, B) it runs SmolLM2-135M-Instruct with its Q4_0 draft model (k 10) and
-reports the mean accepted length against strict's, and the drift from greedy decoding: the
-share of identical outputs, and the median first divergence. All in one process.
+reports the mean accepted length against strict's, the target's NLL of the text, the drift from
+autoregressive decoding (identical outputs, median first divergence) and the regret spent.
 
-    .venv/bin/python scripts/calibrate_asd.py [--max-tokens 96]
+    .venv/bin/python scripts/calibrate_asd.py [--max-tokens 96] [--k 10]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import statistics
+import json
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
-from flylocal.engine import generate_all
-from flylocal.loader import Settings, build_engine, encode_prompt
-from flylocal.models import resolve
-from flylocal.quality import target_nll
-from flylocal.runtime import Runtime, RuntimeConfig
-from flylocal.verifiers import VerifierConfig
-from flylocal.verifiers.asd import AsdParams
-
-HELD_APART = [
-    "Summarize in one paragraph: A small bakery in the harbour town started delivering bread by bicycle last "
-    "spring. Orders doubled within three months, and the owner hired two students to help on weekends.",
-    "Write a friendly note to a neighbour asking them to water your plants while you are away for a week.",
-    "Give three tips for learning to play the guitar as an adult.",
-    "Explain in simple words how a refrigerator keeps food cold.",
-    "Describe a quiet morning at a lake in four sentences.",
-]
+PROMPTS = Path(__file__).resolve().parent.parent / "data" / "prompts.jsonl"
 SETTINGS = [  # (g, M, B)
     (0.05, 1, 4.0), (0.1, 1, 4.0), (0.25, 1, 4.0),
     (0.1, 2, 4.0), (0.1, 1, 2.0), (0.1, 1, 8.0),
@@ -38,51 +26,33 @@ SETTINGS = [  # (g, M, B)
 ]
 
 
-def first_divergence(a, b):
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+def bench(out: Path, methods: str, args, *extra: str) -> dict:
+    cmd = [sys.executable, "-m", "flylocal", "bench", "--prompts", str(PROMPTS), "--category", "held-apart",
+           "--draft", "smollm2-135m-instruct-q4_0", "--methods", methods, "--k", args.k,
+           "--max-tokens", args.max_tokens, "--out", str(out), *extra]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return {r["method"]: r for r in json.loads((out / "results.json").read_text())["methods"]}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--max-tokens", default="96")
+    ap.add_argument("--k", default="10")
     args = ap.parse_args()
-    rconf = RuntimeConfig(n_ctx=2048)
-    target = Runtime(resolve("smollm2-135m-instruct"), rconf)
-    draft = Runtime(resolve("smollm2-135m-instruct-q4_0"), rconf)
-    base = Settings(drafter="model", k=args.k, max_tokens=args.max_tokens)
-
-    def run(ids, **kw):
-        target.reset()
-        draft.reset()
-        return generate_all(build_engine(dataclasses.replace(base, **kw), target, draft), ids)
-
-    prompts = [encode_prompt(target, p, raw=False)[0] for p in HELD_APART]
-    strict_runs = [run(ids, verifier="strict") for ids in prompts]
-    strict_tau = statistics.mean(s.mean_accepted_length for _, s, _ in strict_runs)
-    strict_nll = statistics.mean(target_nll(target, ids, out) for ids, (out, _, _) in zip(prompts, strict_runs))
-    print(f"held-apart prompts: {len(prompts)}, k {args.k}, max_tokens {args.max_tokens}; "
-          f"strict tau {strict_tau:.2f}, target NLL {strict_nll:.3f} nats/token")
+    work = Path(tempfile.mkdtemp(prefix="flylocal-calibrate-asd-"))
+    strict = bench(work / "strict", "strict-model", args)["strict-model"]
+    print(f"held-apart prompts: {strict['completed']}, k {args.k}, max_tokens {args.max_tokens}; strict tau "
+          f"{strict['mean_accepted_length']:.2f}, target NLL {strict['target_nll']:.3f} nats/token")
     print("| g | M | B | tau | tau gain | target NLL (strict +) | identical to greedy | median first divergence "
           "| mean regret spent |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for g, m, b in SETTINGS:
-        taus, same, divs, spent, nll = [], 0, [], [], []
-        for ids, (greedy, _, _) in zip(prompts, strict_runs):
-            tokens, stats, _ = run(ids, verifier="asd",
-                                   verifiers=VerifierConfig(asd=AsdParams(gate=g, cap=m, budget=b)))
-            taus.append(stats.mean_accepted_length)
-            nll.append(target_nll(target, ids, tokens))
-            spent.append(stats.budget_spent or 0.0)
-            d = first_divergence(tokens, greedy)
-            same += d is None
-            if d is not None:
-                divs.append(d)
-        tau = statistics.mean(taus)
-        div = f"{statistics.median(divs):.0f}" if divs else "-"
-        print(f"| {g} | {m} | {b:g} | {tau:.2f} | {100 * (tau / strict_tau - 1):+.1f}% | "
-              f"{statistics.mean(nll):.3f} ({statistics.mean(nll) - strict_nll:+.3f}) | {same}/{len(prompts)} | "
-              f"{div} | {statistics.mean(spent):.2f} |")
+    for i, (g, m, b) in enumerate(SETTINGS):
+        asd = bench(work / f"asd-{i}", "autoregressive,asd-model", args, "--asd-gate", str(g), "--asd-cap", str(m),
+                    "--asd-budget", str(b))["asd-model"]
+        tau, nll, div = asd["mean_accepted_length"], asd["target_nll"], asd["first_divergence"]
+        print(f"| {g} | {m} | {b:g} | {tau:.2f} | {100 * (tau / strict['mean_accepted_length'] - 1):+.1f}% | "
+              f"{nll:.3f} ({nll - strict['target_nll']:+.3f}) | {asd['agreement']:.0%} | "
+              f"{'-' if div is None else f'{div:.0f}'} | {asd['budget_spent'] or 0:.2f} |")
     return 0
 
 

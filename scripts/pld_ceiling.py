@@ -26,7 +26,7 @@ import numpy as np
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
+    ap.add_argument("--prompts", default=os.path.join(os.path.dirname(__file__), "..", "data",
                                                       "spec_bench"))
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--per-category", type=int, default=16)
@@ -42,15 +42,16 @@ def main() -> None:
     from flylocal.bench import load_prompts, per_group
     from flylocal.drafters.pld import PromptLookup
     from flylocal.engine import generate_all
-    from flylocal.loader import Settings, encode_prompt, load
+    from flylocal.loader import encode_prompt, load
+    from flylocal.settings import Settings
 
-    loaded = load(Settings(target=args.target, drafter="none", verifier="strict", max_tokens=args.max_tokens))
-    target = loaded.target
+    models = load(Settings(target=args.target, drafter="none", verifier="strict", max_tokens=args.max_tokens))
+    target = models.target
     items = []
     for p in per_group(load_prompts(args.prompts), args.per_category):
         ids, _ = encode_prompt(target, p.text, raw=False)
         target.reset()
-        tokens, _, _ = generate_all(loaded.engine, ids)
+        tokens, _, _ = generate_all(models.engine(), ids)
         items.append((p.group, np.concatenate([ids, np.asarray(tokens, dtype=np.int32)]), len(ids)))
         print(f"\r{len(items)} prompts", end="", file=sys.stderr)
     print(file=sys.stderr)
@@ -109,7 +110,7 @@ def main() -> None:
     print("|" + " --- |" * (len(groups) + 2))
     for name, (per, overall) in rows:
         print(f"| {name} | " + " | ".join(f"{per[g]:.3f}" for g in groups) + f" | {overall:.3f} |")
-    loaded.close()
+    models.close()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Shared fixtures: the real registry models, loaded once per session.
 
 The models come from `scripts/setup.sh` (or `flylocal models fetch`). A missing model is an
-error, not a skip: these tests are the project's correctness anchor.
+error, not a skip: these tests are the project's correctness anchor. Every test that loads a
+real model (through these fixtures, or by running the command line on one) is marked `slow`;
+`pytest -m "not slow"` runs the rest, which import neither llama.cpp nor a model.
 """
 
 from __future__ import annotations
@@ -21,16 +23,41 @@ atexit.register(shutil.rmtree, _COSTS, True)
 
 import pytest  # noqa: E402
 
-from flylocal import models  # noqa: E402
-from flylocal.runtime import Runtime, RuntimeConfig
-
 SMOL = "smollm2-135m-instruct"
 SMOL_Q4_0 = "smollm2-135m-instruct-q4_0"
 GEMMA = "gemma-3-270m"
 GEMMA_Q8_0 = "gemma-3-270m-q8_0"
 
 
+PROMPTS_FILE = os.path.join(os.path.dirname(__file__), os.pardir, "data", "prompts.jsonl")
+
+
+def prompt(pid: str) -> str:
+    """The text of prompt `pid` in data/prompts.jsonl, the one file of prompts that tests,
+    scripts and benchmarks share."""
+    import json
+
+    with open(PROMPTS_FILE, encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            if row["id"] == pid:
+                return row["prompt"]
+    raise KeyError(pid)
+
+
+MODEL_FIXTURES = {"smol", "smol_draft", "gemma_q8", "gemma_q4km"}
+
+
+def pytest_collection_modifyitems(items):
+    """A test that uses a real-model fixture is slow, whether or not its module says so."""
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 def model_path(name: str):
+    from flylocal import models
+
     path = models.local_path(name)
     if not path.exists():
         pytest.fail(f"model {name} is missing: run scripts/setup.sh (or flylocal models fetch {name})")
@@ -38,6 +65,8 @@ def model_path(name: str):
 
 
 def _runtime(name: str, n_ctx: int = 2048):
+    from flylocal.runtime import Runtime, RuntimeConfig
+
     rt = Runtime(model_path(name), RuntimeConfig(n_ctx=n_ctx))
     yield rt
     rt.close()

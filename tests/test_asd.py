@@ -70,7 +70,7 @@ def test_budget_carries_across_rounds_and_runs_out():
         outcomes.append(verifier.commit(decision, decision.accepted))
     assert [o.accepted for o in outcomes] == [3, 3, 0, 0]
     assert verifier.spent == pytest.approx(2.0)
-    assert outcomes[-1].trace == {"budget_spent": pytest.approx(2.0), "budget_left": pytest.approx(0.5)}
+    assert (outcomes[-1].budget_spent, outcomes[-1].budget_left) == (pytest.approx(2.0), pytest.approx(0.5))
     verifier.reset()
     assert verifier(d, a, z).accepted == 3
 
@@ -84,7 +84,7 @@ def test_only_committed_draft_tokens_are_charged():
     assert decision.accepted == 4 and verifier.spent == 0.0      # deciding charges nothing
     committed = verifier.commit(decision, 2)
     assert verifier.spent == pytest.approx(0.5)
-    assert committed.trace == {"budget_spent": pytest.approx(0.5), "budget_left": pytest.approx(99.5)}
+    assert (committed.budget_spent, committed.budget_left) == (pytest.approx(0.5), pytest.approx(99.5))
     verifier.commit(verifier(d, a, z), 0)                         # nothing committed: nothing charged
     assert verifier.spent == pytest.approx(0.5)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import prompt
 from flylocal.drafters import Draft, make_drafter
 from flylocal.engine import Engine, EngineConfig, generate_all
 from flylocal.loader import encode_prompt
@@ -89,7 +90,7 @@ class Replay:
 def test_regret_after_an_end_of_generation_token_is_not_charged(smol):
     """ASD accepts the whole draft, but the answer ends at the end-of-generation token inside
     it: the mismatches drafted after that token are never committed, so they cost nothing."""
-    ids, _ = encode_prompt(smol, "What is the capital of France? Answer with one word.", raw=False)
+    ids, _ = encode_prompt(smol, prompt("qa-france"), raw=False)
     answer, _, plain_trace = generate(smol, None, strict, ids, drafter="none", k=0)
     eog = plain_trace[-1]["emitted"][-1]
     assert smol.is_eog(eog)

@@ -15,7 +15,6 @@ from flylocal import bench as b
 from flylocal.bench import METHODS, Prompt, humaneval_prompts, passes, stop_code
 from flylocal.sandbox import ADDRESS_SPACE, run_python
 from conftest import SMOL, model_path
-from flylocal.runtime import Runtime, RuntimeConfig
 from test_cli import assert_one_line_error
 
 STRICT = ("autoregressive", "strict-pld", "strict-model", "strict-mla")
@@ -66,6 +65,8 @@ def results_doc(methods: list[dict]) -> dict:
 @pytest.fixture(scope="module")
 def smol():
     """The target in this process, on one thread (see bench())."""
+    from flylocal.runtime import Runtime, RuntimeConfig
+
     rt = Runtime(model_path(SMOL), RuntimeConfig(n_ctx=2048, n_threads=1))
     yield rt
     rt.close()
@@ -80,6 +81,7 @@ def prompts_jsonl(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_every_method_gets_a_row_and_strict_methods_agree(prompts_jsonl, tmp_path):
     out = tmp_path / "out"
     # --k fixed: adaptive draft lengths follow measured timings, which makes acceptance vary
@@ -107,6 +109,7 @@ def test_every_method_gets_a_row_and_strict_methods_agree(prompts_jsonl, tmp_pat
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_without_draft_the_draft_methods_are_skipped_and_said(tmp_path):
     prompts = tmp_path / "p"
     prompts.mkdir()
@@ -146,6 +149,7 @@ def test_bad_input(tmp_path):
     assert_one_line_error(bench("--prompts", str(good), "--out", out, "--methods", "autoregressive", "--k", "600"), "--k 600")
 
 
+@pytest.mark.slow
 def test_a_prompt_longer_than_ctx_is_caught_before_anything_runs(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "Hi."}) + "\n" + json.dumps({"prompt": LONG_TEXT}) + "\n")
@@ -217,7 +221,8 @@ class Failing:
 
     def generate(self, ids, max_tokens, sampling=None, reuse=False):
         from flylocal.engine import generate_all
-        from flylocal.loader import Settings, build_engine
+        from flylocal.loader import build_engine
+        from flylocal.settings import Settings
 
         self.calls.append(len(ids))
         if len(ids) in self.fail_on:
@@ -229,7 +234,8 @@ class Failing:
 
 
 def test_a_failing_method_is_recorded_and_the_run_goes_on(smol, tmp_path):
-    from flylocal.loader import Settings
+    from flylocal.loader import Models
+    from flylocal.settings import Settings
 
     prompts = [Prompt("a", "What is the capital of France? Answer in one word.", answers=["Paris"]),
                Prompt("b", "Repeat exactly: one two three four five six.")]
@@ -238,9 +244,10 @@ def test_a_failing_method_is_recorded_and_the_run_goes_on(smol, tmp_path):
     assert len(encoded["a"]) != len(encoded["b"])
     methods = ["autoregressive", "llama-cpp-python", "llama-cpp-python-pld", "strict-pld"]
     warnings = []
-    rows = b.run(Settings(max_tokens=8, ctx=smol.n_ctx), smol, None,
+    settings = Settings(max_tokens=8, ctx=smol.n_ctx)
+    rows = b.run(settings, Models(settings, smol, None),
                  {"llama-cpp-python": always, "llama-cpp-python-pld": on_b}, prompts, methods, 2,
-                 progress=lambda m: None, encoded=encoded, warn=warnings.append)
+                 encoded=encoded, warn=warnings.append)
     assert len(always.calls) == 2 and len(on_b.calls) == 3        # a failed prompt is not run again
     results = {r["method"]: r for r in b.metrics(rows, prompts)}
     broken = results["llama-cpp-python"]
@@ -314,6 +321,7 @@ def test_a_completion_leaves_nothing_behind(tmp_path, monkeypatch):
     assert not (home / name).exists() and not (tmp_path / name).exists() and alive_with(marker) == []
 
 
+@pytest.mark.slow
 def test_humaneval_pass_at_1_only_with_execute(tmp_path):
     done = bench("--humaneval", "--humaneval-limit", "2", "--methods", "autoregressive,strict-pld", "--execute",
                  "--max-tokens", "48", "--out", str(tmp_path / "he"))
@@ -339,6 +347,7 @@ SPEC_BENCH_ROWS = [
 ]
 
 
+@pytest.mark.slow
 def test_spec_bench_questions_second_turns_and_category_tables(tmp_path):
     data = tmp_path / "spec_bench"
     data.mkdir()

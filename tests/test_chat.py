@@ -31,6 +31,7 @@ def turns(stderr):
     return [(m[1], int(m[2]), int(m[3]), int(m[4])) for m in STATS.finditer(stderr)]
 
 
+@pytest.mark.slow
 def test_two_turns_reuse_the_cached_prompt():
     done = chat_pipe(["Hello!", "What is two plus two?"])
     assert done.returncode == 0
@@ -42,6 +43,7 @@ def test_two_turns_reuse_the_cached_prompt():
     assert len(done.stdout.strip().splitlines()) >= 2
 
 
+@pytest.mark.slow
 def test_reset_clears_the_conversation():
     done = chat_pipe(["Hello!", "/reset", "Hello!"])
     first, second = turns(done.stderr)
@@ -50,6 +52,7 @@ def test_reset_clears_the_conversation():
     assert first[2] + first[3] == second[2] + second[3]
 
 
+@pytest.mark.slow
 def test_verifier_switch_and_asd_budget():
     done = chat_pipe(["Hi", "/verifier asd", "Hi again", "/verifier strict", "Bye"])
     names = [t[0] for t in turns(done.stderr)]
@@ -58,6 +61,7 @@ def test_verifier_switch_and_asd_budget():
                                                           if l.startswith("[asd:")][0]]
 
 
+@pytest.mark.slow
 def test_bad_input_gets_one_line_and_the_session_goes_on():
     done = chat_pipe(["/frobnicate", "", "/verifier nope", "/drafter model", "word " * 400, "Hi"],
                      "--ctx", "256")
@@ -70,6 +74,7 @@ def test_bad_input_gets_one_line_and_the_session_goes_on():
     assert len(turns(err)) == 1 and done.returncode == 0
 
 
+@pytest.mark.slow
 def test_eof_and_no_color_when_piped():
     done = chat_pipe([COPY], "--k", "4", "--drafter", "pld")
     assert done.returncode == 0
@@ -87,6 +92,7 @@ def spawn(*args):
     return child
 
 
+@pytest.mark.slow
 def test_interrupt_keeps_the_session_usable():
     child = spawn("--max-tokens", "400", "--drafter", "pld", "--k", "4")
     child.sendline(COPY)
@@ -111,6 +117,7 @@ def test_interrupt_keeps_the_session_usable():
     assert "Traceback" not in transcript and "Exception ignored" not in transcript
 
 
+@pytest.mark.slow
 def test_terminal_colours_accepted_tokens():
     child = spawn("--max-tokens", "60", "--drafter", "pld", "--k", "4", "--verifier", "strict")
     child.sendline(COPY)
@@ -123,6 +130,7 @@ def test_terminal_colours_accepted_tokens():
     assert "\x1b[32m" in plain.stdout      # --color forces colour even when piped
 
 
+@pytest.mark.slow
 def test_asd_ledger_spans_the_conversation_until_reset():
     done = chat_pipe(["/verifier asd", "Tell me about cats.", "And dogs?", "/reset", "Tell me about cats."],
                      "--draft", "smollm2-135m-instruct-q4_0", "--drafter", "model", "--k", "8", "--max-tokens", "48")
@@ -132,6 +140,7 @@ def test_asd_ledger_spans_the_conversation_until_reset():
     assert left[2] == left[0]                # /reset empties the ledger: the same turn again
 
 
+@pytest.mark.slow
 def test_oldest_turns_are_dropped_when_the_conversation_outgrows_the_context():
     msgs = [f"Tell me one fact about the number {i}." for i in range(8)]
     done = chat_pipe(msgs, "--ctx", "320", "--max-tokens", "40")
@@ -139,6 +148,7 @@ def test_oldest_turns_are_dropped_when_the_conversation_outgrows_the_context():
     assert len(turns(done.stderr)) == len(msgs)
 
 
+@pytest.mark.slow
 def test_a_draft_given_is_loaded_so_chat_can_switch_to_it():
     done = chat_pipe(["Hi", "/drafter mla", "Hi again", "/drafter model", "Bye"], "--draft", SMOL_Q4_0,
                      "--drafter", "pld")
@@ -147,6 +157,7 @@ def test_a_draft_given_is_loaded_so_chat_can_switch_to_it():
     assert len(turns(done.stderr)) == 3 and done.returncode == 0
 
 
+@pytest.mark.slow
 def test_invalid_utf8_line_is_refused_and_the_session_goes_on():
     done = subprocess.run(CHAT + ["--max-tokens", "8"], input=b"caf\xe9\nHello!\n", capture_output=True,
                           timeout=300)
@@ -164,18 +175,17 @@ def test_closed_stdin_gets_one_line():
 # ----- in process: the conversation layer on the shared model -----
 
 def conversation(target, draft=None, **changes):
-    from flylocal.chat import Conversation
-    from flylocal.loader import Loaded, Settings, build_engine
+    from flylocal.loader import Models
+    from flylocal.session import Session
+    from flylocal.settings import Settings
 
     settings = Settings(**{"max_tokens": 24, "drafter": "pld", "verifier": "strict", **changes})
     target.reset()
-    return Conversation(Loaded(settings, target, draft, build_engine(settings, target, draft)))
+    return Session(Models(settings, target, draft))
 
 
 def answer(conv, text):
-    from flylocal.engine import DoneEvent
-
-    return [e.tokens for e in conv.send(text) if isinstance(e, DoneEvent)][0]
+    return conv.send(text).run().tokens
 
 
 def test_typed_control_tokens_stay_text_in_the_conversation(smol):
@@ -228,7 +238,8 @@ def test_the_asd_ledger_carries_from_turn_to_turn_until_reset(smol, smol_draft):
     answer(conv, "Tell me about cats.")
     first = conv.verifier("asd").spent
     assert first > 0
-    rows = [e.trace for e in conv.send("And dogs?") if getattr(e, "trace", None)]
-    assert rows[0]["budget_spent"] >= first and conv.last_stats.budget_spent > first
+    turn = conv.send("And dogs?")
+    rows = [e.trace for e in turn]
+    assert rows[0]["budget_spent"] >= first and turn.stats.budget_spent > first
     conv.reset()
     assert conv.verifier("asd").spent == 0.0

@@ -12,14 +12,18 @@ import pytest
 
 from conftest import SMOL, SMOL_Q4_0, model_path
 from flylocal.engine import generate_all
-from flylocal.loader import Settings, build_engine
-from flylocal.runtime import Runtime, RuntimeConfig
+from flylocal.loader import build_engine
+from flylocal.settings import Settings
+
+pytestmark = pytest.mark.slow     # every test here loads a real model
 
 TEXT = "one two three four five six seven eight nine ten " * 8   # prompt lookup always has a match
 
 
 @pytest.fixture(scope="module", params=[40, 57])
 def small_ctx(request):
+    from flylocal.runtime import Runtime, RuntimeConfig
+
     n_ctx = request.param
     target = Runtime(model_path(SMOL), RuntimeConfig(n_ctx=n_ctx))
     draft = Runtime(model_path(SMOL_Q4_0), RuntimeConfig(n_ctx=n_ctx))

@@ -8,26 +8,21 @@ property holds: strict leaves plain decoding only at a numerical near-tie.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
+from conftest import prompt
 from flylocal.drafters import make_drafter
 from flylocal.engine import Engine, EngineConfig, generate_all
 from flylocal.loader import encode_prompt
 from flylocal.verifiers.strict import strict
 
-TYPOS = (
-    "Fix the typos in this text:\n\nThe old lighthouse stood at the edge of the cliff for more then two hundred "
-    "years. Every nigth its keeper climbed the narow stairs to light the lamp, and every morning he wrote the "
-    "wether in a leather book."
-)
 SMOL_PROMPTS = {
     # long copied spans: prompt lookup and MLA propose whole phrases
-    "copy": TYPOS,
+    "copy": prompt("typos-short"),
     # the model's own words
-    "own-words": "Write a short poem about autumn leaves.",
+    "own-words": prompt("poem-autumn"),
     # a short answer: the end-of-turn token is drafted (it occurs in the prompt's template)
-    "short-answer": "What is the capital of France? Answer with one word.",
+    "short-answer": prompt("qa-france"),
 }
 
 
@@ -86,7 +81,7 @@ def test_smollm_strict_equals_plain(smol, smol_draft, name, drafter, k):
         assert stats.accepted > 0
 
 
-LONG_TYPOS = TYPOS + (
+LONG_TYPOS = SMOL_PROMPTS["copy"] + (
     " When the keeper retired, the town decided to keep the light burning with an automatic system, but they "
     "kept the book in the libary so that visitors could read it.\n\nThe book is now one of the most popular things "
     "in the museum. Children like to find the days when storms hit the coast, and older visitors look for the day "
@@ -127,14 +122,14 @@ def test_eog_inside_a_draft_is_handled(smol):
 
 
 def test_copy_prompt_accepts_long_spans(smol):
-    ids, _ = encode_prompt(smol, TYPOS, raw=False)
+    ids, _ = encode_prompt(smol, SMOL_PROMPTS["copy"], raw=False)
     tokens, stats, trace = run(smol, "pld", ids, k=8)
     assert max(r["accepted"] for r in trace) >= 4
     assert stats.mean_accepted_length > 1.5
 
 
 def test_drafts_are_shortened_to_fit_max_tokens(smol):
-    ids, _ = encode_prompt(smol, TYPOS, raw=False)
+    ids, _ = encode_prompt(smol, SMOL_PROMPTS["copy"], raw=False)
     for max_tokens in (1, 5, 13):
         expected = plain(smol, ids, max_tokens=max_tokens)
         tokens, stats, trace = run(smol, "pld", ids, k=8, max_tokens=max_tokens)

@@ -6,21 +6,14 @@ import math
 
 import pytest
 
+from conftest import prompt
 from flylocal.drafters import make_drafter
 from flylocal.engine import Engine, EngineConfig, generate_all
 from flylocal.loader import encode_prompt
 from flylocal.verifiers.fly import Fly, FlyParams
 from flylocal.verifiers.strict import strict
 
-PROMPTS = {
-    "summarise": ("Summarize the key points of this report:\n\nQuarterly sales rose eight percent, driven by strong "
-                  "demand for the new laptop line in Europe. Costs also increased because of higher shipping prices, "
-                  "so profit grew only two percent. The company expects the shipping costs to fall next quarter and "
-                  "plans to hire forty engineers."),
-    "reply": ("Write a short, polite reply to this email: 'Hi, could we move our meeting from Tuesday to Thursday "
-              "afternoon? Something came up. Thanks, Anna'"),
-    "chat": "What are some good ways to stay focused while working from home?",
-}
+PROMPTS = {"summarise": prompt("summarise-report"), "reply": prompt("reply-email"), "chat": prompt("chat-focus")}
 
 
 def generate(target, draft, verifier, ids, drafter="model", k=10, max_tokens=64):

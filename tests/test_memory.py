@@ -4,12 +4,15 @@ A full n_ctx x n_vocab float32 buffer alone would be 8 GiB; flylocal asks llama.
 only on the rows it verifies. Peak RSS is deterministic enough for a ceiling with wide margin.
 """
 
+import pytest
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 from conftest import GEMMA, model_path
+
+pytestmark = pytest.mark.slow     # every test here loads a real model
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_memory.py"
 

@@ -39,7 +39,14 @@ def test_registry_errors_name_the_line(tmp_path, monkeypatch):
 
 def test_resolve_names_paths_and_unknowns(tmp_path):
     assert models.resolve(SMOL) == models.local_path(SMOL)
-    assert models.resolve(str(tmp_path / "x.gguf")) == tmp_path / "x.gguf"
+    path = tmp_path / "x.gguf"
+    with pytest.raises(FlylocalError, match="model file not found"):
+        models.resolve(str(path))
+    path.write_text("not a model")
+    with pytest.raises(FlylocalError, match="not a GGUF file"):
+        models.resolve(str(path))
+    path.write_bytes(b"GGUF" + bytes(60))          # the file is llama.cpp's to judge from here
+    assert models.resolve(str(path)) == path
     with pytest.raises(FlylocalError, match="unknown model 'no-such-model'"):
         models.resolve("no-such-model")
 
@@ -57,6 +64,7 @@ def smol_file():
     return model_path(SMOL)
 
 
+@pytest.mark.slow
 def test_derive_by_quantizer_matches_recorded_sha(smol_file, isolated_cache):
     os.symlink(smol_file, isolated_cache / f"{SMOL}.gguf")
     notes = []
@@ -205,6 +213,7 @@ def smol_cache(smol_file, isolated_cache):
     return isolated_cache
 
 
+@pytest.mark.slow
 def test_derived_file_unlike_the_registry_is_recorded_with_its_own_sha(smol_cache, tmp_path, monkeypatch):
     base = models.load_registry()[SMOL]
     reg = tmp_path / "models.txt"            # as if another llama.cpp had written the recorded file
@@ -258,6 +267,7 @@ def _assert_fetched_cleanly(cache, tmp_path):
     assert _listed_state(cache, tmp_path, SMOL_Q4_0).startswith("verified ")
 
 
+@pytest.mark.slow
 def test_two_fetches_at_once_derive_once(smol_cache, tmp_path):
     a = _flylocal(smol_cache, tmp_path / "a", "models", "fetch", SMOL_Q4_0)
     b = _flylocal(smol_cache, tmp_path / "b", "models", "fetch", SMOL_Q4_0)
@@ -268,6 +278,7 @@ def test_two_fetches_at_once_derive_once(smol_cache, tmp_path):
     _assert_fetched_cleanly(smol_cache, tmp_path)
 
 
+@pytest.mark.slow
 def test_fetch_interrupted_half_way_while_another_waits(smol_cache, tmp_path):
     a = _flylocal(smol_cache, tmp_path / "a", "models", "fetch", SMOL_Q4_0)
     try:
@@ -294,6 +305,7 @@ def test_fetch_interrupted_half_way_while_another_waits(smol_cache, tmp_path):
     _assert_fetched_cleanly(smol_cache, tmp_path)
 
 
+@pytest.mark.slow
 def test_corrupt_cached_file_is_reported_and_fetched_again(smol_q4_0_file, smol_cache, tmp_path):
     dest = smol_cache / f"{SMOL_Q4_0}.gguf"
     shutil.copyfile(smol_q4_0_file, dest)                    # a copy: the real cache stays untouched

@@ -3,7 +3,13 @@
 import numpy as np
 
 from flylocal.drafters import stop_at_eog
-from flylocal.drafters.pld import PromptLookup, confidence_level, find_match, prompt_lookup
+from flylocal.drafters.pld import PromptLookup, confidence_level, find_match
+
+
+def prompt_lookup(tokens, max_ngram, max_tokens):
+    """(continuation, n): what the drafter proposes, and the n-gram size it matched."""
+    draft = PromptLookup(np.zeros(64, dtype=bool), max_ngram=max_ngram).propose(tokens, max_tokens)
+    return draft.tokens, find_match(tokens, max_ngram)[1] if len(draft.tokens) else 0
 
 
 def arr(*xs):

@@ -7,6 +7,8 @@ import pytest
 
 from flylocal.errors import FlylocalError
 
+pytestmark = pytest.mark.slow     # every test here loads a real model
+
 TEXT = "Once upon a time, in a small village by the sea, there lived an old fisherman who "
 
 
@@ -96,7 +98,7 @@ def test_tokenize_detokenize_multibyte(smol):
     text = "naïve café — 東京 ☃ 🙂"
     ids = smol.tokenize(text, add_special=False)
     assert smol.detokenize(ids) == text
-    from flylocal.cli import TextStream
+    from flylocal.runtime import TextStream
 
     stream = TextStream(smol)
     pieces = [stream.feed([t]) for t in ids] + [stream.flush()]

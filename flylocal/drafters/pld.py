@@ -37,16 +37,6 @@ def find_match(tokens: np.ndarray, max_ngram: int) -> tuple[int, int]:
     return int(ends[-1]), n
 
 
-def prompt_lookup(tokens: np.ndarray, max_ngram: int, max_tokens: int) -> tuple[np.ndarray, int]:
-    """(continuation [<= max_tokens] int32, n) after the match `find_match` picks; (empty, 0) if none."""
-    if max_tokens <= 0:
-        return EMPTY, 0
-    end, n = find_match(tokens, max_ngram)
-    if n == 0:
-        return EMPTY, 0
-    return tokens[end + 1 : end + 1 + max_tokens], n
-
-
 def match_length(tokens: np.ndarray, end: int, limit: int) -> int:
     """How many tokens ending at `end` equal those ending at the last token (at most `limit`)."""
     last = len(tokens) - 1
@@ -70,6 +60,13 @@ class Corpus:
         body = self.tokens[:-1]                     # a match needs a token after it
         self.order = np.argsort(body, kind="stable").astype(np.int64)
         self.sorted = body[self.order]
+
+    def copy(self) -> Corpus:
+        """A corpus that starts with these tokens and grows on its own (the arrays are shared
+        until either side adds)."""
+        twin = Corpus.__new__(Corpus)
+        twin.tokens, twin.order, twin.sorted = self.tokens, self.order, self.sorted
+        return twin
 
     def add(self, tokens) -> None:
         """Remember generated text (it is searched from the next round on)."""

@@ -16,6 +16,7 @@ ASD changes the output relative to the target's greedy decoding, by design.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,12 +68,11 @@ class Asd:
         return decision
 
     def commit(self, decision: Decision, n: int) -> Decision:
-        """Charge the regret of the first n committed draft tokens; the decision with the
-        ledger's trace fields."""
+        """Charge the regret of the first n committed draft tokens; the decision, carrying the
+        ledger after the charge."""
         if n > 0:
             self.spent += float(self._cost[n - 1])
-        trace = {"budget_spent": self.spent, "budget_left": self.params.budget - self.spent}
-        return Decision(decision.accepted, decision.loose, decision.entropy, trace)
+        return dataclasses.replace(decision, budget_spent=self.spent, budget_left=self.params.budget - self.spent)
 
     def reset(self) -> None:
         self.spent = 0.0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -13,7 +13,8 @@ class Decision:
     accepted: int                              # L: committed draft prefix, 0 <= L <= k
     loose: tuple[int, ...] = ()                # positions j < L with d[j] != a[j], accepted anyway
     entropy: np.ndarray | None = None          # [k] float64, NaN where not computed
-    trace: dict = field(default_factory=dict)  # verifier-specific trace fields (docs/design.md)
+    budget_spent: float | None = None          # ASD's ledger s after this round's charge
+    budget_left: float | None = None           # B - s
 
 
 Verifier = Callable[[np.ndarray, np.ndarray, np.ndarray], Decision]

@@ -1,21 +1,22 @@
-"""A multi-turn conversation over loaded models: history, prompt rendering with KV reuse,
-method switching and the ASD ledger. No terminal I/O here; `cli.chat` renders.
+"""A session: the loaded models, the engine and the conversation of one user. `flylocal chat`
+renders one; a server holds one per conversation. No terminal I/O here.
 
 Each turn renders the whole conversation with the model's chat template and hands it to the
 engine, whose prefill keeps the longest prefix the target (and the draft) already hold: only
 the new user turn is evaluated. When the conversation outgrows the context, the oldest turns
-are dropped (the system prompt stays).
+are dropped (the system prompt stays). The session keeps one verifier object per method, so
+ASD's ledger spans the conversation until `reset()`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Iterator
+from dataclasses import dataclass
 
-from flylocal.engine import DoneEvent, Engine, RoundEvent
+from flylocal.engine import Engine, Generation
 from flylocal.errors import FlylocalError
-from flylocal.loader import Loaded, build_engine
+from flylocal.loader import Models
+from flylocal.settings import Settings
 from flylocal.stats import Stats
 from flylocal.verifiers import make_verifier
 
@@ -40,50 +41,38 @@ class Totals:
         self.prompt_evaluated += s.prompt_evaluated
 
 
-@dataclass
-class Conversation:
-    loaded: Loaded
-    system: str | None = None
-    messages: list[dict] = field(default_factory=list)   # user/assistant turns, oldest first
-    totals: Totals = field(default_factory=Totals)
-    notes: list[str] = field(default_factory=list)       # one-line notices for the user
-
-    def __post_init__(self):
-        self.target = self.loaded.target
+class Session:
+    def __init__(self, models: Models, system: str | None = None):
+        self.models = models
+        self.target = models.target
+        self.settings: Settings = models.settings      # this session's; switching replaces it
+        self.system = system
+        self.messages: list[dict] = []                 # user/assistant turns, oldest first
+        self.totals = Totals()
+        self.notes: list[str] = []                     # one-line notices for the user
         self.has_template = self.target.chat_template() is not None
         if not self.has_template:
             self.notes.append(f"{self.target.name} has no chat template; running as a plain continuation")
-        self._verifiers = {}
-        self._engine = None
-        self.last_stats: Stats | None = None
+        self._verifiers: dict = {}
+        self._engine: Engine | None = None
 
     # ----- methods -----
-    @property
-    def settings(self):
-        return self.loaded.settings
-
     def verifier(self, name: str):
-        """One verifier object per method, kept for the conversation: ASD's ledger persists."""
+        """One verifier object per method, kept for the session: ASD's ledger persists."""
         if name not in self._verifiers:
             self._verifiers[name] = make_verifier(name, self.settings.verifiers)
         return self._verifiers[name]
 
     def engine(self) -> Engine:
         if self._engine is None:
-            engine = build_engine(self.settings, self.target, self.loaded.draft, self.loaded.corpus)
-            engine.verifier = self.verifier(self.settings.verifier)
-            self._engine = engine
+            self._engine = self.models.engine(self.settings, self.verifier(self.settings.verifier))
         return self._engine
 
     def switch(self, verifier: str | None = None, drafter: str | None = None) -> None:
-        if drafter in ("model", "mla") and self.loaded.draft is None:
+        if drafter in ("model", "mla") and self.models.draft is None:
             raise FlylocalError(f"/drafter {drafter} needs a draft model: start chat with --draft NAME|PATH")
-        changes = {}
-        if verifier is not None:
-            changes["verifier"] = verifier
-        if drafter is not None:
-            changes["drafter"] = drafter
-        self.loaded.settings = dataclasses.replace(self.settings, **changes)
+        changes = {"verifier": verifier, "drafter": drafter}
+        self.settings = dataclasses.replace(self.settings, **{k: v for k, v in changes.items() if v is not None})
         self._engine = None
 
     def reset(self) -> None:
@@ -127,28 +116,20 @@ class Conversation:
             self.notes.append(f"the conversation outgrew the context: dropped the {dropped} oldest exchange(s)")
         return ids
 
-    def send(self, user: str) -> Iterator[RoundEvent | DoneEvent]:
-        """Answer `user`. Yields the engine's events. Closing early (Ctrl-C) keeps what was
-        yielded as the assistant's turn; the caches resync on the next turn."""
-        self.last_stats = None
+    def send(self, user: str) -> Generation:
+        """Start answering `user`: the Generation to iterate (FlylocalError at once if the message
+        cannot be sent). When it ends, however it ends, what it produced becomes the assistant's
+        turn (a turn that produced nothing leaves no trace), and its stats are counted."""
         ids = self._prompt_ids(user)
-        engine = self.engine()
-        engine.last_stats = None
-        self.messages.append({"role": "user", "content": user})
-        reply: list[int] = []
-        events = engine.generate(ids)
-        try:
-            for event in events:
-                if isinstance(event, RoundEvent):
-                    reply.extend(t for t in event.tokens if not self.target.is_eog(t))
-                yield event
-        finally:
-            events.close()   # an interrupted engine records its stats on close
-            if reply:
-                self.messages.append({"role": "assistant", "content": self.target.detokenize(reply)})
-            else:            # nothing was answered: the turn leaves no trace in the history
+        turn = {"role": "user", "content": user}
+
+        def finished(gen: Generation) -> None:
+            if gen.tokens:
+                self.messages.append({"role": "assistant", "content": self.target.detokenize(gen.tokens)})
+            elif self.messages and self.messages[-1] is turn:
                 self.messages.pop()
-            stats = getattr(engine, "last_stats", None)
-            if stats is not None:
-                self.totals.add(stats)
-            self.last_stats = stats
+            self.totals.add(gen.stats)
+
+        generation = self.engine().generate(ids, on_end=finished)
+        self.messages.append(turn)
+        return generation

@@ -1,0 +1,267 @@
+"""What a run is asked to do, and every command-line option, declared once.
+
+`Settings` holds a run's choices with their defaults (and the verifier and sampling parameters,
+whose defaults live in FlyParams, AsdParams and SamplingParams). `OPTIONS` declares each
+command-line option once: its flags, type and range, help, and the field its value goes to;
+its default is read from that field. Commands take options by name (`options(...)`), so
+generate, chat, bench, doctor and serve cannot disagree on a type, a range or a default, and
+`settings_from` turns what click parsed into Settings in one place.
+
+This module imports nothing heavy: the command line imports it before llama.cpp is chosen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import click
+
+from flylocal.drafters import DRAFTERS
+from flylocal.sampling import SamplingParams
+from flylocal.verifiers import VERIFIERS, VerifierConfig
+from flylocal.verifiers.asd import AsdParams
+from flylocal.verifiers.fly import FlyParams
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_K = 8
+DEFAULT_P_MIN = 0.5     # a draft model's token it gives less than this ends its draft (adaptive runs)
+
+
+@dataclass(frozen=True)
+class Settings:
+    target: str = DEFAULT_TARGET
+    draft: str | None = None
+    drafter: str | None = None        # None: mla with a draft, pld without
+    verifier: str = "fly"
+    k: int | None = None              # None: adaptive up to DEFAULT_K for drafters that adapt
+    max_tokens: int = 256
+    ctx: int = 4096
+    threads: int = 0                  # 0: every core this process may use
+    batch_size: int = 512
+    flash_attn: str = "auto"
+    gpu_layers: int = 0               # -1: all
+    pld_ngram: int = 4
+    pld_tokens: int | None = None
+    draft_p_min: float | None = None  # None: 0.5 when the draft length adapts, 0 with an explicit --k
+    recalibrate: bool = False         # measure the cost curves again instead of reading the cache
+    exact: bool = False               # the batch-invariant build (flylocal.kernels)
+    lookup_corpus: str | None = None  # a text file prompt lookup also searches
+    verifiers: VerifierConfig = field(default_factory=VerifierConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    trace: bool = False               # attach trace rows (docs/design.md) to round events
+
+    @property
+    def drafter_name(self) -> str:
+        return self.drafter or ("mla" if self.draft else "pld")
+
+    @property
+    def window(self) -> int:
+        """The FLy window that drafts must fit, or 0 when no verifier needs one."""
+        fly = self.verifiers.fly
+        return fly.window if self.verifier == "fly" and fly.use_window else 0
+
+    @property
+    def draft_length(self) -> int:
+        """--k, or the default: 8, or with FLy's window at least W+4, so that a mismatch in the
+        first four draft positions can still be accepted loosely (it needs j + W < k)."""
+        if self.k is not None:
+            return self.k
+        return max(DEFAULT_K, self.window + 4) if self.window else DEFAULT_K
+
+    @property
+    def draft_p_min_value(self) -> float:
+        if self.draft_p_min is not None:
+            return self.draft_p_min
+        return DEFAULT_P_MIN if self.k is None else 0.0
+
+
+# ----- option types -----
+
+class Number(click.FloatRange):
+    """A float in a range. NaN is never in range; infinity only where it means something."""
+
+    def __init__(self, *args, allow_inf: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.allow_inf = allow_inf
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if math.isnan(rv) or (math.isinf(rv) and not self.allow_inf):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return rv
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _check_threads(ctx, param, value):
+    """More threads than usable cores only makes threads wait."""
+    if value > cpu_count():
+        raise click.BadParameter(f"{value} is more than the {cpu_count()} CPU cores this process can use "
+                                 "(0: all of them).", ctx, param)
+    return value
+
+
+def _choose_build(ctx, param, value):
+    """--exact picks the llama.cpp build before anything imports it; the value says which runs."""
+    from flylocal import kernels
+
+    if value:
+        kernels.choose(True)
+    return kernels.mode() == kernels.EXACT
+
+
+# ----- the declarations -----
+
+@dataclass(frozen=True)
+class Option:
+    name: str                       # the parameter's name in click and in OPTIONS
+    flags: tuple[str, ...]
+    help: str
+    type: Any = None
+    to: str | None = "settings"     # where the value goes: settings, fly, asd, sampling, or None (the command's own)
+    field: str | None = None        # the field there (default: name)
+    is_flag: bool = False
+    invert: bool = False            # a flag that turns its field off
+    metavar: str | None = None
+    callback: Callable | None = None
+
+    @property
+    def field_name(self) -> str:
+        return self.field or self.name
+
+    @property
+    def default(self):
+        if self.is_flag:
+            return False
+        owner = {"settings": Settings, "fly": FlyParams, "asd": AsdParams, "sampling": SamplingParams}[self.to]
+        return {f.name: f.default for f in dataclasses.fields(owner)}[self.field_name]
+
+    def click_option(self):
+        if self.is_flag:
+            return click.option(*self.flags, self.name, is_flag=True, callback=self.callback, help=self.help)
+        return click.option(*self.flags, self.name, type=self.type, default=self.default,
+                            show_default=self.default is not None, metavar=self.metavar,
+                            callback=self.callback, help=self.help)
+
+
+OPTIONS = {o.name: o for o in [
+    # models
+    Option("target", ("--target",), "Target model: a models.txt name or a GGUF path.", metavar="NAME|PATH"),
+    Option("draft", ("--draft",), "Draft model for --drafter model/mla (same vocabulary as the target).",
+           metavar="NAME|PATH"),
+    # methods
+    Option("drafter", ("--drafter",), "Where drafts come from. Default: mla with --draft, pld without.",
+           type=click.Choice(DRAFTERS)),
+    Option("verifier", ("--verifier",),
+           "How drafts are accepted. fly also accepts mismatches where the target is unsure and agrees right "
+           "after; asd accepts a mismatch the target prefers its own token to by only a small logit margin, "
+           "within a per-request regret budget. Both change the output relative to the target's greedy "
+           "decoding, by design. strict is lossless: the target's own greedy output (bit for bit with --exact; "
+           "up to numerical near-ties with the default fast kernels).", type=click.Choice(VERIFIERS)),
+    Option("k", ("--k",),
+           f"Draft length per round. Default: {DEFAULT_K}, or W+4 with FLy's window so that a mismatch in the "
+           "first 4 positions can be accepted loosely; prompt lookup and draft models shorten it each round "
+           "from measured cost and acceptance. Given explicitly, it is used as is.",
+           type=click.IntRange(min=0)),
+    Option("draft_p_min", ("--draft-p-min",),
+           f"A draft model's draft ends at a token it gives less than this probability. Default: {DEFAULT_P_MIN}, "
+           "or 0 with an explicit --k.", type=Number(min=0.0, max=1.0)),
+    Option("lookup_corpus", ("--lookup-corpus",),
+           "A text file prompt lookup also searches (as well as the context and, in chat, what was generated "
+           "earlier in the session).", metavar="FILE"),
+    Option("pld_ngram", ("--pld-ngram",), "Longest n-gram prompt lookup tries (it falls back down to 1).",
+           type=click.IntRange(min=1)),
+    Option("pld_tokens", ("--pld-tokens",),
+           "Most tokens one prompt lookup proposes. Default: --k for pld, 6 for mla.", type=click.IntRange(min=1)),
+    Option("max_tokens", ("--max-tokens",), "Most tokens to generate (per turn).", type=click.IntRange(min=1)),
+    # llama.cpp
+    Option("ctx", ("--ctx",), "Context size in tokens (prompt + output).", type=click.IntRange(min=16)),
+    Option("batch_size", ("--batch-size",), "Most tokens llama.cpp evaluates in one call (prompt evaluation).",
+           type=click.IntRange(min=32)),
+    Option("gpu_layers", ("--gpu-layers",), "Layers to offload to the GPU (-1: all), in a GPU build.",
+           type=click.IntRange(min=-1)),
+    Option("flash_attn", ("--flash-attn",),
+           "llama.cpp flash attention. auto: off in a CPU build (its CPU kernel is not batch-invariant), "
+           "llama.cpp's choice on a GPU.", type=click.Choice(["auto", "on", "off"])),
+    Option("threads", ("--threads",), "CPU threads, at most the cores available (0: all of them).",
+           type=click.IntRange(min=0), callback=_check_threads),
+    Option("exact", ("--exact",),
+           "Run the batch-invariant CPU build of llama.cpp: strict output then equals plain greedy decoding bit "
+           "for bit (Q4_0, Q4_1, Q8_0 and F16 weights), at a cost in speed. Default: llama.cpp's fast kernels, "
+           "where strict equals greedy decoding up to numerical near-ties. FLYLOCAL_EXACT=1 makes it the "
+           "default.", is_flag=True, callback=_choose_build),
+    Option("recalibrate", ("--recalibrate",),
+           "Measure the decode cost curves again instead of using the cached ones (measured once per model "
+           "file, build, backend, thread count and batch size).", is_flag=True),
+    # FLy and ASD
+    Option("fly_window", ("--fly-window",),
+           "FLy: a mismatch is accepted only if the W-1 draft tokens after it match natively.",
+           type=click.IntRange(min=1), to="fly", field="window"),
+    Option("fly_entropy", ("--fly-entropy",),
+           "FLy: entropy gate theta (nats, top-m); a mismatch where the target's entropy is below it is "
+           "rejected. 0: no gate; inf: strict.", type=Number(min=0.0, allow_inf=True), to="fly", field="entropy"),
+    Option("fly_topk", ("--fly-topk",), "FLy: m, the number of largest probabilities the entropy sums over.",
+           type=click.IntRange(min=1), to="fly", field="topk"),
+    Option("fly_no_window", ("--fly-no-window",),
+           "FLy ablation: accept a gated-open mismatch at once, without the window.", is_flag=True, to="fly",
+           field="use_window", invert=True),
+    Option("asd_gate", ("--asd-gate",),
+           "ASD: g, the most regret (target logit of its own token minus that of the draft token) per remaining "
+           "draft position for an exception.", type=Number(min=0.0, allow_inf=True), to="asd", field="gate"),
+    Option("asd_cap", ("--asd-cap",), "ASD: M, the most exceptions (accepted mismatches) in one round.",
+           type=click.IntRange(min=0), to="asd", field="cap"),
+    Option("asd_budget", ("--asd-budget",),
+           "ASD: B, the most regret in logits one request may spend in all; 0 is strict.",
+           type=Number(min=0.0, allow_inf=True), to="asd", field="budget"),
+    # prompts
+    Option("raw", ("--raw",), "Use the prompt text as is, without the model's chat template.", is_flag=True, to=None),
+    # sampling
+    Option("temperature", ("--temperature",),
+           "Sampling temperature; 0 is greedy. strict stays lossless at any temperature (speculative sampling); "
+           "fly and asd are lossy, by design.", type=Number(min=0.0), to="sampling"),
+    Option("top_k", ("--top-k",), "Sample among the k most likely tokens (0: all).", type=click.IntRange(min=0),
+           to="sampling"),
+    Option("top_p", ("--top-p",), "Nucleus sampling mass (1: off).", type=Number(min=0.0, max=1.0, min_open=True),
+           to="sampling"),
+    Option("min_p", ("--min-p",), "Drop tokens below this fraction of the top probability (0: off).",
+           type=Number(min=0.0, max=1.0), to="sampling"),
+    Option("repeat_penalty", ("--repeat-penalty",),
+           "Penalty on the last 64 committed tokens (1: off); rejected drafts never count.",
+           type=Number(min=0.0, min_open=True), to="sampling"),
+    Option("seed", ("--seed",), "Random seed for sampling: the same seed and settings give the same tokens.",
+           type=click.IntRange(min=0, max=2**32 - 1), to="sampling"),
+]}
+
+MODEL = ("target", "draft")
+METHOD = ("drafter", "verifier")
+DRAFTING = ("k", "draft_p_min", "lookup_corpus", "pld_ngram", "pld_tokens", "max_tokens")
+LLAMA = ("ctx", "batch_size", "gpu_layers", "flash_attn", "threads", "exact", "recalibrate")
+VERIFIER_PARAMS = ("fly_window", "fly_entropy", "fly_topk", "fly_no_window", "asd_gate", "asd_cap", "asd_budget")
+SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed")
+GENERATION = MODEL + METHOD + DRAFTING + LLAMA + VERIFIER_PARAMS + SAMPLING    # generate, chat, serve
+
+
+def options(*names: str):
+    """A decorator adding the named options to a click command, in the order given."""
+    return lambda f: functools.reduce(lambda g, name: OPTIONS[name].click_option()(g), reversed(names), f)
+
+
+def settings_from(params: dict, base: Settings = Settings()) -> Settings:
+    """Settings from click's parsed parameters: each declared option present in `params` goes
+    to its field; anything else keeps `base`'s value."""
+    parts: dict[str, dict] = {"settings": {}, "fly": {}, "asd": {}, "sampling": {}}
+    for name, value in params.items():
+        opt = OPTIONS.get(name)
+        if opt is not None and opt.to is not None:
+            parts[opt.to][opt.field_name] = (not value) if opt.invert else value
+    verifiers = VerifierConfig(fly=dataclasses.replace(base.verifiers.fly, **parts["fly"]),
+                               asd=dataclasses.replace(base.verifiers.asd, **parts["asd"]))
+    return dataclasses.replace(base, **parts["settings"], verifiers=verifiers,
+                               sampling=dataclasses.replace(base.sampling, **parts["sampling"]))

@@ -1,0 +1,61 @@
+"""Options are declared once (flylocal.settings): every command shows a shared option the same
+way, and what click parses becomes Settings with the library's own defaults."""
+
+import dataclasses
+
+import click
+import pytest
+
+from flylocal import kernels
+from flylocal.cli import cli
+from flylocal.settings import OPTIONS, Settings, settings_from
+from flylocal.verifiers import VerifierConfig
+from flylocal.verifiers.asd import AsdParams
+from flylocal.verifiers.fly import FlyParams
+
+COMMANDS = {name: cmd for name, cmd in cli.commands.items() if not isinstance(cmd, click.Group)}
+
+
+def help_records() -> dict[str, dict[str, tuple]]:
+    """option flag -> {command: the (flags, help) line its --help prints}"""
+    seen: dict = {}
+    for name, cmd in COMMANDS.items():
+        ctx = click.Context(cmd, info_name=name)
+        for p in cmd.params:
+            record = p.get_help_record(ctx) if isinstance(p, click.Option) else None
+            if record is not None:
+                seen.setdefault(p.opts[0], {})[name] = record
+    return seen
+
+
+def test_a_shared_option_reads_the_same_in_every_commands_help():
+    shared = {flag: per for flag, per in help_records().items() if len(per) > 1}
+    assert {"--max-tokens", "--ctx", "--k", "--threads", "--exact", "--temperature", "--target"} <= set(shared)
+    for flag, per in shared.items():
+        assert len(set(per.values())) == 1, f"{flag} differs between commands: {per}"
+    assert "[default: 256" in shared["--max-tokens"]["bench"][1]
+    assert "[default: 4096" in shared["--ctx"]["bench"][1]
+
+
+def test_every_declared_option_is_taken_by_a_command():
+    taken = {p.name for cmd in COMMANDS.values() for p in cmd.params}
+    assert set(OPTIONS) <= taken
+
+
+@pytest.mark.parametrize("command,args", [("generate", ["hi"]), ("chat", []), ("bench", ["--out", "o"])])
+def test_no_options_give_the_librarys_defaults(command, args):
+    ctx = COMMANDS[command].make_context(command, list(args))
+    want = dataclasses.replace(Settings(), exact=kernels.mode() == kernels.EXACT)
+    if command == "bench":    # bench's methods set these
+        want = dataclasses.replace(want, drafter=None, verifier=Settings.verifier)
+    assert settings_from(ctx.params) == want
+
+
+def test_options_reach_their_fields():
+    cmd = COMMANDS["generate"]
+    ctx = cmd.make_context("generate", ["hi", "--k", "5", "--fly-window", "3", "--fly-no-window", "--asd-budget",
+                                        "inf", "--temperature", "0.7", "--seed", "9", "--gpu-layers", "-1"])
+    s = settings_from(ctx.params)
+    assert s.k == 5 and s.gpu_layers == -1
+    assert s.verifiers == VerifierConfig(fly=FlyParams(window=3, use_window=False), asd=AsdParams(budget=float("inf")))
+    assert (s.sampling.temperature, s.sampling.seed, s.sampling.top_k) == (0.7, 9, 40)
