@@ -360,13 +360,13 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
 
     bar = None
 
-    def progress(step, total, what):
+    def progress(step, total, what):     # before step `step` of `total` runs: step - 1 are done
         nonlocal bar
         if bar is None:
             bar = click.progressbar(length=total, label="flylocal bench", file=sys.stderr, show_pos=True,
                                     item_show_func=lambda item: item)
             bar.__enter__()
-        bar.update(1, what)
+        bar.update(step - 1 - bar.pos, what)
 
     def warn(message):
         click.echo(("\n" if bar is not None and not bar.is_hidden else "") + f"flylocal: {message}", err=True)
@@ -376,6 +376,8 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
                         humaneval_limit=humaneval_limit, category=category, per_category=per_category, execute=execute,
                         out_dir=out_dir, methods=methods, repeat=repeat, raw=raw, note=note, progress=progress,
                         warn=warn)
+        if bar is not None:
+            bar.update(bar.length - bar.pos, "done")
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)

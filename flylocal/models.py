@@ -41,7 +41,8 @@ try:
 except ImportError:          # not POSIX: fetches are not serialized, but still atomic
     fcntl = None
 
-from flylocal.errors import FlylocalError, ModelError
+from flylocal.errors import FlylocalError
+from flylocal.files import check_gguf_file
 
 REGISTRY = Path(__file__).with_name("models.txt")
 CHUNK = 1 << 20
@@ -95,25 +96,6 @@ def cache_dir() -> Path:
 
 def local_path(name: str) -> Path:
     return cache_dir() / f"{name}.gguf"
-
-
-GGUF_MAGIC = b"GGUF"
-
-
-def check_gguf_file(path: Path) -> None:
-    """Raise ModelError unless `path` is a readable file that starts like a GGUF file (before
-    llama.cpp is asked to load it; llama.cpp itself names what is wrong inside one)."""
-    if not path.exists():
-        raise ModelError(f"model file not found: {path}")
-    if not path.is_file():
-        raise ModelError(f"model path is not a file: {path}")
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-    except OSError as e:
-        raise ModelError(f"cannot read model file {path}: {e.strerror}") from None
-    if len(head) < 8 or head[:4] != GGUF_MAGIC:
-        raise ModelError(f"not a GGUF file: {path}")
 
 
 def resolve(spec: str, log: Callable[[str], None] = lambda s: None) -> Path:

@@ -33,7 +33,7 @@ from flylocal import kernels
 from flylocal.adaptive import CostCurve
 from flylocal.cache import reusable_prefix
 from flylocal.errors import FlylocalError, ModelError
-from flylocal.models import check_gguf_file
+from flylocal.files import check_gguf_file
 
 KERNELS = kernels.activate()     # fast or exact: which llama.cpp library is loaded just below
 
