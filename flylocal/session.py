@@ -1,5 +1,5 @@
-"""A session: the loaded models, the engine and the conversation of one user. `flylocal chat`
-renders one; a server holds one per conversation. No terminal I/O here.
+"""A session: the loaded models, the engine and the conversation of one user (docs/design.md,
+"Requests and sessions"). `flylocal chat` renders one. No terminal I/O here.
 
 Each turn renders the whole conversation with the model's chat template and hands it to the
 engine, whose prefill keeps the longest prefix the target (and the draft) already hold: only

@@ -1,4 +1,5 @@
-"""What a run is asked to do, and every command-line option, declared once.
+"""What a run is asked to do, and every command-line option, declared once (docs/design.md,
+"Options").
 
 `Settings` holds a run's choices with their defaults (and the verifier and sampling parameters,
 whose defaults live in FlyParams, AsdParams and SamplingParams). `OPTIONS` declares each
