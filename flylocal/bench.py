@@ -275,7 +275,6 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
     HumanEval completions are run against their tests (in flylocal.sandbox). `progress(step,
     total, what)` is told of each step before it runs."""
     from flylocal.engine import generate_all
-    from flylocal.loader import build_engine
     from flylocal.quality import target_nll
 
     target, draft = models.target, models.draft
@@ -307,8 +306,7 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
             if draft is not None:
                 draft.reset()
         # Each run searches the --lookup-corpus file alone, never what other runs generated.
-        corpus = models.corpus.copy() if models.corpus is not None else None
-        tokens, stats, _ = generate_all(build_engine(s, target, draft, corpus), ids)
+        tokens, stats, _ = generate_all(models.engine(s, private=True), ids)
         counts = dict(tokens=stats.emitted, decode_s=stats.decode_s, rounds=stats.rounds, loose=stats.loose,
                       verify_s=stats.verify_s)
         return tokens, target.detokenize(tokens), counts, stats.budget_spent

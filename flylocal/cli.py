@@ -130,7 +130,7 @@ def generate(prompt, prompt_file, raw, special, as_json, trace_file, **opts):
 def stream_generation(generation, target, trace_out, trace_file, as_json) -> None:
     """Render a generation's rounds: text to stdout as it is committed (unless JSON), trace
     rows to the trace file."""
-    from flylocal.runtime import TextStream
+    from flylocal.session import TextStream
 
     stream = TextStream(target)
     out = sys.stdout
@@ -214,7 +214,7 @@ def chat(system, color, **opts):
     an answer; Ctrl-C or Ctrl-D at the prompt leaves. Type /help for commands.
     """
     from flylocal.loader import check, load
-    from flylocal.session import Session
+    from flylocal.session import Session, TextStream
 
     if sys.stdin is None:
         raise FlylocalError("stdin is closed: chat reads its messages from stdin")
@@ -227,8 +227,6 @@ def chat(system, color, **opts):
     settings = settings_from(opts)
     check(settings)
     models = load(settings, log=note)
-    from flylocal.runtime import TextStream     # loaded by now
-
     session = Session(models, system=system)
     out = sys.stdout
     try:
@@ -382,6 +380,40 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
         if bar is not None:
             bar.__exit__(None, None, None)
     click.echo(report)
+
+
+@cli.command()
+@options(*GENERATION)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on. Anything but loopback needs --api-key.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True, help="Port to listen on.")
+@click.option("--api-key", envvar="FLYLOCAL_API_KEY", default=None, metavar="KEY",
+              help="Require `Authorization: Bearer KEY` on every request but /health (also FLYLOCAL_API_KEY).")
+@click.option("--max-queue", type=click.IntRange(min=0), default=16, show_default=True,
+              help="Most requests waiting for the model; past it the server answers 503 with Retry-After.")
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+              help="Allow browser requests from this origin (repeatable). Default: CORS off.")
+def serve(host, port, api_key, max_queue, cors_origins, **opts):
+    """Serve the models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
+    /v1/models, /health, /metrics). The options set each request's defaults; a request may
+    override the method and sampling fields (verifier, drafter, k, temperature, ...).
+    SIGTERM or Ctrl-C stops it once the requests in flight have ended."""
+    from flylocal import models as registry
+    from flylocal.loader import check, load
+    from flylocal.session import Session
+
+    try:
+        from flylocal import server
+    except ImportError as e:
+        raise FlylocalError(f"flylocal serve needs its extra ({e.name} is missing): "
+                            "pip install -e '.[serve]' (scripts/setup.sh installs it)") from None
+    settings = settings_from(opts)
+    check(settings)
+    for name in (settings.target, settings.draft):     # a bad model is one line before anything listens
+        if name:
+            registry.resolve(name, note)
+    server.serve(lambda: Session(load(settings, log=note)), settings, host, port, api_key or None, max_queue,
+                 cors_origins, note)
 
 
 @cli.group()

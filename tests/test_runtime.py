@@ -98,7 +98,7 @@ def test_tokenize_detokenize_multibyte(smol):
     text = "naïve café — 東京 ☃ 🙂"
     ids = smol.tokenize(text, add_special=False)
     assert smol.detokenize(ids) == text
-    from flylocal.runtime import TextStream
+    from flylocal.session import TextStream
 
     stream = TextStream(smol)
     pieces = [stream.feed([t]) for t in ids] + [stream.flush()]

@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""A bounded load on `flylocal serve` and on llama-cpp-python's own server, over loopback.
+
+For each server configuration it starts the server on a free loopback port with the same
+model, sends C concurrent streaming clients M chat requests each (prompts from
+data/prompts.jsonl, temperature 0), stops by itself, and reports throughput (completion tokens
+per second of wall time), p50/p95 latency, p50/p95 time to first token and errors. Then one
+client alone compares a single stream's decode speed with `flylocal generate` on the same
+prompts and settings (the overhead of the server).
+
+    .venv/bin/python scripts/bench_serve.py [--clients 4] [--requests 3] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [json.loads(line)["prompt"] for line in (ROOT / "data" / "prompts.jsonl").read_text().splitlines()
+           if json.loads(line)["category"] in ("qa", "summarization", "reply", "chat", "writing")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(proc, url: str, health: str, log, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise SystemExit(f"server exited: {log.read()[-2000:]}")
+        try:
+            if httpx.get(url + health, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise SystemExit("server not ready in time")
+
+
+MODEL = "smollm2-135m-instruct"
+
+
+def one_request(url: str, prompt: str, max_tokens: int, extra: dict) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra}
+    t0 = time.perf_counter()
+    first = last = None
+    chunks, usage = 0, None
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            return {"error": f"{r.status_code} {r.read()[:200]!r}"}
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if data.get("usage"):
+                usage = data["usage"]
+            if data.get("choices") and data["choices"][0].get("delta", {}).get("content"):
+                last = time.perf_counter()
+                first = first or last
+                chunks += 1
+    end = time.perf_counter()
+    tokens = usage["completion_tokens"] if usage else chunks
+    return {"latency": end - t0, "ttft": (first or end) - t0, "tokens": tokens,
+            "stream_tps": (tokens - 1) / (last - first) if first and last and last > first else None,
+            "engine_tps": (usage or {}).get("flylocal", {}).get("tokens_per_s")}
+
+
+def load(url: str, clients: int, requests: int, max_tokens: int, extra: dict) -> dict:
+    results, lock = [], threading.Lock()
+
+    def client(c: int) -> None:
+        for i in range(requests):
+            prompt = PROMPTS[(c * requests + i) % len(PROMPTS)]
+            try:
+                r = one_request(url, prompt, max_tokens, extra)
+            except httpx.HTTPError as e:
+                r = {"error": type(e).__name__}
+            with lock:
+                results.append(r)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    for r in results:
+        if "error" in r:
+            print(f"  error: {r['error']}", file=sys.stderr)
+
+    def pct(values, q):
+        values = sorted(values)
+        return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
+
+    return {"requests": len(results), "errors": len(results) - len(ok),
+            "throughput": sum(r["tokens"] for r in ok) / wall,
+            "p50": pct([r["latency"] for r in ok], 0.5), "p95": pct([r["latency"] for r in ok], 0.95),
+            "ttft50": pct([r["ttft"] for r in ok], 0.5), "ttft95": pct([r["ttft"] for r in ok], 0.95)}
+
+
+def run_server(cmd: list[str], health: str, port: int, work) -> object:
+    log = tempfile.TemporaryFile("w+")                # a server's log: a pipe nobody reads would stall it
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url, health, log)
+        return work(url)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=3, help="requests per client")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--alone-only", action="store_true", help="only the single-stream comparison")
+    args = ap.parse_args()
+    from flylocal.models import resolve
+
+    global MODEL
+    MODEL = args.target
+    path = str(resolve(args.target))
+    threads = args.threads or len(__import__("os").sched_getaffinity(0))
+    flylocal = [sys.executable, "-m", "flylocal", "serve", "--target", args.target, "--ctx", str(args.ctx),
+                "--threads", str(threads), "--max-queue", str(args.clients * 2)]
+    configs = [
+        ("flylocal serve, pld + strict", flylocal + ["--drafter", "pld", "--verifier", "strict"], "/health"),
+        ("flylocal serve, pld + fly", flylocal + ["--drafter", "pld", "--verifier", "fly"], "/health"),
+        ("flylocal serve, autoregressive", flylocal + ["--drafter", "none", "--verifier", "strict"], "/health"),
+        # interrupt_requests off: by default a new request cuts the one in flight short
+        ("llama-cpp-python server", [sys.executable, "-m", "llama_cpp.server", "--model", path, "--n_ctx",
+                                     str(args.ctx), "--n_threads", str(threads), "--host", "127.0.0.1",
+                                     "--interrupt_requests", "False"], "/v1/models"),
+    ]
+    if args.alone_only:
+        configs = []
+    print(f"{args.target}, {args.clients} clients x {args.requests} requests, {args.max_tokens} tokens, "
+          f"temperature 0, streaming, loopback")
+    print("| server | requests | errors | throughput tok/s | p50 latency s | p95 latency s | p50 TTFT s | p95 TTFT s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, cmd, health in configs:
+        port = free_port()
+        cmd = cmd + ["--port", str(port)]
+        r = run_server(cmd, health, port, lambda url: load(url, args.clients, args.requests, args.max_tokens, {}))
+        print(f"| {name} | {r['requests']} | {r['errors']} | {r['throughput']:.1f} | {r['p50']:.2f} | "
+              f"{r['p95']:.2f} | {r['ttft50']:.2f} | {r['ttft95']:.2f} |", flush=True)
+
+    # One stream alone against `flylocal generate`, same prompts and settings, interleaved.
+    port = free_port()
+    single = PROMPTS[:4]
+
+    def alone(url):
+        served, generated = [], []
+        for _ in range(2):
+            for p in single:
+                served.append(one_request(url, p, args.max_tokens, {"verifier": "strict", "drafter": "pld"}))
+                # streaming its text, as the server does (--json would skip the detokenizing)
+                done = subprocess.run([sys.executable, "-m", "flylocal", "generate", p, "--max-tokens",
+                                       str(args.max_tokens), "--drafter", "pld", "--verifier", "strict",
+                                       "--ctx", str(args.ctx), "--threads", str(threads)],
+                                      capture_output=True, text=True, timeout=600, check=True)
+                generated.append(float(re.search(r"([0-9.]+) tok/s", done.stderr).group(1)))
+        return served, generated
+
+    served, generated = run_server(flylocal + ["--drafter", "pld", "--verifier", "strict", "--port", str(port)],
+                                   "/health", port, alone)
+    engine = statistics.median(r["engine_tps"] for r in served)
+    stream = statistics.median(r["stream_tps"] for r in served if r["stream_tps"])
+    plain = statistics.median(generated)
+    print(f"\none stream alone (pld + strict, {len(served)} requests, interleaved with `flylocal generate`): decode "
+          f"tokens/s {engine:.1f} in the server's engine, {stream:.1f} as the client sees the stream, "
+          f"{plain:.1f} in `flylocal generate`: {engine / plain:.3f}x and {stream / plain:.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
