@@ -28,7 +28,7 @@ import click
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_serializer, field_validator
 
 from flylocal.errors import FlylocalError
 from flylocal.session import Session, TextStream
@@ -73,7 +73,6 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
-    name: str | None = None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -98,7 +97,6 @@ class Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
-    user: str | None = None
     # flylocal's own (openai's extra_body)
     verifier: str | None = None
     drafter: str | None = None
@@ -149,6 +147,58 @@ class CompletionRequest(Common):
         if isinstance(v, list) and len(v) != 1:
             raise ValueError("flylocal takes one prompt per request")
         return v
+
+
+# ----- responses: OpenAI's shapes -----
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int]
+    flylocal: dict[str, Any]                  # verifier, drafter, rounds, drafted, accepted, loose, ...
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: str | None = None
+
+    @field_serializer("delta")
+    def only_what_is_set(self, delta: Delta) -> dict:
+        return delta.model_dump(exclude_none=True)
+
+
+class TextChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class Response(BaseModel):
+    id: str
+    object: Literal["chat.completion", "chat.completion.chunk", "text_completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice] | list[ChunkChoice] | list[TextChoice]
+    usage: Usage | None = None
 
 
 def parse(model: type[BaseModel], raw: bytes) -> Any:
@@ -383,20 +433,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def usage(prompt_tokens: int, completion_tokens: int, stats, settings: Settings, reason: str) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.prompt_reused},
-        "flylocal": {
+def usage(prompt_tokens: int, completion_tokens: int, stats, settings: Settings, reason: str) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details={"cached_tokens": stats.prompt_reused},
+        flylocal={
             "verifier": settings.verifier, "drafter": settings.drafter_name, "rounds": stats.rounds,
             "drafted": stats.drafted, "accepted": stats.accepted, "loose": stats.loose,
             "mean_accepted_length": round(stats.mean_accepted_length, 4),
             "tokens_per_s": round(stats.tokens_per_s, 3),
             "budget_left": stats.budget_left, "stop": reason,
         },
-    }
+    )
 
 
 def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str | None = None,
@@ -537,12 +586,12 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
         model = req.model or settings.target
         kind = "chat.completion" if chat else "text_completion"
 
-        def choice(text: str | None, finish: str | None, delta: bool) -> dict:
+        def choice(text: str | None, finish: str | None, delta: bool):
             if not chat:
-                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                return TextChoice(text=text or "", finish_reason=finish)
             if delta:
-                return {"index": 0, "delta": {} if text is None else {"content": text}, "finish_reason": finish}
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                return ChunkChoice(delta=Delta(content=text), finish_reason=finish)
+            return ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)
 
         if not req.stream:
             parts, done = [], None
@@ -565,22 +614,22 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
                 return error_response(ApiError(503, "the server is shutting down", type_="server_error"), endpoint)
             _, finish, stats, n_out, reason = done
             metrics.requests.labels(endpoint, "200").inc()
-            return {"id": rid, "object": kind, "created": created, "model": model,
-                    "choices": [choice("".join(parts), finish, delta=False)],
-                    "usage": usage(len(ids), n_out, stats, run_settings, reason)}
+            return Response(id=rid, object=kind, created=created, model=model,
+                            choices=[choice("".join(parts), finish, delta=False)],
+                            usage=usage(len(ids), n_out, stats, run_settings, reason)).model_dump()
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def events():
             chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
-            def chunk(choices: list, **extra) -> str:
-                return "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created, "model": model,
-                                              "choices": choices, **extra}) + "\n\n"
+            def chunk(choices: list, usage: Usage | None = None) -> str:
+                body = Response(id=rid, object=chunk_kind, created=created, model=model, choices=choices, usage=usage)
+                return "data: " + body.model_dump_json(exclude={"usage"} if usage is None else None) + "\n\n"
 
             try:
                 if chat:
-                    yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+                    yield chunk([ChunkChoice(delta=Delta(role="assistant", content=""))])
                 while True:
                     item = await queue.get()
                     if item is END:

@@ -56,6 +56,7 @@ def body(**fields):
     ({"top_p": 0}, "top_p"), ({"seed": -1}, "seed"), ({"verifier": "loose"}, "verifier"), ({"k": -1}, "k"),
     ({"asd_budget": "nan"}, "asd_budget"), ({"fly_entropy": -0.1}, "fly_entropy"), ({"max_tokens": 0}, "max_tokens"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"frequency_penalty": 1}, "frequency_penalty"),
+    ({"user": "u1"}, "user"),
 ])
 def test_bad_fields_are_400_naming_the_field(fields, param):
     with pytest.raises(ApiError) as e:
