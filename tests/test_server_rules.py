@@ -81,3 +81,59 @@ def test_not_json_is_400():
         with pytest.raises(ApiError) as e:
             parse(ChatRequest, raw)
         assert e.value.status == 400
+
+
+def app_loading(**kw):
+    """The application while its models are still loading (they never finish here)."""
+    import threading
+
+    from flylocal.server import create_app
+
+    never = threading.Event()
+
+    def load():
+        never.wait()
+
+    app = create_app(load, Settings(), **kw)
+    return app, never
+
+
+def test_health_says_loading_and_requests_wait_with_503():
+    from fastapi.testclient import TestClient
+
+    app, never = app_loading()
+    try:
+        client = TestClient(app)
+        health = client.get("/health")
+        assert (health.status_code, health.json()) == (503, {"status": "loading"})
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "loading" and r.headers["retry-after"]
+    finally:
+        never.set()
+
+
+def test_cors_is_off_unless_an_origin_is_given():
+    from fastapi.testclient import TestClient
+
+    preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST"}
+    for origins, allowed in (((), False), (("http://ui.example",), True)):
+        app, never = app_loading(cors_origins=origins)
+        try:
+            r = TestClient(app).options("/v1/chat/completions", headers=preflight)
+            assert (r.headers.get("access-control-allow-origin") == "http://ui.example") == allowed
+        finally:
+            never.set()
+
+
+def test_an_api_key_is_required_where_given():
+    from fastapi.testclient import TestClient
+
+    app, never = app_loading(api_key="k1")
+    try:
+        client = TestClient(app)
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": "Bearer k2"}).status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200
+        assert client.get("/health").status_code == 503             # open, and still loading
+    finally:
+        never.set()
