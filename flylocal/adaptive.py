@@ -52,15 +52,22 @@ class CostCurve:
     fewer than two sizes measured it follows the prior's CPU-like shape. `key` identifies what
     the curve is valid for (model file, build, backend, threads, batch size); with a key the
     curve is read from and written to the disk cache. A `fixed` curve never changes (tests,
-    and a cost model given by hand)."""
+    and a cost model given by hand).
+
+    Rounds refine `seconds` as they go (`update`). `base` keeps the calibrated values, which
+    change only when the curve is measured again; a `pinned` curve answers from `base` and
+    ignores updates, so that decisions made on it do not depend on this run's timings (a
+    seeded run with a loose verifier, whose output follows the drafts)."""
 
     def __init__(self, key: dict | None = None, seconds=None, fixed: bool = False):
         self.key = key
         self.fixed = fixed
         self._memo: dict[int, np.ndarray] = {}
         self.seconds = np.full(max(CALIBRATION_SIZES), np.nan)
+        self.pinned = False
         if seconds is not None:
             self._set(seconds)
+        self.base = self.seconds.copy()
         self.source = "given" if seconds is not None else "none"   # "cache", "measured", "given"
         self.dirty = False
         self._ensured = 0
@@ -76,22 +83,29 @@ class CostCurve:
     def calibrated(self) -> bool:
         return int((~np.isnan(self.seconds)).sum()) >= 2
 
+    def pin(self, pinned: bool) -> None:
+        """Answer from the calibrated values, ignoring updates (True), or from the refined ones."""
+        if pinned != self.pinned:
+            self.pinned = pinned
+            self._memo.clear()
+
     def cost(self, rows: int) -> np.ndarray:
         """t(1..rows) in seconds: [rows] float64."""
         memo = self._memo.get(rows)
         if memo is not None:
             return memo
+        values = self.base if self.pinned else self.seconds
         n = np.arange(1, rows + 1, dtype=np.float64)
-        seen = np.flatnonzero(~np.isnan(self.seconds))
+        seen = np.flatnonzero(~np.isnan(values))
         if seen.size >= 2:
-            x, y = seen + 1.0, self.seconds[seen]
+            x, y = seen + 1.0, values[seen]
             cost = np.interp(n, x, y)
             slope = max((y[-1] - y[-2]) / (x[-1] - x[-2]), 0.0)
             beyond = n > x[-1]
             cost[beyond] = y[-1] + slope * (n[beyond] - x[-1])
         else:
             cost = 1 + PRIOR_ROW_COST * (n - 1)
-            cost *= (self.seconds[seen[0]] / (1 + PRIOR_ROW_COST * seen[0])) if seen.size else 0.01
+            cost *= (values[seen[0]] / (1 + PRIOR_ROW_COST * seen[0])) if seen.size else 0.01
         self._memo[rows] = cost
         return cost
 
@@ -118,11 +132,12 @@ class CostCurve:
             values[rows - 1] = t
         self.seconds[:] = np.nan
         self._set(values)
+        self.base = self.seconds.copy()
         self.source, self.dirty = "measured", True
 
     def update(self, rows: int, seconds: float) -> None:
         """Fold in the measured time of a round that decoded `rows` rows."""
-        if self.fixed or not seconds > 0:
+        if self.fixed or self.pinned or not seconds > 0:
             return
         if rows > len(self.seconds):
             self._set(np.full(rows, np.nan))   # grows; NaN keeps what is there
@@ -148,15 +163,22 @@ class CostCurve:
         if (not isinstance(data, dict) or data.get("format") != COST_FORMAT or data.get("key") != self.key
                 or not isinstance(data.get("seconds"), list)):
             return False
-        try:
-            values = np.array([np.nan if v is None else float(v) for v in data["seconds"]], dtype=np.float64)
-        except (TypeError, ValueError):
-            return False
-        if not np.isfinite(values[~np.isnan(values)]).all() or (values[~np.isnan(values)] <= 0).any():
-            return False
-        self._set(values)
+        arrays = []
+        for field in ("seconds", "base"):
+            raw = data.get(field, data["seconds"])           # a cache from before "base": its seconds
+            try:
+                values = np.array([np.nan if v is None else float(v) for v in raw], dtype=np.float64)
+            except (TypeError, ValueError):
+                return False
+            if not np.isfinite(values[~np.isnan(values)]).all() or (values[~np.isnan(values)] <= 0).any():
+                return False
+            arrays.append(values)
+        self._set(arrays[0])
         if not self.calibrated:
             return False
+        base = np.full(len(self.seconds), np.nan)
+        base[: min(len(base), len(arrays[1]))] = arrays[1][: len(base)]
+        self.base = base
         self.source, self.dirty = "cache", False
         return True
 
@@ -167,7 +189,8 @@ class CostCurve:
         if path is None or not self.calibrated or self.fixed:
             return
         data = {"format": COST_FORMAT, "key": self.key, "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "seconds": [None if np.isnan(v) else float(v) for v in self.seconds]}
+                "seconds": [None if np.isnan(v) else float(v) for v in self.seconds],
+                "base": [None if np.isnan(v) else float(v) for v in self.base]}
         tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -308,8 +331,8 @@ class ModelDraftLength:
         return int(np.searchsorted(P_EDGES, p))
 
     def step_s(self) -> float:
-        """c: seconds per drafted token, measured (a fixed draft curve gives it as is)."""
-        if self.draft.fixed or np.isnan(self._step_s):
+        """c: seconds per drafted token, measured (a fixed or pinned draft curve gives it as is)."""
+        if self.draft.fixed or self.draft.pinned or np.isnan(self._step_s):
             return float(self.draft.cost(1)[0])
         return self._step_s
 

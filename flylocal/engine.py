@@ -12,6 +12,7 @@ The engine prints nothing.
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -20,7 +21,7 @@ import numpy as np
 
 from flylocal.adaptive import DraftLength, timed_decode
 from flylocal.errors import FlylocalError
-from flylocal.sampling import SamplingParams, sample_targets
+from flylocal.sampling import SamplingParams, position_noise, sample_targets
 from flylocal.stats import Stats
 from flylocal.verifiers import Decision, Verifier, emitted_tokens, regrets
 
@@ -36,6 +37,7 @@ class EngineConfig:
     recalibrate: bool = False  # measure the target's cost curve again instead of reading the cache
     trace: bool = False        # attach trace rows (docs/design.md) to round events
     sampling: SamplingParams = field(default_factory=SamplingParams)   # temperature 0: greedy
+    pin_costs: bool = False    # decide draft lengths on calibrated costs only, never this run's timings
 
 
 @dataclass(frozen=True)
@@ -100,9 +102,12 @@ class Engine:
         # The target's cost curve is needed by the engine's draft-length control and by drafters
         # that weigh a draft model against lookup (they hold a `plan`).
         self.costs = target.costs if self.length is not None or getattr(drafter, "plan", None) else None
+        # Every cost curve a decision here reads: pinned for a run whose output must not depend
+        # on timings (a seeded run with a loose verifier; docs/design.md, "Temperature > 0").
+        model = getattr(drafter, "model", None)
+        self.curves = [c for c in (target.costs, getattr(model, "costs", None)) if c is not None]
         self.observe = getattr(drafter, "observe", None)
         self.corpus = getattr(drafter, "corpus", None)     # lookup remembers what was generated
-        self.rng = np.random.default_rng(config.sampling.seed)
 
     def generate(self, prompt: np.ndarray, on_end: Callable[[Generation], None] | None = None) -> Generation:
         """Generate after `prompt` [n] int32. Checks the prompt at once (FlylocalError); the
@@ -123,6 +128,11 @@ class Engine:
         context[:n] = prompt
         commit = getattr(self.verifier, "commit", None)
         eog_mask = target.eog_mask
+        # The randomness of a position depends on the seed and the position only (no seed: a
+        # fresh one per request), so drafting cannot change what is sampled.
+        seed = cfg.sampling.seed if cfg.sampling.seed is not None else secrets.randbits(64)
+        for curve in self.curves:
+            curve.pin(cfg.pin_costs)
         try:
             reused = target.reuse_prefix(prompt)
             target.decode(prompt[reused:-1])
@@ -159,7 +169,8 @@ class Engine:
                 if cfg.sampling.greedy:
                     a = logits.argmax(axis=1).astype(np.int32)           # [k+1]
                 else:
-                    a = sample_targets(draft, logits, context[:n], cfg.sampling, self.rng)
+                    a = sample_targets(draft, logits, context[:n], cfg.sampling,
+                                       position_noise(seed, np.arange(n, n + len(draft) + 1)))
                 decision = self.verifier(draft, a, logits)
                 L = decision.accepted
                 emitted = emitted_tokens(draft, a, L)                    # [L+1]
@@ -224,6 +235,8 @@ class Engine:
             stats.stop = "error"
             raise
         finally:
+            for curve in self.curves:
+                curve.pin(False)
             stats.wall_s = time.perf_counter() - t_start
             if self.corpus is not None:
                 self.corpus.add(out)

@@ -122,6 +122,9 @@ def build_engine(settings: Settings, target: Runtime, draft: Runtime | None, cor
         recalibrate=settings.recalibrate,
         trace=settings.trace,
         sampling=settings.sampling,
+        # A loose verifier's output follows the drafts: with a seed, draft lengths must not
+        # follow this run's timings (strict's output is the same whatever is drafted).
+        pin_costs=settings.sampling.seed is not None and settings.verifier != "strict",
     )
     return Engine(target, drafter, verifier or make_verifier(settings.verifier, settings.verifiers), config)
 

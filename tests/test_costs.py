@@ -176,3 +176,26 @@ def test_corpus_lookup_finds_the_longest_match_and_prefers_the_context_on_ties()
 
 def test_the_cost_cache_lives_where_it_is_told(costs):
     assert costs_dir() == costs
+
+
+def test_a_pinned_curve_answers_from_its_calibration_and_ignores_timings():
+    """What a seeded run with a loose verifier decides on: the calibrated values, whatever the
+    rounds measured, before or during the run; the refined values come back when unpinned."""
+    curve = CostCurve(key={"model": "pinned-test"})
+    curve.calibrate(lambda rows: 0.01 + 0.001 * rows, max_rows=9)
+    calibrated = curve.cost(9).copy()
+    for _ in range(30):
+        curve.update(9, 0.5)                         # a loaded machine
+    refined = curve.cost(9).copy()
+    assert refined[8] > 10 * calibrated[8]
+    curve.pin(True)
+    assert curve.cost(9).tolist() == calibrated.tolist()
+    curve.update(9, 5.0)
+    assert curve.cost(9).tolist() == calibrated.tolist()
+    curve.pin(False)
+    assert curve.cost(9).tolist() == refined.tolist()
+    curve.save()
+    again = CostCurve(key={"model": "pinned-test"})
+    assert again.load()
+    again.pin(True)
+    assert again.cost(9).tolist() == calibrated.tolist()      # the calibration survives the cache

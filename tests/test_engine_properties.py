@@ -600,3 +600,32 @@ def test_no_native_imports():
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+# ---------------------------------------------------------------- sampling: the seed fixes the tokens
+
+def test_seeded_sampling_is_plain_sampling_whatever_the_drafts():
+    """At temperature > 0 with a seed, strict commits plain sampling's tokens (no drafter, the
+    same seed) token for token, whatever is drafted and however long the drafts are, because a
+    position's noise depends on the seed and the position only; another seed samples others."""
+    from flylocal.engine import generate_all
+    from flylocal.sampling import SamplingParams
+
+    failures, differs, n = [], 0, N_CASES // 4
+    for seed in range(n):
+        case = random_case(seed, verifier="strict", max_tokens=(1, 30))
+        sampling = SamplingParams(temperature=0.9, top_k=0, top_p=0.95, min_p=0.0, seed=seed)
+
+        def out(drafter, k, s=sampling):
+            engine = Engine(make_target(case), drafter, strict, EngineConfig(max_tokens=case.max_tokens, k=k,
+                                                                            adaptive=False, sampling=s))
+            return generate_all(engine, np.asarray(case.prompt, dtype=np.int32))[0]
+
+        plain = out(NoDraft(), 0)
+        for k in (1, 3, 8):
+            got = out(NoisyOracle(LMS[case.lm], seed=seed + k, p_short=0.5), k)
+            if got != plain:
+                failures.append(f"seed {seed}, k {k}, {case}: {got}, plain sampling {plain}")
+        differs += out(NoDraft(), 0, replace(sampling, seed=seed + 1_000_000)) != plain
+    assert not failures, report(failures, n)
+    assert differs > n // 2, f"another seed changed the output in only {differs} of {n} cases"

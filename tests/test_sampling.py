@@ -6,6 +6,8 @@ Statistical checks are seeded, and the CPU build is batch-invariant, so they are
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import json
 import math
 from collections import Counter
 
@@ -14,7 +16,7 @@ import pytest
 
 from flylocal.drafters import make_drafter
 from flylocal.engine import Engine, EngineConfig, generate_all
-from flylocal.sampling import SamplingParams, processed_probs, sample_targets
+from flylocal.sampling import SamplingParams, position_noise, processed_probs, sample_targets
 from flylocal.verifiers.base import Decision
 from flylocal.verifiers.strict import strict
 
@@ -65,16 +67,36 @@ def test_processed_probs_filters_in_llama_cpp_order():
 
 @pytest.mark.parametrize("draft_token", [0, 2, 4])
 def test_sampled_targets_follow_q_whatever_the_draft(draft_token):
-    rng = np.random.default_rng(0)
     z = np.log(np.array([[0.4, 0.3, 0.15, 0.1, 0.05], [0.2] * 5], dtype=np.float32))
     p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
     d = np.array([draft_token], dtype=np.int32)
     n = 20000
-    counts = Counter(int(sample_targets(d, z, np.zeros(0, dtype=np.int32), p, rng)[0]) for _ in range(n))
+    noise = position_noise(3, np.arange(2 * n)).reshape(n, 2)           # [n, k+1]: one request per row
+    counts = Counter(int(sample_targets(d, z, np.zeros(0, dtype=np.int32), p, u)[0]) for u in noise)
     stat, df = chi_square(counts, dict(enumerate([0.4, 0.3, 0.15, 0.1, 0.05])), n)
     assert stat < critical(df)
     # the match probability is as high as a sample from q allows: q(d)
     assert counts[draft_token] / n == pytest.approx([0.4, 0.3, 0.15, 0.1, 0.05][draft_token], abs=0.015)
+
+
+def test_position_noise_is_uniform_and_keyed_by_seed_and_position_only():
+    u = position_noise(11, np.arange(50000))
+    counts = Counter((u * 20).astype(int).tolist())
+    stat, df = chi_square(counts, {b: 0.05 for b in range(20)}, len(u))
+    assert stat < critical(df) and 0 <= u.min() and u.max() < 1
+    assert position_noise(11, [7, 123]).tolist() == [u[7], u[123]]        # the same whoever asks, in any batch
+    assert position_noise(12, [7])[0] != u[7]
+    assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.02                    # neighbours unrelated
+
+
+def test_a_draft_token_is_accepted_exactly_when_it_is_the_sample():
+    """The same noise: the draft decides nothing, it is accepted where it equals the sample."""
+    z = np.log(np.array([[0.5, 0.3, 0.2]] * 3, dtype=np.float32))
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    noise = np.array([0.1, 0.6, 0.95])                  # the tokens at these quantiles: 0, 1, 2
+    for draft in ([0, 1], [2, 2], [0, 0]):
+        a = sample_targets(np.array(draft, dtype=np.int32), z, np.zeros(0, dtype=np.int32), p, noise)
+        assert a.tolist() == [0, 1, 2]
 
 
 # ----- the same q as llama.cpp's own sampler chain -----
@@ -160,13 +182,15 @@ def expected_pairs(rt, ids, p: SamplingParams, top: int = 6) -> dict:
 
 
 def sample_pairs(target, drafter, verifier, ids, k, settings, n=N):
-    """Counts of the first two tokens over n seeded runs, and how many runs drafted two or more
-    tokens in a round (so that position 1 was decided after an accepted or resampled 0). Three
-    tokens are generated: drafts are shortened to fit max_tokens, and two fit."""
-    engine = Engine(target, drafter, verifier,
-                    EngineConfig(max_tokens=3, k=k, adaptive=False, sampling=settings, trace=True))
+    """Counts of the first two tokens over n runs with seeds settings.seed + 0 .. n-1, and how
+    many runs drafted two or more tokens in a round (so that position 1 was decided after an
+    accepted or rejected 0). Three tokens are generated: drafts are shortened to fit
+    max_tokens, and two fit."""
     pairs, long_drafts = Counter(), 0
-    for _ in range(n):
+    for i in range(n):
+        engine = Engine(target, drafter, verifier,
+                        EngineConfig(max_tokens=3, k=k, adaptive=False, trace=True,
+                                     sampling=dataclasses.replace(settings, seed=settings.seed + i)))
         tokens, stats, trace = generate_all(engine, ids)
         pairs[tuple(tokens[:2])] += 1
         long_drafts += any(len(r["draft"]) >= 2 for r in trace)
@@ -197,12 +221,60 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(smol, raw_case):
     assert stat > critical(df)
 
 
-def test_same_seed_same_tokens(smol, smol_draft):
-    ids = smol.tokenize("Write a haiku about rain.")
-    runs = []
-    for seed in (5, 5, 6):
-        cfg = EngineConfig(max_tokens=24, k=4, adaptive=False,
-                           sampling=SamplingParams(temperature=0.9, seed=seed))
-        engine = Engine(smol, make_drafter("model", smol, smol_draft), strict, cfg)
-        runs.append(generate_all(engine, ids)[0])
-    assert runs[0] == runs[1] and runs[0] != runs[2]
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=7)        # top-k 40 and min-p 0.05 as defaults
+
+
+def test_seeded_strict_is_plain_sampling_for_every_drafter_and_draft_length(smol, smol_draft):
+    """In exact mode, with a seed: strict gives plain sampling's tokens (no drafter, the same
+    seed) for every drafter, at fixed draft lengths from 1 to 8 and with the adaptive length."""
+    from flylocal.loader import build_engine
+    from flylocal.settings import Settings
+
+    ids = smol.tokenize(RAW)                 # a pattern: prompt lookup has something to propose
+
+    def run(drafter, k, sampling=SEEDED):
+        smol.reset()
+        smol_draft.reset()
+        engine = Engine(smol, make_drafter(drafter, smol, smol_draft, k_max=max(k, 1)), strict,
+                        EngineConfig(max_tokens=40, k=k, adaptive=False, sampling=sampling))
+        return generate_all(engine, ids)[0]
+
+    plain = run("none", 0)
+    assert len(plain) > 10
+    for drafter, ks in (("pld", (2, 8)), ("model", (1, 4)), ("mla", (3, 8))):
+        for k in ks:
+            assert run(drafter, k) == plain, (drafter, k)
+    for drafter in ("pld", "model", "mla"):          # draft lengths chosen from measured costs
+        smol.reset()
+        smol_draft.reset()
+        engine = build_engine(Settings(drafter=drafter, verifier="strict", max_tokens=40, sampling=SEEDED),
+                              smol, smol_draft)
+        tokens, stats, _ = generate_all(engine, ids)
+        assert tokens == plain, drafter
+        assert stats.drafted > 0 or drafter != "pld"     # a draft model as dear as the target may never pay
+    assert run("none", 0, dataclasses.replace(SEEDED, seed=8)) != plain
+
+
+@pytest.mark.slow
+def test_the_same_command_twice_gives_the_same_tokens_even_under_load():
+    """Every drafter and verifier, draft lengths adapting: the second run has a busy loop
+    beside it, so its timings differ, and its tokens do not."""
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "flylocal", "generate", "Write a short story about a cat.", "--draft",
+            "smollm2-135m-instruct-q4_0", "--temperature", "0.8", "--top-p", "0.95", "--seed", "7",
+            "--max-tokens", "32", "--json", "--threads", "1"]
+    busy = [sys.executable, "-c", "import time\nend = time.time() + 300\nwhile time.time() < end: pass"]
+    for drafter in ("pld", "model", "mla"):
+        for verifier in ("strict", "fly", "asd"):
+            args = base + ["--drafter", drafter, "--verifier", verifier]
+            idle = subprocess.run(args, capture_output=True, text=True, timeout=300)
+            load = subprocess.Popen(busy)
+            try:
+                loaded = subprocess.run(args, capture_output=True, text=True, timeout=300)
+            finally:
+                load.kill()
+                load.wait()
+            assert idle.returncode == 0 and loaded.returncode == 0, idle.stderr + loaded.stderr
+            assert json.loads(idle.stdout)["tokens"] == json.loads(loaded.stdout)["tokens"], (drafter, verifier)
