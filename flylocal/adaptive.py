@@ -57,7 +57,7 @@ class CostCurve:
     Rounds refine `seconds` as they go (`update`). `base` keeps the calibrated values, which
     change only when the curve is measured again; a `pinned` curve answers from `base` and
     ignores updates, so that decisions made on it do not depend on this run's timings (a
-    seeded run with a loose verifier, whose output follows the drafts)."""
+    seeded run, whose tokens must not follow the machine's load)."""
 
     def __init__(self, key: dict | None = None, seconds=None, fixed: bool = False):
         self.key = key

@@ -103,7 +103,7 @@ class Engine:
         # that weigh a draft model against lookup (they hold a `plan`).
         self.costs = target.costs if self.length is not None or getattr(drafter, "plan", None) else None
         # Every cost curve a decision here reads: pinned for a run whose output must not depend
-        # on timings (a seeded run with a loose verifier; docs/design.md, "Temperature > 0").
+        # on timings (a seeded run; docs/design.md, "Temperature > 0").
         model = getattr(drafter, "model", None)
         self.curves = [c for c in (target.costs, getattr(model, "costs", None)) if c is not None]
         self.observe = getattr(drafter, "observe", None)

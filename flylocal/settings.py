@@ -236,8 +236,8 @@ OPTIONS = {o.name: o for o in [
     Option("repeat_penalty", ("--repeat-penalty",),
            "Penalty on the last 64 committed tokens (1: off); rejected drafts never count.",
            type=Number(min=0.0, min_open=True), to="sampling"),
-    Option("seed", ("--seed",), "Random seed for sampling. strict then gives plain sampling's tokens whatever the "
-           "drafter, draft length or machine load; fly and asd give the same tokens run after run.",
+    Option("seed", ("--seed",), "Random seed for sampling: the same command then gives the same tokens run after "
+           "run, under any load; with --exact, strict gives plain sampling's tokens whatever the drafter.",
            type=click.IntRange(min=0, max=2**32 - 1), to="sampling"),
 ]}
 
