@@ -205,7 +205,7 @@ def parse(model: type[BaseModel], raw: bytes) -> Any:
     """A request body as `model`, or ApiError 400 naming the first bad field."""
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):         # not JSON, not UTF-8, nested too deep, a huge number
         raise ApiError(400, "the request body is not valid JSON") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")

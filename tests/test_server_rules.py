@@ -77,7 +77,7 @@ def test_message_parts_and_options_reach_the_settings():
 
 
 def test_not_json_is_400():
-    for raw in (b"{", b"[1]", b"\xff"):
+    for raw in (b"{", b"[1]", b"\xff", b"[" * 100000, b'{"seed": ' + b"9" * 10000 + b"}"):
         with pytest.raises(ApiError) as e:
             parse(ChatRequest, raw)
         assert e.value.status == 400
