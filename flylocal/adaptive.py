@@ -139,8 +139,8 @@ class CostCurve:
         """Fold in the measured time of a round that decoded `rows` rows."""
         if self.fixed or self.pinned or not seconds > 0:
             return
-        if rows > len(self.seconds):
-            self._set(np.full(rows, np.nan))   # grows; NaN keeps what is there
+        if rows > len(self.seconds):           # grows, keeping what is there
+            self.seconds = np.concatenate([self.seconds, np.full(rows - len(self.seconds), np.nan)])
         old = self.seconds[rows - 1]
         self.seconds[rows - 1] = seconds if np.isnan(old) else (1 - COST_EMA) * old + COST_EMA * seconds
         self._memo.clear()
@@ -216,7 +216,11 @@ class CostCurve:
         if self.source == "none" and not recalibrate:
             self.load()
         if not (self.calibrated and self.largest() >= min(max_rows, limit or max_rows)):
+            kept = self.base.copy() if self.calibrated and not recalibrate else None
             self.calibrate(timed_decode, max_rows, limit)
+            if kept is not None:       # a larger size was asked for: the calibration so far stands
+                n = min(len(kept), len(self.base))
+                self.base[:n] = np.where(np.isnan(kept[:n]), self.base[:n], kept[:n])
             self.save()
         self._ensured = max_rows
 

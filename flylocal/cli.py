@@ -397,7 +397,7 @@ def serve(host, port, api_key, max_queue, cors_origins, **opts):
     """Serve the models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     /v1/models, /health, /metrics). The options set each request's defaults; a request may
     override the method and sampling fields (verifier, drafter, k, temperature, ...).
-    SIGTERM or Ctrl-C stops it once the requests in flight have ended."""
+    SIGTERM or Ctrl-C stops it once the requests in flight have ended (at most 30 s)."""
     from flylocal import models as registry
     from flylocal.loader import check, load
     from flylocal.session import Session

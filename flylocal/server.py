@@ -28,9 +28,11 @@ import click
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from pydantic import BaseModel, ConfigDict, ValidationError, field_serializer, field_validator
 
 from flylocal.errors import FlylocalError
+from flylocal.loader import check
 from flylocal.session import Session, TextStream
 from flylocal.settings import OPTIONS, Settings
 
@@ -64,13 +66,13 @@ CHECKED = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "top_
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
 
@@ -79,7 +81,7 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
@@ -87,7 +89,7 @@ class Common(BaseModel):
     """The fields both endpoints take. Anything else is refused (extra="forbid"): a field
     flylocal does not honour is never silently ignored."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -115,6 +117,13 @@ class Common(BaseModel):
     def one_choice(cls, v):
         if v is not None and v != 1:
             raise ValueError("flylocal generates one choice per request: n must be 1")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def only_with_stream(cls, v, info):
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true")
         return v
 
     @field_validator("stop")
@@ -309,6 +318,8 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         with self.ready:
+            if any(j.cancel.is_set() for j in self.jobs):       # their clients went away
+                self.jobs = collections.deque(j for j in self.jobs if not j.cancel.is_set())
             if len(self.jobs) >= self.max_queue and (self.busy or self.jobs):
                 raise ApiError(503, f"the server is busy: {len(self.jobs)} requests are waiting (--max-queue)",
                                type_="server_error", code="queue_full", headers={"Retry-After": "1"})
@@ -333,7 +344,7 @@ class Worker:
                 while not self.jobs and not self.stopping:
                     self.ready.wait()
                 if self.stopping and not self.jobs:
-                    return
+                    break
                 job = self.jobs.popleft()
                 self.metrics.queue.set(len(self.jobs))
                 if job.cancel.is_set():
@@ -348,6 +359,9 @@ class Worker:
                 with self.ready:
                     self.busy = False
                 job.emit(END)
+        if self.session is not None:
+            with self.session.lock:      # the refined cost curves are saved as the models close
+                self.session.models.close()
 
     def _generate(self, job: Job) -> None:
         session = self.session
@@ -377,7 +391,7 @@ class Worker:
             gen.close()
         stats = gen.stats
         reason = "stop_string" if stopped else stats.stop
-        self.metrics.observe(stats, first - job.queued_at if first is not None else None)
+        self.metrics.observe(stats, len(gen.tokens), first - job.queued_at if first is not None else None)
         job.emit(("done", FINISH.get(reason, "stop"), stats, len(gen.tokens), reason))
 
 
@@ -390,7 +404,7 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("flylocal_requests", "Requests answered, by endpoint and status.",
                                 ["endpoint", "status"], registry=r)
-        self.tokens = Counter("flylocal_completion_tokens", "Tokens generated (committed).", registry=r)
+        self.tokens = Counter("flylocal_completion_tokens", "Tokens generated (usage.completion_tokens).", registry=r)
         self.drafted = Counter("flylocal_drafted_tokens", "Draft tokens sent to the target.", registry=r)
         self.accepted = Counter("flylocal_accepted_tokens", "Draft tokens committed, loose ones included.",
                                 registry=r)
@@ -406,8 +420,8 @@ class Metrics:
                              buckets=(5, 10, 25, 50, 100, 150, 200, 300, 500, 1000), registry=r)
         self._emitted = self._rounds = 0
 
-    def observe(self, stats, ttft: float | None) -> None:
-        self.tokens.inc(stats.emitted)
+    def observe(self, stats, output_tokens: int, ttft: float | None) -> None:
+        self.tokens.inc(output_tokens)
         self.drafted.inc(stats.drafted)
         self.accepted.inc(stats.accepted)
         self.loose.inc(stats.loose)
@@ -490,11 +504,15 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
         if declared is not None and declared.isdigit() and int(declared) > MAX_BODY:
             raise ApiError(413, f"the request body is larger than {MAX_BODY >> 20} MiB", code="body_too_large")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY:
-                raise ApiError(413, f"the request body is larger than {MAX_BODY >> 20} MiB", code="body_too_large")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY:
+                    raise ApiError(413, f"the request body is larger than {MAX_BODY >> 20} MiB",
+                                   code="body_too_large")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ApiError(400, "the client went away before its request was read") from None
         return b"".join(chunks)
 
     def loaded() -> Session:
@@ -545,6 +563,10 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
             session = loaded()
             check_model(req, session)
             run_settings = request_settings(settings, req)
+            try:
+                check(run_settings)              # a draft longer than a batch holds, for one
+            except FlylocalError as e:
+                raise ApiError(400, str(e).replace("--", ""), param="k") from None
             if run_settings.drafter_name in ("model", "mla") and session.models.draft is None:
                 raise ApiError(400, f"drafter {run_settings.drafter_name} needs a draft model: start the server "
                                     "with --draft", param="drafter")
@@ -594,7 +616,13 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
             return ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)
 
         if not req.stream:
-            parts, done = [], None
+            async def watch() -> None:        # a client that goes away frees the model within a round
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                job.cancel.set()
+
+            watcher = asyncio.create_task(watch())
+            parts, done, failed = [], None, None
             try:
                 while True:
                     item = await queue.get()
@@ -605,18 +633,22 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
                     elif item[0] == "done":
                         done = item
                     elif item[0] == "error":
-                        raise item[1]
-            except FlylocalError as e:
-                return error_response(ApiError(500, str(e), type_="server_error"), endpoint)
+                        failed = item[1]
             finally:
+                watcher.cancel()
                 job.cancel.set()
+            if failed is not None:
+                message = str(failed) if isinstance(failed, FlylocalError) else f"internal error: {type(failed).__name__}"
+                return error_response(ApiError(500, message, type_="server_error"), endpoint)
             if done is None:
                 return error_response(ApiError(503, "the server is shutting down", type_="server_error"), endpoint)
             _, finish, stats, n_out, reason = done
             metrics.requests.labels(endpoint, "200").inc()
-            return Response(id=rid, object=kind, created=created, model=model,
-                            choices=[choice("".join(parts), finish, delta=False)],
-                            usage=usage(len(ids), n_out, stats, run_settings, reason)).model_dump()
+            answer = Response(id=rid, object=kind, created=created, model=model,
+                              choices=[choice("".join(parts), finish, delta=False)],
+                              usage=usage(len(ids), n_out, stats, run_settings, reason))
+            # pydantic writes a non-finite number (an infinite ASD budget) as null, JSON has none
+            return PlainTextResponse(answer.model_dump_json(), media_type="application/json")
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -675,10 +707,12 @@ def serve(load: Callable[[], Session], settings: Settings, host: str, port: int,
                             "to serve there")
     check_port(host, port)
     failure: list[BaseException] = []
+    servers: list = []                   # the uvicorn server, once built: loading may fail before
 
     def failed(e: BaseException) -> None:
         failure.append(e)
-        server.should_exit = True
+        for s in servers:
+            s.should_exit = True
 
     def ready() -> Session:
         session = load()
@@ -690,6 +724,9 @@ def serve(load: Callable[[], Session], settings: Settings, host: str, port: int,
                      on_failure=failed)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=30))
+    servers.append(server)
+    if failure:
+        server.should_exit = True
     # uvicorn re-raises the signal that stopped it once it has shut down: SIGTERM is a normal
     # end here (exit 0); Ctrl-C stays KeyboardInterrupt.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
@@ -700,6 +737,7 @@ def serve(load: Callable[[], Session], settings: Settings, host: str, port: int,
     finally:
         signal.signal(signal.SIGTERM, previous)
         app.state.worker.stop()
+        app.state.worker.thread.join(timeout=60)
     if failure:
         e = failure[0]
         raise e if isinstance(e, FlylocalError) else FlylocalError(f"cannot load the models: {e}")

@@ -199,3 +199,16 @@ def test_a_pinned_curve_answers_from_its_calibration_and_ignores_timings():
     assert again.load()
     again.pin(True)
     assert again.cost(9).tolist() == calibrated.tolist()      # the calibration survives the cache
+
+
+def test_a_larger_size_extends_the_calibration_without_changing_it():
+    """A run that needs a larger size than the cache holds measures it, and what was calibrated
+    stays as it was (a seeded run decides on it); a round past the largest size keeps the curve."""
+    curve = CostCurve(key={"model": "extend-test"})
+    curve.ensure(lambda rows: 0.01 + 0.001 * rows, max_rows=9)
+    before = curve.base[:9].copy()
+    curve.ensure(lambda rows: 0.05 + 0.002 * rows, max_rows=33, limit=64)       # a slower machine now
+    np.testing.assert_array_equal(curve.base[:9], before)          # NaN where a size was not measured
+    assert curve.largest() >= 33
+    curve.update(80, 0.2)
+    assert curve.calibrated and curve.cost(80)[79] == pytest.approx(0.2)

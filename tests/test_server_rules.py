@@ -56,7 +56,8 @@ def body(**fields):
     ({"top_p": 0}, "top_p"), ({"seed": -1}, "seed"), ({"verifier": "loose"}, "verifier"), ({"k": -1}, "k"),
     ({"asd_budget": "nan"}, "asd_budget"), ({"fly_entropy": -0.1}, "fly_entropy"), ({"max_tokens": 0}, "max_tokens"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"frequency_penalty": 1}, "frequency_penalty"),
-    ({"user": "u1"}, "user"),
+    ({"user": "u1"}, "user"), ({"temperature": True}, "temperature"), ({"max_tokens": "5"}, "max_tokens"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_bad_fields_are_400_naming_the_field(fields, param):
     with pytest.raises(ApiError) as e:
@@ -67,7 +68,7 @@ def test_bad_fields_are_400_naming_the_field(fields, param):
 def test_message_parts_and_options_reach_the_settings():
     req = parse(ChatRequest, body(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                          {"type": "text", "text": "b"}]}],
-                                  max_completion_tokens=9, temperature=0.5, seed=3, verifier="asd", asd_budget="inf",
+                                  max_completion_tokens=9, temperature=0.5, seed=3, verifier="asd", asd_budget=float("inf"),
                                   fly_window=3, stream=True, stream_options={"include_usage": True}))
     assert req.messages[0].text() == "ab"
     s = request_settings(Settings(), req)
