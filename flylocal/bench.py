@@ -69,7 +69,7 @@ class Prompt:
         return group_of(self.category)
 
 
-COUNTS = ("tokens", "decode_s", "wall_s", "rounds", "loose", "verify_s")    # summed per prompt over turns, repeats
+COUNTS = ("tokens", "decode_s", "wall_s", "rounds", "loose", "verify_s", "drafted", "accepted")    # summed per prompt over turns, repeats
 
 
 @dataclass
@@ -297,7 +297,8 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
         if m.startswith("llama-cpp-python"):
             text, n, _, decode_s = baselines[m].generate(ids, settings.max_tokens, settings.sampling, reuse=not fresh)
             tokens = list(target.tokenize(text, add_special=False, parse_special=False)) if text else []
-            return tokens, text, dict(tokens=max(n - 1, 0), decode_s=decode_s, rounds=0, loose=0, verify_s=0.0), None
+            return tokens, text, dict(tokens=max(n - 1, 0), decode_s=decode_s, rounds=0, loose=0, verify_s=0.0,
+                                      drafted=0, accepted=0), None
         verifier, _, drafter = m.partition("-")
         s = dataclasses.replace(settings, verifier="strict" if m == "autoregressive" else verifier,
                                 drafter="none" if m == "autoregressive" else drafter)
@@ -308,7 +309,7 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
         # Each run searches the --lookup-corpus file alone, never what other runs generated.
         tokens, stats, _ = generate_all(models.engine(s, private=True), ids)
         counts = dict(tokens=stats.emitted, decode_s=stats.decode_s, rounds=stats.rounds, loose=stats.loose,
-                      verify_s=stats.verify_s)
+                      verify_s=stats.verify_s, drafted=stats.drafted, accepted=stats.accepted)
         return tokens, target.detokenize(tokens), counts, stats.budget_spent
 
     total = repeat * len(prompts) * len(methods)
@@ -491,6 +492,7 @@ def metrics(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
             "method": m,
             **speed,
             "mean_accepted_length": round(mine["tokens"] / mine["rounds"], 3) if mine["rounds"] else None,
+            "acceptance": round(mine["accepted"] / mine["drafted"], 3) if mine["drafted"] else None,
             "loose_rate": round(mine["loose"] / mine["tokens"], 4) if mine["rounds"] and mine["tokens"] else None,
             "agreement": agreement,
             "first_divergence": first_divergence(row, ref, done),
@@ -550,7 +552,7 @@ def machine_info(build: dict) -> dict:
 
 def report_md(results: dict) -> str:
     cols = ["method", "tokens_per_s", "speedup", "e2e_tokens_per_s", "e2e_speedup", "mean_accepted_length",
-            "loose_rate", "agreement", "first_divergence", "accuracy", "pass_at_1", "target_nll", "budget_spent",
+            "acceptance", "loose_rate", "agreement", "first_divergence", "accuracy", "pass_at_1", "target_nll", "budget_spent",
             "verify_share", "wall_s"]
     cols = [c for c in cols if any(r.get(c) is not None for r in results["methods"])]
     failures = [(r["method"], f) for r in results["methods"] for f in r.get("failures", [])]
@@ -572,7 +574,7 @@ def report_md(results: dict) -> str:
         lines.append("| " + " | ".join(cell(r, k) for k in cols) + " |")
     lines += ["", "speedup: decode tokens/s (after the prompt is evaluated) over autoregressive's; e2e: tokens over "
                   "the wall time from the request to the last token, prefill included, over autoregressive's. "
-                  "agreement: outputs identical to autoregressive's; first_divergence: the median token where the "
+                  "acceptance: committed draft tokens over drafted ones. agreement: outputs identical to autoregressive's; first_divergence: the median token where the "
                   "others first differ. budget_spent: ASD's regret per prompt. verify_share: the verifier's share "
                   "of decoding time."]
     groups = [g for g in GROUP_ORDER if any(g in r.get("categories", {}) for r in results["methods"])]

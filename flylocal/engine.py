@@ -210,8 +210,8 @@ class Engine:
                     self.observe(proposal, min(L, m))     # drafts that choose their own length
                 if self.costs is not None:
                     self.costs.update(len(draft) + 1, t4 - t1)
-                trace = self._trace_row(stats.rounds - 1, n_past, draft, a, logits,
-                                        decision, emitted) if cfg.trace else None
+                trace = self._trace_row(stats.rounds - 1, n_past, draft, a, logits, decision, emitted,
+                                        proposal) if cfg.trace else None
                 tokens = tuple(int(t) for t in committed[:shown])
                 out.extend(tokens)
                 # The stop is known before the last event goes out: a consumer that closes
@@ -242,7 +242,7 @@ class Engine:
                 self.corpus.add(out)
             gen._end()
 
-    def _trace_row(self, index, n_past, draft, a, logits, decision: Decision, emitted) -> dict:
+    def _trace_row(self, index, n_past, draft, a, logits, decision: Decision, emitted, proposal) -> dict:
         k = len(draft)
         entropy = decision.entropy
         row = {
@@ -259,6 +259,8 @@ class Engine:
         }
         if decision.budget_spent is not None:
             row["budget_spent"], row["budget_left"] = decision.budget_spent, decision.budget_left
+        if proposal is not None and proposal.text is not None:
+            row["draft_text"] = proposal.text       # a draft through text: the text it came from
         return row
 
 

@@ -28,6 +28,7 @@ class Models:
     target: Runtime
     draft: Runtime | None
     corpus: Corpus | None = None      # what lookup searches beyond the context, for the session
+    through_text: bool = False        # the draft drafts in its own vocabulary (flylocal.drafters.text)
 
     def engine(self, settings: Settings | None = None, verifier: Verifier | None = None,
                private: bool = False) -> Engine:
@@ -36,7 +37,7 @@ class Models:
         `private` engine's lookup searches the --lookup-corpus file alone, never what other
         requests generated (a server's clients must not draft from each other's text)."""
         corpus = self.corpus.copy() if private and self.corpus is not None else self.corpus
-        return build_engine(settings or self.settings, self.target, self.draft, corpus, verifier)
+        return build_engine(settings or self.settings, self.target, self.draft, corpus, verifier, self.through_text)
 
     def close(self):
         for rt in (self.draft, self.target):
@@ -65,17 +66,36 @@ def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Mod
         log("this llama.cpp build has no GPU backend: --gpu-layers is ignored")
     target = Runtime(target_path, rconf)
     draft = None
+    through_text = False
     try:
         if draft_path is not None:     # loaded even for pld/none, so chat can switch to it
             draft = Runtime(draft_path, rconf)
-            models.check_compatible(target, draft)
+            through_text = pair(target, draft, settings.draft_vocab, log)
         corpus = read_corpus(settings.lookup_corpus, target)
     except BaseException:
         if draft is not None:
             draft.close()
         target.close()
         raise
-    return Models(settings, target, draft, corpus)
+    return Models(settings, target, draft, corpus, through_text)
+
+
+def pair(target: Runtime, draft: Runtime, mode: str, log: Callable[[str], None]) -> bool:
+    """Whether `draft` drafts for `target` through text (--draft-vocab). llama.cpp's
+    vocabulary rule still decides whether the vocabularies agree; `same` refuses a pair
+    they do not."""
+    if mode == "translate":
+        return True
+    try:
+        models.check_compatible(target, draft)
+    except FlylocalError as e:
+        if mode == "same":
+            raise
+        why = str(e).split(": ", 1)[-1]
+        log(f"draft {draft.name} and target {target.name} have different vocabularies ({why}): drafting "
+            "through text (--draft-vocab same refuses such a pair)")
+        return True
+    return False
 
 
 def runtime_config(settings: Settings) -> RuntimeConfig:
@@ -109,12 +129,13 @@ def read_corpus(path: str | None, target: Runtime) -> Corpus:
 
 
 def build_engine(settings: Settings, target: Runtime, draft: Runtime | None, corpus: Corpus | None = None,
-                 verifier: Verifier | None = None) -> Engine:
+                 verifier: Verifier | None = None, through_text: bool = False) -> Engine:
     adaptive = settings.k is None
     p_min = settings.draft_p_min_value
     drafter = make_drafter(settings.drafter_name, target, draft, pld_ngram=settings.pld_ngram,
                            pld_tokens=settings.pld_tokens, k_max=settings.draft_length, adaptive=adaptive,
-                           p_min=p_min, corpus=corpus, recalibrate=settings.recalibrate)
+                           p_min=p_min, corpus=corpus, recalibrate=settings.recalibrate,
+                           through_text=through_text)
     config = EngineConfig(
         max_tokens=settings.max_tokens,
         k=settings.draft_length,

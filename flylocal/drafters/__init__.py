@@ -27,6 +27,7 @@ class Draft:
     source: str = ""        # "pld" or "model" where a drafter chose between them this round
     levels: list | None = None    # a model draft: each token's confidence level
     seconds: float | None = None  # a model draft: the time it took
+    text: str | None = None       # a draft through text: the draft model's text it came from
 
 
 class Drafter(Protocol):
@@ -54,13 +55,16 @@ class NoDraft:
 
 def make_drafter(name: str, target, draft_model=None, *, pld_ngram: int = 4, pld_tokens: int | None = None,
                  k_max: int = 8, adaptive: bool = False, p_min: float = 0.0, corpus=None,
-                 recalibrate: bool = False):
+                 recalibrate: bool = False, through_text: bool = False):
     """Build a drafter by name. `target` and `draft_model` are Runtimes. With `adaptive`, the
     model drafters weigh the draft model against prompt lookup alone each round, on the
-    target's cost curve (flylocal.drafters.model)."""
+    target's cost curve (flylocal.drafters.model). With `through_text` a model drafter drafts
+    in the draft model's own vocabulary and its drafts reach the target through their text
+    (flylocal.drafters.text)."""
     from flylocal.drafters.mla import MLADrafter
     from flylocal.drafters.model import ModelDrafter
     from flylocal.drafters.pld import PromptLookup
+    from flylocal.drafters.text import TextBridge, ThroughText
 
     if name == "none":
         return NoDraft()
@@ -68,14 +72,19 @@ def make_drafter(name: str, target, draft_model=None, *, pld_ngram: int = 4, pld
         return PromptLookup(target.eog_mask, max_ngram=pld_ngram, max_tokens=pld_tokens, corpus=corpus)
     if draft_model is None:
         raise ValueError(f"drafter {name} needs a draft model (--draft)")
-    common = dict(k_max=k_max, p_min=p_min, target_costs=target.costs if adaptive else None, corpus=corpus,
-                  recalibrate=recalibrate)
+    if name not in ("model", "mla"):
+        raise ValueError(f"unknown drafter {name}")
+    # Through text the drafter lives in the draft's vocabulary: its own end-of-generation ids,
+    # every id it has, and no lookup corpus (that holds target ids).
+    vocab = (draft_model.n_vocab, draft_model.eog_mask) if through_text else (target.n_vocab, target.eog_mask)
+    common = dict(k_max=k_max, p_min=p_min, target_costs=target.costs if adaptive else None,
+                  corpus=None if through_text else corpus, recalibrate=recalibrate, max_ngram=pld_ngram)
     if name == "model":
-        return ModelDrafter(draft_model, target.n_vocab, target.eog_mask, max_ngram=pld_ngram, **common)
-    if name == "mla":
-        return MLADrafter(draft_model, target.n_vocab, target.eog_mask, max_ngram=pld_ngram,
-                          max_tokens=pld_tokens or 6, adaptive_lookup=pld_tokens is None, **common)
-    raise ValueError(f"unknown drafter {name}")
+        drafter = ModelDrafter(draft_model, *vocab, **common)
+    else:
+        drafter = MLADrafter(draft_model, *vocab, max_tokens=pld_tokens or 6, adaptive_lookup=pld_tokens is None,
+                             **common)
+    return ThroughText(drafter, TextBridge(target, draft_model)) if through_text else drafter
 
 
 DRAFTERS = ("none", "pld", "model", "mla")

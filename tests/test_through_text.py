@@ -1,0 +1,144 @@
+"""Drafts from another vocabulary on real models, both directions: SmolLM2 (49,152 tokens, BPE)
+drafting for Gemma 3 (262,144 tokens, SentencePiece) at Q8_0, and Gemma drafting for SmolLM2.
+Verification stays on target tokens, so strict must equal the target's plain greedy output
+token for token (the batch-invariant build, conftest)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import GEMMA_Q8_0, SMOL, prompt
+from flylocal.drafters.text import TextBridge
+from flylocal.engine import generate_all
+from flylocal.errors import FlylocalError
+from flylocal.loader import build_engine, encode_prompt, pair
+from flylocal.settings import Settings
+
+pytestmark = pytest.mark.slow     # every test here loads real models
+
+COPY = ("Repeat this list exactly: apples, pears, plums, cherries, grapes, lemons, limes, melons. "
+        "The list again: apples, pears, plums, cherries,")
+ROUND_TRIP = ["Ünïcödé: e\u0301 a\u0308 (combining marks) 😀👍🏽 🇯🇵 日本語のテキスト 中文 한국어 — «quotes» …",
+              "def f(x):\n\treturn x ** 2  # 🐍\n", "  leading spaces and trailing  ", "ﬁ ligature, Ω, ß, ẞ"]
+
+
+@pytest.fixture(params=["gemma<-smol", "smol<-gemma"])
+def pair_of(request, smol, gemma_q8):
+    target, draft = (gemma_q8, smol) if request.param == "gemma<-smol" else (smol, gemma_q8)
+    target.reset()
+    draft.reset()
+    return target, draft
+
+
+def prompt_ids(target, text):
+    return encode_prompt(target, text, raw=target.chat_template() is None)[0]
+
+
+def run(target, draft, ids, drafter, k=None, through_text=True, verifier="strict", max_tokens=40):
+    settings = Settings(drafter=drafter, k=k, verifier=verifier, max_tokens=max_tokens, trace=True)
+    return generate_all(build_engine(settings, target, draft, through_text=through_text), ids)
+
+
+def test_the_vocabularies_really_differ(smol, gemma_q8):
+    """The rule refuses this pair under --draft-vocab same, and auto drafts through text."""
+    with pytest.raises(FlylocalError, match="incompatible"):
+        pair(gemma_q8, smol, "same", print)
+    said = []
+    assert pair(gemma_q8, smol, "auto", said.append) is True
+    assert len(said) == 1 and "through text" in said[0]
+
+
+@pytest.mark.parametrize("drafter", ["model", "mla"])
+@pytest.mark.parametrize("text", [COPY, prompt("chat-sky")])
+def test_strict_through_text_equals_plain_greedy(pair_of, drafter, text):
+    target, draft = pair_of
+    ids = prompt_ids(target, text)
+    expected, _, _ = run(target, draft, ids, "none")
+    for k in (None, 3):       # adaptive: the draft may never pay for itself here, and not be used
+        tokens, stats, _ = run(target, draft, ids, drafter, k)
+        assert tokens == expected, (drafter, k)
+        assert stats.drafted > 0 or k is None
+
+
+@pytest.mark.parametrize("drafter", ["model", "mla"])
+def test_a_copy_heavy_prompt_is_accepted(pair_of, drafter):
+    target, draft = pair_of
+    _, stats, trace = run(target, draft, prompt_ids(target, COPY), drafter, k=6)
+    assert stats.accepted > 0
+    assert stats.mean_accepted_length > 1.5
+    texts = [row["draft_text"] for row in trace if row["draft"]]
+    assert texts and all(isinstance(t, str) for t in texts)
+    # A round's draft is a target tokenization of a prefix of its draft text.
+    for row in trace:
+        if row["draft"]:
+            assert row["draft_text"].startswith(target.detokenize(row["draft"]))
+
+
+def test_loose_verifiers_decide_on_target_tokens(pair_of):
+    """FLy and ASD run through text; with a budget of 0 ASD is strict."""
+    from flylocal.verifiers import VerifierConfig
+    from flylocal.verifiers.asd import AsdParams
+
+    target, draft = pair_of
+    ids = prompt_ids(target, prompt("chat-focus"))
+    expected, _, _ = run(target, draft, ids, "none")
+    settings = Settings(drafter="mla", k=4, verifier="asd", max_tokens=40,
+                        verifiers=VerifierConfig(asd=AsdParams(budget=0.0)))
+    tokens, _, _ = generate_all(build_engine(settings, target, draft, through_text=True), ids)
+    assert tokens == expected
+    tokens, stats, _ = run(target, draft, ids, "mla", k=6, verifier="fly")
+    assert stats.emitted > 0 and len(tokens) == 40
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP)
+def test_text_round_trips_through_both_vocabularies(smol, gemma_q8, text):
+    for target, draft in ((gemma_q8, smol), (smol, gemma_q8)):
+        ids = target.tokenize(text, add_special=False)
+        bridge = TextBridge(target, draft)
+        d = bridge.sync(ids)
+        assert draft.detokenize(d) == text
+        # Token by token, as a generation commits them: the same ids in the end.
+        fresh = TextBridge(target, draft)
+        for n in range(1, len(ids) + 1):
+            fresh.sync(ids[:n])
+        assert fresh.sync(ids).tolist() == d.tolist()
+        # Back: the draft's tokens of the text become target tokens of the same text, but the
+        # last one, which more text could extend.
+        proposal = TextBridge(target, draft).proposal(draft.tokenize(text, add_special=False))
+        back = b"".join(target.piece(int(t)) for t in proposal.tokens)
+        assert text.encode().startswith(back)
+        assert len(back) >= len(text.encode()) - max(len(target.piece(int(t))) for t in ids)
+        assert proposal.text == text
+
+
+def test_the_command_line_drafts_through_text():
+    """auto says so in one line; same refuses the pair in one line; a trace shows draft_text."""
+    args = [sys.executable, "-m", "flylocal", "generate", "--target", GEMMA_Q8_0, "--draft", SMOL,
+            "--drafter", "mla", "--verifier", "strict", "--max-tokens", "12", "--raw", "--json", COPY]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "through text" in line]
+    assert len(lines) == 1 and "different vocabularies" in lines[0]
+    assert json.loads(done.stdout)["stats"]["drafted"] > 0
+    refused = subprocess.run(args + ["--draft-vocab", "same"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0
+    assert refused.stderr.count("\n") == 1 and "incompatible" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+def test_a_same_vocabulary_pair_can_go_through_text(smol, smol_draft):
+    """--draft-vocab translate on a pair that agrees: still exactly greedy."""
+    smol.reset()
+    smol_draft.reset()
+    assert pair(smol, smol_draft, "auto", print) is False
+    ids = prompt_ids(smol, prompt("typos-short"))
+    expected, _, _ = run(smol, smol_draft, ids, "none")
+    tokens, stats, _ = run(smol, smol_draft, ids, "mla", k=6)
+    assert tokens == expected
+    assert stats.accepted > 0
+    assert np.all(np.asarray(tokens) < smol.n_vocab)
