@@ -40,6 +40,23 @@ CALIBRATION_SIZES = (1, 2, 3, 5, 9, 17)
 COST_FORMAT = 1
 
 
+def _interpolate(values: np.ndarray, rows: int) -> np.ndarray:
+    """t(1..rows) [rows] float64 from measured values [m] (NaN where not measured): interpolated
+    between measured sizes, along the last slope past the largest, the prior's CPU-like shape
+    with fewer than two."""
+    n = np.arange(1, rows + 1, dtype=np.float64)
+    seen = np.flatnonzero(~np.isnan(values))
+    if seen.size >= 2:
+        x, y = seen + 1.0, values[seen]
+        cost = np.interp(n, x, y)
+        slope = max((y[-1] - y[-2]) / (x[-1] - x[-2]), 0.0)
+        beyond = n > x[-1]
+        cost[beyond] = y[-1] + slope * (n[beyond] - x[-1])
+        return cost
+    cost = 1 + PRIOR_ROW_COST * (n - 1)
+    return cost * ((values[seen[0]] / (1 + PRIOR_ROW_COST * seen[0])) if seen.size else 0.01)
+
+
 def costs_dir() -> Path:
     return Path(os.environ.get("FLYLOCAL_COSTS") or Path.home() / ".cache" / "flylocal" / "costs")
 
@@ -63,6 +80,7 @@ class CostCurve:
         self.key = key
         self.fixed = fixed
         self._memo: dict[int, np.ndarray] = {}
+        self._shapes: dict[int, float] = {}      # shape(rows), until `base` changes
         self.seconds = np.full(max(CALIBRATION_SIZES), np.nan)
         self.pinned = False
         if seconds is not None:
@@ -92,22 +110,18 @@ class CostCurve:
     def cost(self, rows: int) -> np.ndarray:
         """t(1..rows) in seconds: [rows] float64."""
         memo = self._memo.get(rows)
-        if memo is not None:
-            return memo
-        values = self.base if self.pinned else self.seconds
-        n = np.arange(1, rows + 1, dtype=np.float64)
-        seen = np.flatnonzero(~np.isnan(values))
-        if seen.size >= 2:
-            x, y = seen + 1.0, values[seen]
-            cost = np.interp(n, x, y)
-            slope = max((y[-1] - y[-2]) / (x[-1] - x[-2]), 0.0)
-            beyond = n > x[-1]
-            cost[beyond] = y[-1] + slope * (n[beyond] - x[-1])
-        else:
-            cost = 1 + PRIOR_ROW_COST * (n - 1)
-            cost *= (values[seen[0]] / (1 + PRIOR_ROW_COST * seen[0])) if seen.size else 0.01
-        self._memo[rows] = cost
-        return cost
+        if memo is None:
+            memo = self._memo[rows] = _interpolate(self.base if self.pinned else self.seconds, rows)
+        return memo
+
+    def shape(self, rows: int) -> float:
+        """t(rows) / t(1) on the calibrated values: how many single steps a decode of `rows`
+        rows is worth, whatever the load is now (the thread controller's yardstick)."""
+        shape = self._shapes.get(rows)
+        if shape is None:
+            cost = _interpolate(self.base, rows)
+            shape = self._shapes[rows] = float(cost[-1] / cost[0])
+        return shape
 
     def largest(self) -> int:
         """The largest measured size (0 when none is)."""
@@ -133,6 +147,7 @@ class CostCurve:
         self.seconds[:] = np.nan
         self._set(values)
         self.base = self.seconds.copy()
+        self._shapes.clear()
         self.source, self.dirty = "measured", True
 
     def update(self, rows: int, seconds: float) -> None:
@@ -179,6 +194,7 @@ class CostCurve:
         base = np.full(len(self.seconds), np.nan)
         base[: min(len(base), len(arrays[1]))] = arrays[1][: len(base)]
         self.base = base
+        self._shapes.clear()
         self.source, self.dirty = "cache", False
         return True
 
@@ -221,6 +237,7 @@ class CostCurve:
             if kept is not None:       # a larger size was asked for: the calibration so far stands
                 n = min(len(kept), len(self.base))
                 self.base[:n] = np.where(np.isnan(kept[:n]), self.base[:n], kept[:n])
+                self._shapes.clear()
             self.save()
         self._ensured = max_rows
 
@@ -287,11 +304,13 @@ def timed_decode(runtime, token: int, rows: int) -> float:
     n_past = runtime.n_past
     if n_past + rows > runtime.n_ctx:
         return float("nan")
-    t0 = time.perf_counter()
-    logits = runtime.decode(np.full(rows, token, dtype=np.int32), logits_from=0)
-    logits.argmax(axis=1)
-    runtime.truncate(n_past)
-    return time.perf_counter() - t0
+    # Measured at the thread count the curve is keyed by, whatever --threads auto chose now.
+    with getattr(runtime, "steady_threads", contextlib.nullcontext)():
+        t0 = time.perf_counter()
+        logits = runtime.decode(np.full(rows, token, dtype=np.int32), logits_from=0)
+        logits.argmax(axis=1)
+        runtime.truncate(n_past)
+        return time.perf_counter() - t0
 
 
 # Confidence levels of a draft model's token: buckets of its own top-1 probability.

@@ -85,14 +85,34 @@ def cost_curve(rt: Runtime, recalibrate: bool = False, context: int = 256) -> tu
     return rt.costs.cost(rows), rt.costs.source
 
 
-def model_report(spec: str, threads: int = 0, flash_attn: str = "auto", recalibrate: bool = False) -> list[str]:
+def thread_choice(rt: Runtime, steps: int = 64) -> str:
+    """What --threads auto chooses on this machine now: decode `steps` tokens one at a time, as
+    generation does, and report the count chosen and the speed measured at each count tried."""
+    control = rt.thread_control
+    if control is None:
+        return f"threads: {rt.n_threads} (as given)"
+    ids = rt.tokenize(PROBE_TEXT)
+    rt.reset()
+    rt.decode(ids[:-1])
+    token = int(ids[-1])
+    for _ in range(min(steps, rt.n_ctx - len(ids))):
+        token = int(rt.decode([token], logits_from=0)[0].argmax())
+    rt.reset()
+    rates = ", ".join(f"{c}: {r:.0f}" for c, r in control.rates().items())
+    return (f"threads: auto chose {rt.n_threads} (candidates {', '.join(map(str, control.counts))}; "
+            f"single-token decodes per second at each count tried: {rates}; cost curve measured at "
+            f"{rt.calibration_threads})")
+
+
+def model_report(spec: str, threads: int | None = None, flash_attn: str = "auto",
+                 recalibrate: bool = False) -> list[str]:
     path = models.resolve(spec)
     with Runtime(path, RuntimeConfig(n_ctx=1024, n_threads=threads, flash_attn=flash_attn)) as rt:
         delta, flips, rows = batch_invariance(rt)
         costs, source = cost_curve(rt, recalibrate)
+        choice = thread_choice(rt)
         lines = [f"model: {path} ({rt.description()}, vocab {rt.n_vocab}), flash attention {flash_attn}"
-                 f"{' (off in a CPU build)' if flash_attn == 'auto' and not build_info()['gpu_offload'] else ''}"
-                 f", {rt.n_threads} threads"]
+                 f"{' (off in a CPU build)' if flash_attn == 'auto' and not build_info()['gpu_offload'] else ''}"]
     if delta == 0.0:
         lines.append(f"batch-invariant: yes ({rows} positions, single vs batched logits bitwise equal); "
                      "strict output equals plain greedy output token for token")
@@ -102,10 +122,11 @@ def model_report(spec: str, threads: int = 0, flash_attn: str = "auto", recalibr
     one = costs[0]
     lines.append(f"decode cost by rows ({'cached' if source == 'cache' else 'measured now'}; ms, in single steps): "
                  + ", ".join(f"{n}: {1000 * costs[n - 1]:.1f} ({costs[n - 1] / one:.1f})" for n in CALIBRATION_SIZES))
+    lines.append(choice)
     return lines
 
 
-def report(model: str | None, threads: int = 0, flash_attn: str = "auto", recalibrate: bool = False,
+def report(model: str | None, threads: int | None = None, flash_attn: str = "auto", recalibrate: bool = False,
            this_build_only: bool = False) -> list[str]:
     """This process's build (and the model in it), then the other build's, from a child
     process: one process can load only one llama.cpp library."""
@@ -115,8 +136,8 @@ def report(model: str | None, threads: int = 0, flash_attn: str = "auto", recali
     if this_build_only:
         return lines
     other_exact = kernels.mode() != kernels.EXACT
-    argv = [sys.executable, "-m", "flylocal", "doctor", "--this-build-only", "--threads", str(threads),
-            "--flash-attn", flash_attn] + (["--model", model] if model else []) \
+    argv = [sys.executable, "-m", "flylocal", "doctor", "--this-build-only",
+            "--threads", "auto" if threads is None else str(threads), "--flash-attn", flash_attn] + (["--model", model] if model else []) \
         + (["--recalibrate"] if recalibrate else []) + (["--exact"] if other_exact else [])
     env = dict(os.environ, FLYLOCAL_EXACT="1" if other_exact else "0")
     env.pop("LLAMA_CPP_LIB_PATH", None)

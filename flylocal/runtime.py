@@ -23,6 +23,7 @@ import os
 import re
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from flylocal.adaptive import CostCurve
 from flylocal.cache import reusable_prefix
 from flylocal.errors import FlylocalError, ModelError
 from flylocal.files import check_gguf_file
+from flylocal.threads import ThreadControl, candidates, usable_cores
 
 KERNELS = kernels.activate()     # fast or exact: which llama.cpp library is loaded just below
 
@@ -111,7 +113,7 @@ def interrupts_deferred():
 class RuntimeConfig:
     n_ctx: int = 4096
     n_batch: int = 512
-    n_threads: int = 0          # 0: all cores
+    n_threads: int | None = None   # None: auto (flylocal.threads); 0: all cores; N: N threads
     n_gpu_layers: int = 0
     # "auto": off in a CPU-only build, where llama.cpp's CPU flash-attention kernel gives a
     # position other logits in a batch than alone once the cache passes 256 cells (measured:
@@ -133,7 +135,10 @@ def gpu_offload() -> bool:
 
 
 def default_threads() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return usable_cores()
+
+
+CONTROL_ROWS = 32     # decodes up to this many rows steer --threads auto (a round, a draft step)
 
 
 class Runtime:
@@ -196,6 +201,10 @@ class Runtime:
         self._unsynced = False
         self._specials = None   # control-token texts, found lazily for chat templates
         self.n_threads = threads
+        # --threads auto: start on every core, then follow how fast decodes run (flylocal.threads).
+        self.thread_control = ThreadControl(candidates(threads), threads) if config.n_threads is None else None
+        self._steady = 0       # > 0: thread count held (calibration measures one count)
+        self.calibration_threads = threads
         # What a decode of n rows costs here, shared by everything that drafts for this model;
         # keyed for the disk cache by what it depends on (docs/design.md, "Cost model").
         self.costs = CostCurve(key=self._cost_key())
@@ -218,7 +227,7 @@ class Runtime:
             "build": kernels.exact_stamp() if KERNELS == kernels.EXACT else kernels.fast_stamp(),
             "system": hashlib.sha256(system.encode()).hexdigest()[:16],
             "gpu_layers": self.config.n_gpu_layers if gpu_offload() else 0,
-            "flash_attn": self.config.flash_attn, "threads": self.n_threads, "batch": self.n_batch,
+            "flash_attn": self.config.flash_attn, "threads": self.calibration_threads, "batch": self.n_batch,
         }
 
     def close(self) -> None:
@@ -289,6 +298,13 @@ class Runtime:
         """The vocabulary's stored text for a token (as used by the compatibility rule)."""
         return llama_cpp.llama_vocab_get_text(self._vocab, token) or b""
 
+    def is_control(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_control(self._vocab, token))
+
+    def control_ids(self) -> dict[bytes, int]:
+        """{text: id} of the tokens that are only ever written by templates, never typed."""
+        return {text.encode(): spec[0] for text, spec in self._control_tokens()[1].items()}
+
     def is_eog(self, token: int) -> bool:
         return bool(self._eog[token]) if 0 <= token < self.n_vocab else False
 
@@ -297,12 +313,12 @@ class Runtime:
         return self._eog
 
     # ----- text -----
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> np.ndarray:
-        """Token ids of `text`. Special-token text ("<|im_end|>") is plain text unless
-        `parse_special`: text from a user never becomes control tokens by default."""
+    def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> np.ndarray:
+        """Token ids of `text` (str, or UTF-8 bytes). Special-token text ("<|im_end|>") is plain
+        text unless `parse_special`: text from a user never becomes control tokens by default."""
         self._check_open()
         try:
-            data = text.encode("utf-8")
+            data = text if isinstance(text, bytes) else text.encode("utf-8")
         except UnicodeEncodeError:
             raise FlylocalError("the text is not valid UTF-8") from None
         cap = len(data) + 16
@@ -431,7 +447,13 @@ class Runtime:
             i = j
         if start >= n:
             return None
-        self._decode_chunk(tokens[start:], want_logits=True)
+        rows = n - start
+        if self.thread_control is None or self._steady or rows > CONTROL_ROWS:
+            self._decode_chunk(tokens[start:], want_logits=True)
+        else:
+            t0 = time.perf_counter()
+            self._decode_chunk(tokens[start:], want_logits=True)
+            self._steer(rows, time.perf_counter() - t0)
         ptr = llama_cpp.llama_get_logits(self._ctx)
         return np.ctypeslib.as_array(ptr, shape=(n - start, self.n_vocab))
 
@@ -452,6 +474,33 @@ class Runtime:
             raise FlylocalError(f"llama_decode failed on {self.name}: {reason}")
         self.n_past = p0 + m
         self._unsynced = False                 # ... until here
+
+    def _steer(self, rows: int, seconds: float) -> None:
+        """--threads auto: feed the decode's time to the controller, relative to the cost
+        curve's shape for `rows`, and take the thread count it chooses."""
+        want = self.thread_control.observe(seconds / self.costs.shape(rows) if rows > 1 else seconds, seconds)
+        if want != self.n_threads:
+            self.set_threads(want)
+
+    def set_threads(self, n: int) -> None:
+        """Decode on `n` CPU threads from the next decode on (llama_set_n_threads)."""
+        self._check_open()
+        llama_cpp.llama_set_n_threads(self._ctx, n, n)
+        self.n_threads = n
+
+    @contextlib.contextmanager
+    def steady_threads(self):
+        """Hold the thread count at the one the cost curve is keyed by (a calibration)."""
+        held = self.n_threads
+        self._steady += 1
+        try:
+            if held != self.calibration_threads:
+                self.set_threads(self.calibration_threads)
+            yield
+        finally:
+            self._steady -= 1
+            if not self._steady and self.n_threads != held and not self.closed:
+                self.set_threads(held)
 
     def _sync(self) -> None:
         """Drop cache cells past `n_past` left by an operation an exception cut short."""

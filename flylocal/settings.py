@@ -37,12 +37,13 @@ DEFAULT_P_MIN = 0.5     # a draft model's token it gives less than this ends its
 class Settings:
     target: str = DEFAULT_TARGET
     draft: str | None = None
+    draft_vocab: str = "auto"         # same | translate | auto: a draft of another vocabulary drafts through text
     drafter: str | None = None        # None: mla with a draft, pld without
     verifier: str = "fly"
     k: int | None = None              # None: adaptive up to DEFAULT_K for drafters that adapt
     max_tokens: int = 256
     ctx: int = 4096
-    threads: int = 0                  # 0: every core this process may use
+    threads: int | None = None        # None: auto (follow the free cores); 0: every core; N: N threads
     batch_size: int = 512
     flash_attn: str = "auto"
     gpu_layers: int = 0               # -1: all
@@ -101,11 +102,31 @@ def cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+class Threads(click.ParamType):
+    """`auto` (None) or a thread count (0: every core)."""
+
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == "auto":
+            return None
+        if isinstance(value, int):
+            n = value
+        else:
+            try:
+                n = int(value)
+            except ValueError:
+                self.fail(f"{value!r} is neither auto nor a number of threads.", param, ctx)
+        if n < 0:
+            self.fail(f"{n} is not a number of threads (auto, 0 for all cores, or N >= 1).", param, ctx)
+        return n
+
+
 def _check_threads(ctx, param, value):
     """More threads than usable cores only makes threads wait."""
-    if value > cpu_count():
+    if value is not None and value > cpu_count():
         raise click.BadParameter(f"{value} is more than the {cpu_count()} CPU cores this process can use "
-                                 "(0: all of them).", ctx, param)
+                                 "(auto, or 0 for all of them).", ctx, param)
     return value
 
 
@@ -154,9 +175,16 @@ class Option:
 
 OPTIONS = {o.name: o for o in [
     # models
-    Option("target", ("--target",), "Target model: a models.txt name or a GGUF path.", metavar="NAME|PATH"),
-    Option("draft", ("--draft",), "Draft model for --drafter model/mla (same vocabulary as the target).",
-           metavar="NAME|PATH"),
+    Option("target", ("--target",), "Target model: a models.txt name, a GGUF path, or the name of a model "
+           "already on this machine (LM Studio, ollama, Hugging Face or llama.cpp caches; see `flylocal models "
+           "list`).", metavar="NAME|PATH"),
+    Option("draft", ("--draft",), "Draft model for --drafter model/mla: a name or path as for --target; "
+           "another vocabulary drafts through text (--draft-vocab).", metavar="NAME|PATH"),
+    Option("draft_vocab", ("--draft-vocab",),
+           "A draft whose vocabulary differs from the target's: auto drafts through text (the draft's text "
+           "is tokenized for the target) and says so; same refuses such a draft; translate goes through text "
+           "even when the vocabularies agree. Verification is on target tokens either way.",
+           type=click.Choice(["auto", "same", "translate"])),
     # methods
     Option("drafter", ("--drafter",), "Where drafts come from. Default: mla with --draft, pld without.",
            type=click.Choice(DRAFTERS)),
@@ -191,8 +219,10 @@ OPTIONS = {o.name: o for o in [
     Option("flash_attn", ("--flash-attn",),
            "llama.cpp flash attention. auto: off in a CPU build (its CPU kernel is not batch-invariant), "
            "llama.cpp's choice on a GPU.", type=click.Choice(["auto", "on", "off"])),
-    Option("threads", ("--threads",), "CPU threads, at most the cores available (0: all of them).",
-           type=click.IntRange(min=0), callback=_check_threads),
+    Option("threads", ("--threads",),
+           "CPU threads per model. auto starts on every core and follows how fast decoding runs now: on a busy "
+           "desktop fewer threads decode faster, since one descheduled thread stalls the others. N (at most the "
+           "cores available) is used as given; 0: all of them. Default: auto.", type=Threads(), callback=_check_threads),
     Option("exact", ("--exact",),
            "Run the batch-invariant CPU build of llama.cpp: strict output then equals plain greedy decoding bit "
            "for bit (Q4_0, Q4_1, Q8_0 and F16 weights), at a cost in speed. Default: llama.cpp's fast kernels, "
@@ -241,7 +271,7 @@ OPTIONS = {o.name: o for o in [
            type=click.IntRange(min=0, max=2**32 - 1), to="sampling"),
 ]}
 
-MODEL = ("target", "draft")
+MODEL = ("target", "draft", "draft_vocab")
 METHOD = ("drafter", "verifier")
 DRAFTING = ("k", "draft_p_min", "lookup_corpus", "pld_ngram", "pld_tokens", "max_tokens")
 LLAMA = ("ctx", "batch_size", "gpu_layers", "flash_attn", "threads", "exact", "recalibrate")

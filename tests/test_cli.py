@@ -93,8 +93,9 @@ def test_raw_gemma_says_there_is_no_template():
     (["--k", "-1"], ["--k"]),
     (["--max-tokens", "0"], ["--max-tokens"]),
     (["--drafter", "model"], ["needs a draft model"]),
-    pytest.param(["--draft", GEMMA_Q8_0, "--drafter", "model"],
+    pytest.param(["--draft", GEMMA_Q8_0, "--drafter", "model", "--draft-vocab", "same"],
                  ["incompatible", "gemma-3-270m-q8_0", "smollm2-135m-instruct"], marks=pytest.mark.slow),
+    (["--draft-vocab", "other"], ["--draft-vocab"]),
     pytest.param(["--ctx", "32"], ["longer than the context", "--ctx 32"], marks=pytest.mark.slow),
     (["--temperature", "-0.5"], ["--temperature"]),
     (["--top-p", "0"], ["--top-p"]),
@@ -107,6 +108,8 @@ def test_raw_gemma_says_there_is_no_template():
     (["--asd-budget", "nan"], ["--asd-budget", "not a finite number"]),
     (["--fly-entropy", "nan"], ["--fly-entropy", "not a finite number"]),
     (["--threads", "1000"], ["--threads", "1000", "cores"]),
+    (["--threads", "many"], ["--threads", "neither auto nor a number"]),
+    (["--threads", "-2"], ["--threads", "not a number of threads"]),
 ])
 def test_bad_input_gets_one_line(args, words):
     assert_one_line_error(flylocal("generate", PROMPT * 5, *args), *words)

@@ -51,6 +51,13 @@ def test_no_options_give_the_librarys_defaults(command, args):
     assert settings_from(ctx.params) == want
 
 
+@pytest.mark.parametrize("given,want", [([], None), (["--threads", "auto"], None), (["--threads", "1"], 1),
+                                        (["--threads", "0"], 0)])
+def test_threads_are_auto_unless_given(given, want):
+    ctx = COMMANDS["generate"].make_context("generate", ["hi", *given])
+    assert settings_from(ctx.params).threads == want
+
+
 def test_options_reach_their_fields():
     cmd = COMMANDS["generate"]
     ctx = cmd.make_context("generate", ["hi", "--k", "5", "--fly-window", "3", "--fly-no-window", "--asd-budget",

@@ -1,0 +1,120 @@
+"""`--threads auto`: a context's CPU thread count chosen from how fast its decodes run now
+(docs/design.md, "Threads").
+
+llama.cpp's CPU threads spin while they wait for each other, so on a busy desktop one thread
+the OS deschedules stalls them all: with a busy loop on one of 2 cores, 2 threads decode at
+half the speed of 1. The best count depends on the load of the moment, so it is measured, the
+way the draft-length controller measures acceptance:
+
+- each decode's seconds, divided by the cost curve's shape for its row count (t(rows)/t(1)),
+  give the seconds of a single-row step at the current count; the median of the last few is
+  the current count's speed (one decode the OS stalled is not a change of load);
+- now and then the other candidate counts are tried, nearest first, for a few decodes each (one,
+  when it is clearly slower), and the fastest is kept if it beats the current one by a margin;
+- a re-check comes early when the current count's speed changes (the load changed); while the
+  choice keeps standing, re-checks grow rarer, so probing costs little when nothing changes.
+
+The clock is the seconds of decoding observed, so the controller is deterministic given its
+timings (tests feed it made-up ones).
+"""
+
+from __future__ import annotations
+
+import os
+
+PROBES = 5              # decodes measured at a count being tried: their median counts
+ABORT = 1.5             # a trial decode this much slower than the current count's median ends the trial
+MARGIN = 0.3            # another count must be this much faster to move to it: a load that
+                        # matters costs 2-4 times, and counts within 30% of each other are not
+                        # worth a move that noise could undo
+CHANGE = 1.4            # the current speed moved by this factor: the load changed, re-check now
+RECHECK = (0.5, 8.0)    # seconds of decoding between re-checks: doubling while the choice stands
+RECENT = 5              # the current count's last decodes, compared with a trial's
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def candidates(cores: int) -> list[int]:
+    """The counts worth trying on `cores` cores: all of them, all but one (room for the
+    desktop), and the powers of two below."""
+    counts = {cores, max(cores - 1, 1)}
+    p = 1
+    while p < cores:
+        counts.add(p)
+        p *= 2
+    return sorted(counts)
+
+
+def median(values) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+class ThreadControl:
+    def __init__(self, counts: list[int], start: int | None = None):
+        self.counts = sorted(set(counts))
+        self.home = start if start in self.counts else self.counts[-1]   # the count in use
+        self.current = self.home               # the count of the next decode (home, or one on trial)
+        self.speed: dict[int, float] = {}      # count -> seconds of a single-row step, last measured
+        self.recent: list[float] = []          # the home count's last RECENT steps
+        self.reference: float | None = None    # their median when the home count was last confirmed
+        self.clock = 0.0                       # seconds of decoding observed
+        self.next_check = 0.0
+        self.interval = RECHECK[0]
+        self.trying: list[int] = []            # counts still to try in this re-check
+        self.samples: list[float] = []         # the trial count's steps so far
+        self.moves = 0
+
+    def observe(self, step: float, seconds: float) -> int:
+        """Fold in one decode: `step` the seconds it took divided by the cost-curve shape of
+        its row count, `seconds` what it took. Returns the count for the next decode."""
+        self.clock += seconds
+        if self.current != self.home:
+            self._trial(step)
+            return self.current
+        self.recent = (self.recent + [step])[-RECENT:]
+        if len(self.recent) < RECENT:
+            return self.current
+        now = self.speed[self.home] = median(self.recent)     # a median: one stalled decode is no change
+        if self.reference is None:
+            self.reference = now
+        changed = not (self.reference / CHANGE < now < self.reference * CHANGE)
+        if (changed or self.clock >= self.next_check) and len(self.counts) > 1:
+            if changed:
+                self.interval = RECHECK[0]
+            i = self.counts.index(self.home)
+            self.trying = sorted((c for c in self.counts if c != self.home),
+                                 key=lambda c: abs(self.counts.index(c) - i))     # nearest first
+            self.current = self.trying.pop(0)
+        return self.current
+
+    def _trial(self, step: float) -> None:
+        self.samples.append(step)
+        if len(self.samples) < PROBES and step < ABORT * self.speed[self.home]:
+            return
+        self.speed[self.current] = median(self.samples)
+        self.samples = []
+        if self.trying:
+            self.current = self.trying.pop(0)
+            return
+        best = min(self.speed, key=self.speed.get)
+        if self.speed[best] < (1 - MARGIN) * self.speed[self.home]:
+            self.home = best                   # moved: measure it, then look around again soon
+            self.moves += 1
+            self.recent, self.reference = [], None
+            self.interval = RECHECK[0]
+            self.next_check = self.clock
+        else:
+            self.reference = self.speed[self.home]
+            self.interval = min(self.interval * 2, RECHECK[1])
+            self.next_check = self.clock + self.interval
+        self.current = self.home
+
+    def rates(self) -> dict[int, float]:
+        """Single-row steps per second last measured at each count tried."""
+        return {c: 1.0 / s for c, s in sorted(self.speed.items()) if s > 0}

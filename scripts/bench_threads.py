@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""--threads auto against fixed thread counts on a busy machine.
+
+For each condition (no load, a busy loop on one core, busy loops on every core) this script
+starts the load itself: one process per loaded core, pinned to it, spinning until a deadline
+(and killed when the condition ends, or when this script is stopped). Under that load it
+generates with the target on every core, on 1 thread and with auto, and prints the median
+decode tokens/s of each and auto's ratios to all cores and to the best fixed count.
+
+Each measurement is a child process that loads the target, warms up with one uncounted
+generation (auto's controller learns what it learns there, as in the first turn of a chat) and
+then generates every prompt: one process per mode, since llama.cpp contexts in one process
+share one OpenMP runtime, and a mode's threads would disturb the next one's. The modes take
+turns within each repetition.
+
+    .venv/bin/python scripts/bench_threads.py [--target NAME] [--drafter pld] [--max-tokens 64] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT_IDS = ("chat-focus", "copy-edit-keeper")
+LOAD_LIMIT_S = 900        # a busy loop ends by itself after this, whatever happens here
+
+SPIN = """
+import os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    pass
+"""
+
+
+@contextlib.contextmanager
+def busy(cores: list[int]):
+    """Busy loops pinned to `cores`, bounded in time, ended on leaving."""
+    procs = [subprocess.Popen([sys.executable, "-c", SPIN, str(c), str(LOAD_LIMIT_S)]) for c in cores]
+    try:
+        time.sleep(0.5 if procs else 0)
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
+def child(args) -> int:
+    """One mode under the current load: decode tokens/s of each prompt, as JSON on stdout."""
+    from flylocal.bench import load_prompts
+    from flylocal.engine import generate_all
+    from flylocal.loader import build_engine, encode_prompt
+    from flylocal.models import resolve
+    from flylocal.runtime import Runtime, RuntimeConfig
+    from flylocal.settings import Settings
+
+    threads = None if args.child == "auto" else int(args.child)
+    prompts = [p.text for p in load_prompts(str(ROOT / "data" / "prompts.jsonl")) if p.id in PROMPT_IDS]
+    settings = Settings(target=args.target, drafter=args.drafter, verifier="strict", max_tokens=args.max_tokens)
+    speeds = []
+    with Runtime(resolve(args.target), RuntimeConfig(n_ctx=2048, n_threads=threads)) as rt:
+        for i, text in enumerate(prompts[:1] + prompts):       # the first run warms up, uncounted
+            rt.reset()
+            ids, _ = encode_prompt(rt, text, raw=False)
+            _, stats, _ = generate_all(build_engine(settings, rt, None), ids)
+            if i:
+                speeds.append(stats.tokens_per_s)
+        print(json.dumps({"tokens_per_s": speeds, "threads": rt.n_threads}))
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--drafter", default="pld", choices=["none", "pld"])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))      # the load is stopped on the way out
+
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+    n = len(cores)
+    modes = {f"all {n}": str(n), "1 thread": "1", "auto": "auto"}
+    conditions = {"idle": [], "one core busy": cores[:1], "all cores busy": cores}
+    print(f"target {args.target}, drafter {args.drafter}, {args.max_tokens} tokens, {n} cores, "
+          f"repeat {args.repeat}; decode tokens/s, median over prompts {', '.join(PROMPT_IDS)}")
+    print(f"| condition | {' | '.join(modes)} | auto / all | auto / best fixed | auto's final threads |")
+    print("|---" * (len(modes) + 4) + "|", flush=True)
+    for condition, loaded in conditions.items():
+        speed = {mode: [] for mode in modes}
+        final = []
+        with busy(loaded):
+            for _ in range(args.repeat):
+                for mode, value in modes.items():
+                    out = subprocess.run([sys.executable, __file__, "--child", value, "--target", args.target,
+                                          "--drafter", args.drafter, "--max-tokens", str(args.max_tokens)],
+                                         capture_output=True, text=True, check=True, timeout=LOAD_LIMIT_S)
+                    result = json.loads(out.stdout.strip().splitlines()[-1])
+                    speed[mode] += result["tokens_per_s"]
+                    if value == "auto":
+                        final.append(result["threads"])
+        med = {mode: statistics.median(v) for mode, v in speed.items()}
+        best = max(med[m] for m in modes if m != "auto")
+        print(f"| {condition} | " + " | ".join(f"{med[m]:.1f}" for m in modes)
+              + f" | {med['auto'] / med[f'all {n}']:.2f} | {med['auto'] / best:.2f} | "
+              + ", ".join(map(str, final)) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The --threads auto controller on made-up timings (docs/design.md, "Threads").
+
+A simulated 2-core (or 8-core) machine: a single-row step on c threads takes BASE / c seconds
+when idle; with `busy` cores taken by other work, each thread beyond the free cores stalls the
+others: the step takes 1 + STALL times longer per such thread. Noise multiplies every timing."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from flylocal.threads import ThreadControl, candidates
+
+BASE = 0.02
+STALL = 5.0
+
+
+def step_time(threads: int, cores: int, busy: int, rng: random.Random, noise: float) -> float:
+    t = BASE / threads * (1 + STALL * max(0, threads - (cores - busy)))
+    return t * (1 + rng.uniform(-noise, noise))
+
+
+def run(control: ThreadControl, cores: int, busy: int, steps: int, rng: random.Random, noise: float = 0.1):
+    """Decode `steps` single-row steps; the thread count used at each."""
+    used = []
+    for _ in range(steps):
+        used.append(control.current)
+        t = step_time(control.current, cores, busy, rng, noise)
+        control.observe(t, t)
+    return used
+
+
+def test_candidates():
+    assert candidates(1) == [1]
+    assert candidates(2) == [1, 2]
+    assert candidates(8) == [1, 2, 4, 7, 8]
+    assert candidates(12) == [1, 2, 4, 8, 11, 12]
+
+
+def test_stays_on_every_core_when_idle():
+    control = ThreadControl(candidates(2), 2)
+    used = run(control, 2, 0, 2000, random.Random(1))
+    assert control.current == 2 and control.moves == 0
+    # Trying 1 thread now and then costs little: re-checks grow rare while nothing changes.
+    assert used.count(1) / len(used) < 0.03
+
+
+def test_moves_to_fewer_threads_when_rounds_slow_down_and_back_when_they_speed_up():
+    rng = random.Random(2)
+    control = ThreadControl(candidates(2), 2)
+    run(control, 2, 0, 500, rng)
+    assert control.current == 2
+    used = run(control, 2, 1, 300, rng)             # a busy loop on one core
+    assert control.current == 1
+    assert used.index(1) < 10                       # within a few decodes
+    assert used[20:].count(2) / len(used[20:]) < 0.1
+    used = run(control, 2, 0, 2000, rng)            # the load goes away
+    assert control.current == 2
+    # Back within a re-check period (at most RECHECK[1] seconds of decoding at 1 thread).
+    assert used.index(2) < 8.0 / (BASE / 1) + 10
+
+
+def test_an_eight_core_machine_climbs_down_and_up_step_by_step():
+    rng = random.Random(3)
+    control = ThreadControl(candidates(8), 8)
+    run(control, 8, 0, 300, rng)
+    assert control.current == 8
+    run(control, 8, 5, 600, rng)                    # 3 cores free: 2 threads is the best candidate
+    assert control.current == 2
+    run(control, 8, 0, 6000, rng)
+    assert control.current == 8
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noise_does_not_make_it_oscillate(seed):
+    """Two counts within 3% of each other under 25% noise, and heavy-tailed stalls now and then:
+    the controller may settle on either but does not keep moving."""
+    rng = random.Random(seed)
+
+    control = ThreadControl([1, 2], 2)
+    for i in range(3000):
+        t = BASE * (1.0 if control.current == 2 else 1.03) * (1 + rng.uniform(-0.25, 0.25))
+        if rng.random() < 0.01:
+            t *= 4
+        control.observe(t, t)
+    assert control.moves <= 10          # about 60 s of decoding: a move now and then, no flapping
+
+
+def test_a_single_core_has_nothing_to_choose():
+    control = ThreadControl(candidates(1), 1)
+    used = run(control, 1, 0, 100, random.Random(0))
+    assert set(used) == {1}
+    assert control.rates() and set(control.rates()) == {1}
+
+
+# ----- on a real model -----
+
+SPIN = "import os, sys, time\nos.sched_setaffinity(0, {int(sys.argv[1])})\nend = time.monotonic() + 60\n" \
+       "while time.monotonic() < end:\n    pass\n"
+
+
+@pytest.mark.slow
+def test_the_thread_count_changes_at_run_time_and_the_logits_do_not():
+    """The context's own thread count follows set_threads, and a position's logits are the same
+    on any count: auto can move without changing a token."""
+    import llama_cpp
+    import numpy as np
+
+    from conftest import SMOL, model_path
+    from flylocal.runtime import Runtime, RuntimeConfig
+
+    with Runtime(model_path(SMOL), RuntimeConfig(n_ctx=256)) as rt:
+        assert rt.thread_control is not None and rt.n_threads == rt.thread_control.counts[-1]
+        ids = rt.tokenize("The committee met on Tuesday to review the budget and agreed to")
+        seen = []
+        for n in (2, 1, 2):
+            rt.set_threads(n)
+            assert llama_cpp.llama_n_threads(rt._ctx) == n
+            rt.reset()
+            rt.decode(ids[:-4])
+            seen.append(rt.decode(ids[-4:], logits_from=0).copy())
+        assert np.array_equal(seen[0], seen[1]) and np.array_equal(seen[0], seen[2])
+    with Runtime(model_path(SMOL), RuntimeConfig(n_ctx=256, n_threads=2)) as fixed:
+        assert fixed.thread_control is None
+
+
+@pytest.mark.slow
+def test_auto_moves_off_a_busy_core():
+    """Busy loops on every core but one: generating with --threads auto ends on fewer threads
+    than cores, and the context itself runs that many (doctor's report says the same)."""
+    import subprocess
+    import sys
+
+    import llama_cpp
+
+    from conftest import SMOL, model_path, prompt
+    from flylocal.engine import generate_all
+    from flylocal.loader import build_engine, encode_prompt
+    from flylocal.runtime import Runtime, RuntimeConfig
+    from flylocal.settings import Settings
+    from flylocal.threads import usable_cores
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("one core: nothing to choose")
+    spin = [subprocess.Popen([sys.executable, "-c", SPIN, str(c)]) for c in cores[1:]]
+    try:
+        with Runtime(model_path(SMOL), RuntimeConfig(n_ctx=1024)) as rt:
+            assert rt.n_threads == usable_cores()
+            ids, _ = encode_prompt(rt, prompt("chat-focus"), raw=False)
+            for _ in range(3):
+                rt.reset()
+                generate_all(build_engine(Settings(drafter="none", max_tokens=48), rt, None), ids)
+                if rt.n_threads < len(cores):
+                    break
+            assert rt.thread_control.moves >= 1
+            assert rt.n_threads < len(cores)
+            assert llama_cpp.llama_n_threads(rt._ctx) == rt.n_threads
+            assert set(rt.thread_control.rates()) >= {rt.n_threads, len(cores)}
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
