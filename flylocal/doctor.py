@@ -99,7 +99,7 @@ def thread_choice(rt: Runtime, steps: int = 64) -> str:
         token = int(rt.decode([token], logits_from=0)[0].argmax())
     rt.reset()
     rates = ", ".join(f"{c}: {r:.0f}" for c, r in control.rates().items())
-    return (f"threads: auto chose {rt.n_threads} (candidates {', '.join(map(str, control.counts))}; "
+    return (f"threads: auto chose {control.home} (candidates {', '.join(map(str, control.counts))}; "
             f"single-token decodes per second at each count tried: {rates}; cost curve measured at "
             f"{rt.calibration_threads})")
 

@@ -35,6 +35,8 @@ from flylocal.errors import ModelError
 FORMAT = 1               # of Info.to_dict: a cache written in another format is read afresh
 VERSIONS = (2, 3)        # version 1 had 32-bit counts and lengths; llama.cpp no longer reads it
 MAX_DIMS = 4             # GGML_MAX_DIMS
+MAX_TENSORS = 1 << 20    # far beyond any model; a count past these is a corrupt (or hostile) header,
+MAX_KV = 1 << 16         # which would otherwise be walked for minutes
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -51,6 +53,10 @@ _SCALARS = {
 # the special tokens and the token texts; types and merges decide how text becomes those tokens.
 TOKENIZER_ARRAYS = (Keys.Tokenizer.LIST, Keys.Tokenizer.TOKEN_TYPE, Keys.Tokenizer.MERGES)
 SPECIAL_ID = re.compile(r"tokenizer\.ggml\.\w+_token_id")
+
+
+class UnreadableFile(ModelError):
+    """The file could not be read (permissions, I/O): not a fact about its contents."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +157,7 @@ def read_info(path: Path) -> Info:
     except FileNotFoundError:
         raise ModelError(f"model file not found: {path}") from None
     except OSError as e:
-        raise ModelError(f"cannot read model file {path}: {e.strerror}") from None
+        raise UnreadableFile(f"cannot read model file {path}: {e.strerror}") from None
 
 
 def _parse(cur: _Cursor) -> Info:
@@ -182,6 +188,8 @@ def _kv_pairs(cur: _Cursor) -> tuple[int, dict]:
     if version not in VERSIONS:
         raise cur.corrupt(f"GGUF version {version} is not supported (only {' and '.join(map(str, VERSIONS))})")
     n_tensors, n_kv = cur.u64(), cur.u64()
+    if n_tensors > MAX_TENSORS or n_kv > MAX_KV:
+        raise cur.corrupt(f"it claims {n_tensors} tensors and {n_kv} metadata keys")
     kv = {}
     for _ in range(n_kv):
         key = cur.string()

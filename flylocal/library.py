@@ -35,7 +35,7 @@ from typing import Callable, Iterator
 from flylocal import models as registry
 from flylocal.errors import FlylocalError, ModelError
 from flylocal.files import write_atomically
-from flylocal.gguf_info import FORMAT, Info, read_info
+from flylocal.gguf_info import FORMAT, Info, UnreadableFile, read_info
 
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 OLLAMA_HOST = "registry.ollama.ai"
@@ -66,7 +66,11 @@ class LocalModel:
 # ---- where tools keep their models
 
 def _home() -> Path:
-    return Path.home()
+    """The user's home; without one (no HOME and no passwd entry), a path where nothing is."""
+    try:
+        return Path.home()
+    except RuntimeError:
+        return Path(os.devnull) / "no-home"
 
 
 def lmstudio_dirs() -> list[Path]:
@@ -91,7 +95,14 @@ def llama_cache() -> Path:
 
 
 def model_path_dirs() -> list[Path]:
-    return [Path(d).expanduser() for d in os.environ.get("FLYLOCAL_MODEL_PATH", "").split(os.pathsep) if d]
+    dirs = []
+    for d in os.environ.get("FLYLOCAL_MODEL_PATH", "").split(os.pathsep):
+        try:
+            if d:
+                dirs.append(Path(d).expanduser())
+        except RuntimeError:       # ~user of no user: nothing is there
+            continue
+    return dirs
 
 
 # ---- finding files
@@ -168,7 +179,7 @@ def _ollama_blob(root: Path, manifest: Path) -> Path | None:
     if digest is None:
         return None
     algorithm, _, hexdigest = str(digest).partition(":")
-    if not re.fullmatch(r"[0-9a-f]{64}", hexdigest):
+    if algorithm != "sha256" or not re.fullmatch(r"[0-9a-f]{64}", hexdigest):
         raise ModelError(f"ollama manifest {manifest} names the blob {digest!r}")
     return root / "blobs" / f"{algorithm}-{hexdigest}"
 
@@ -193,7 +204,7 @@ def _snapshots(repo_dir: Path) -> list[Path]:
         return []
     try:
         main = (repo_dir / "refs" / "main").read_text().strip()
-    except OSError:
+    except (OSError, ValueError):       # missing, unreadable, or not text
         return snapshots
     return sorted(snapshots, key=lambda p: p.name != main)
 
@@ -261,6 +272,8 @@ def _describe_one(path: Path, cache: dict, parsed: dict) -> Info | ModelError:
         return cached
     try:
         info = read_info(path)
+    except UnreadableFile as e:          # permissions or I/O: may change without a new mtime
+        return e
     except ModelError as e:
         parsed[key] = {**stamp, "error": str(e)}
         return e
@@ -341,7 +354,8 @@ def draft_pairs(target: Candidate, pool: list[Candidate]) -> list[Pair]:
     size = target.info.file_size
     pairs = []
     for c in pool:
-        if not c.info.fingerprint or c.info.file_size >= size or _identity(c.path) == _identity(target.path):
+        if (not c.info.fingerprint or not c.info.parameters or c.info.file_size >= size
+                or _identity(c.path) == _identity(target.path)):      # no weights (a vocabulary alone), or no smaller
             continue
         ratio = c.info.parameters / target.info.parameters if target.info.parameters else 0.0
         pairs.append(Pair(c, ratio, c.info.fingerprint == target.info.fingerprint))

@@ -440,6 +440,10 @@ class Runtime:
         start = n if logits_from is None else logits_from
         if n - start > self.n_batch:
             raise ValueError(f"logits requested for {n - start} rows; at most n_batch={self.n_batch}")
+        rows = n - start
+        steer = self.thread_control is not None and not self._steady and 0 < rows <= CONTROL_ROWS
+        if start and self.thread_control is not None and not self._steady:
+            self._use_threads(self.thread_control.home)     # a prompt never runs on a count on trial
         i = 0
         while i < start:
             j = min(start, i + self.n_batch)
@@ -447,10 +451,10 @@ class Runtime:
             i = j
         if start >= n:
             return None
-        rows = n - start
-        if self.thread_control is None or self._steady or rows > CONTROL_ROWS:
+        if not steer:
             self._decode_chunk(tokens[start:], want_logits=True)
         else:
+            self._use_threads(self.thread_control.current)
             t0 = time.perf_counter()
             self._decode_chunk(tokens[start:], want_logits=True)
             self._steer(rows, time.perf_counter() - t0)
@@ -478,9 +482,12 @@ class Runtime:
     def _steer(self, rows: int, seconds: float) -> None:
         """--threads auto: feed the decode's time to the controller, relative to the cost
         curve's shape for `rows`, and take the thread count it chooses."""
-        want = self.thread_control.observe(seconds / self.costs.shape(rows) if rows > 1 else seconds, seconds)
-        if want != self.n_threads:
-            self.set_threads(want)
+        self._use_threads(self.thread_control.observe(seconds / self.costs.shape(rows) if rows > 1 else seconds,
+                                                      seconds))
+
+    def _use_threads(self, n: int) -> None:
+        if n != self.n_threads:
+            self.set_threads(n)
 
     def set_threads(self, n: int) -> None:
         """Decode on `n` CPU threads from the next decode on (llama_set_n_threads)."""

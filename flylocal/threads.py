@@ -20,6 +20,7 @@ timings (tests feed it made-up ones).
 
 from __future__ import annotations
 
+import math
 import os
 
 PROBES = 5              # decodes measured at a count being tried: their median counts
@@ -72,7 +73,10 @@ class ThreadControl:
 
     def observe(self, step: float, seconds: float) -> int:
         """Fold in one decode: `step` the seconds it took divided by the cost-curve shape of
-        its row count, `seconds` what it took. Returns the count for the next decode."""
+        its row count, `seconds` what it took. Returns the count for the next decode. A timing
+        that is not a positive number (a clock that stood still) is ignored."""
+        if not (step > 0 and math.isfinite(step) and seconds > 0 and math.isfinite(seconds)):
+            return self.current
         self.clock += seconds
         if self.current != self.home:
             self._trial(step)

@@ -419,3 +419,35 @@ def test_generation_runs_on_a_model_another_tool_keeps(real_home, name):
                           capture_output=True, text=True, timeout=300, env=os.environ.copy())
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() and "tok/s" in done.stderr
+
+
+def test_hostile_places_do_not_break_a_listing(tmp_path, monkeypatch):
+    """A HF repo whose refs/main is not text, a FLYLOCAL_MODEL_PATH entry naming no user, an
+    ollama manifest pointing outside the blob store, and a header claiming billions of tensors:
+    each is skipped or listed as unreadable, in one line, and nothing raises."""
+    from flylocal import gguf_info, library
+    from flylocal.errors import ModelError
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("FLYLOCAL_METADATA", str(tmp_path / "meta.json"))
+    for var in ("HF_HUB_CACHE", "HF_HOME", "OLLAMA_MODELS", "LLAMA_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    repo = tmp_path / ".cache" / "huggingface" / "hub" / "models--org--repo"
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_bytes(b"\xff\xfe\x00")
+    manifest = tmp_path / ".ollama" / "models" / "manifests" / "registry.ollama.ai" / "library" / "evil" / "latest"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text('{"layers": [{"mediaType": "application/vnd.ollama.image.model", '
+                        '"digest": "../../etc:' + "0" * 64 + '"}]}')
+    huge = tmp_path / "models" / "huge.gguf"
+    huge.parent.mkdir()
+    huge.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (1 << 40).to_bytes(8, "little") + (1).to_bytes(8, "little"))
+    monkeypatch.setenv("FLYLOCAL_MODEL_PATH", os.pathsep.join(["~no-such-user-flylocal/m", str(huge.parent), ""]))
+    found = {m.name: m for m in library.discover()}
+    assert found["ollama:evil:latest"].problem and "names the blob" in found["ollama:evil:latest"].problem
+    assert "local:huge.gguf" in found
+    with pytest.raises(ModelError, match="claims"):
+        gguf_info.read_info(huge)
+    [result] = library.describe([huge])
+    assert isinstance(result, ModelError) and str(huge) in str(result) and "\n" not in str(result)

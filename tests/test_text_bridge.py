@@ -18,7 +18,7 @@ from flylocal.drafters.text import MAX_SPAN, TextBridge, complete_utf8
 class Table:
     """A vocabulary from a literal list of token texts. Control tokens are written `<...>`."""
 
-    def __init__(self, texts, bos=None, add_bos=False, eog=()):
+    def __init__(self, texts, bos=None, add_bos=False, eog=(), space_prefix=False):
         self.texts = [t.encode() if isinstance(t, str) else t for t in texts]
         self.ids = {t: i for i, t in enumerate(self.texts)}
         self.control = {i for i, t in enumerate(self.texts) if t.startswith(b"<") and len(t) > 1}
@@ -28,6 +28,7 @@ class Table:
         for t in eog:
             self.eog_mask[self.ids[t.encode()]] = True
         self.tokenized = 0                                   # bytes tokenized, to bound the work
+        self.space_prefix = space_prefix                     # SentencePiece's add_space_prefix
         self.longest = max(len(t) for i, t in enumerate(self.texts) if i not in self.control)
 
     def piece(self, t, special=False):
@@ -41,6 +42,8 @@ class Table:
 
     def tokenize(self, data, add_special=False, parse_special=False):
         assert isinstance(data, bytes) and not add_special and not parse_special
+        if self.space_prefix:
+            data = b" " + data
         self.tokenized += len(data)
         out, i = [], 0
         while i < len(data):
@@ -152,7 +155,8 @@ def test_a_proposal_ended_by_the_draft_is_final():
     proposal = bridge.proposal(draft)
     assert proposal.tokens.tolist() == [TARGET.ids[b"ab"], TARGET.ids[b" "], TARGET.ids[b"ca"], TARGET.ids[b"<end>"]]
     assert DRAFT.text(draft[:-1]) == b"ab ca" and len(draft) == 5     # "ab", " ", "c", "a", <end>
-    assert proposal.draft_tokens_within(4) == 4
+    assert proposal.draft_tokens_within(4) == 5                         # the end token too
+    assert proposal.draft_tokens_within(3) == 4
     assert proposal.draft_tokens_within(2) == 2
 
 
@@ -193,3 +197,32 @@ def test_a_checkpoint_is_forced_where_the_vocabularies_never_agree():
     assert draft.text(got[1:]) == text.encode()
     assert len(bridge.checkpoints) > len(ids) // MAX_SPAN // 2
     assert draft.tokenized < len(ids) * 4 * (MAX_SPAN + 8)   # without checkpoints: about len(ids)**2
+
+
+def test_a_tokenizer_that_writes_a_leading_space_gets_none_at_a_seam():
+    """A SentencePiece vocabulary with add_space_prefix puts a space in front of every text it
+    tokenizes: without care, every seam and every proposal would gain a space."""
+    spm_draft = Table(["<d>", *LETTERS, "\n", " ab", "ab", "ca", " c", "abc"], bos="<d>", add_bos=True,
+                      space_prefix=True)
+    spm_target = Table(["<s>", *LETTERS, "\n", " ab", "ab", " c"], bos="<s>", add_bos=True, space_prefix=True)
+    text = "abc abc ab cab " * 12
+    ids = np.asarray([TARGET.bos] + TARGET.encode(text).tolist(), dtype=np.int32)
+    bridge = TextBridge(TARGET, spm_draft)
+    for n in range(2, len(ids) + 1, 3):
+        got = bridge.sync(ids[:n])
+        assert spm_draft.text(got[1:]) == TARGET.text(ids[:n])
+    back = TextBridge(spm_target, DRAFT)
+    back.sync(np.asarray([spm_target.bos, spm_target.ids[b"a"]], dtype=np.int32))
+    proposal = back.proposal(DRAFT.encode("b cab c"))
+    assert spm_target.text(proposal.tokens) == b"b cab"      # no space in front; " c" dropped
+
+
+def test_a_control_token_replaced_by_text_is_re_tokenized_across():
+    """"ab" <end> and then, rolled back, "ab" "c": the seam before <end> is gone, and the draft
+    sees "abc" as a fresh translation would."""
+    bridge = TextBridge(TARGET, DRAFT)
+    first = np.asarray([TARGET.bos, TARGET.ids[b"ab"], TARGET.ids[b"<end>"]], dtype=np.int32)
+    bridge.sync(first)
+    second = np.asarray([TARGET.bos, TARGET.ids[b"ab"], TARGET.ids[b"c"]], dtype=np.int32)
+    assert bridge.sync(second).tolist() == TextBridge(TARGET, DRAFT).sync(second).tolist() \
+        == [DRAFT.bos, DRAFT.ids[b"abc"]]

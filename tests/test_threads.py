@@ -88,6 +88,18 @@ def test_noise_does_not_make_it_oscillate(seed):
     assert control.moves <= 10          # about 60 s of decoding: a move now and then, no flapping
 
 
+def test_timings_that_are_not_positive_numbers_are_ignored():
+    control = ThreadControl(candidates(2), 2)
+    run(control, 2, 0, 200, random.Random(4))
+    state = (control.current, control.home, control.clock, dict(control.speed), control.next_check)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        assert control.observe(bad, bad) == control.current
+        assert control.observe(0.01, bad) == control.current
+    assert (control.current, control.home, control.clock, control.speed, control.next_check) == state
+    used = run(control, 2, 0, 2000, random.Random(5))
+    assert used.count(1) / len(used) < 0.03         # no endless re-checking afterwards
+
+
 def test_a_single_core_has_nothing_to_choose():
     control = ThreadControl(candidates(1), 1)
     used = run(control, 1, 0, 100, random.Random(0))
@@ -122,6 +134,11 @@ def test_the_thread_count_changes_at_run_time_and_the_logits_do_not():
             rt.decode(ids[:-4])
             seen.append(rt.decode(ids[-4:], logits_from=0).copy())
         assert np.array_equal(seen[0], seen[1]) and np.array_equal(seen[0], seen[2])
+        # Calibration holds the count the cost curve is keyed by, and gives the count back after.
+        rt.set_threads(1)
+        with rt.steady_threads():
+            assert llama_cpp.llama_n_threads(rt._ctx) == rt.calibration_threads
+        assert llama_cpp.llama_n_threads(rt._ctx) == 1 == rt.n_threads
     with Runtime(model_path(SMOL), RuntimeConfig(n_ctx=256, n_threads=2)) as fixed:
         assert fixed.thread_control is None
 
@@ -150,15 +167,16 @@ def test_auto_moves_off_a_busy_core():
         with Runtime(model_path(SMOL), RuntimeConfig(n_ctx=1024)) as rt:
             assert rt.n_threads == usable_cores()
             ids, _ = encode_prompt(rt, prompt("chat-focus"), raw=False)
+            control = rt.thread_control
             for _ in range(3):
                 rt.reset()
                 generate_all(build_engine(Settings(drafter="none", max_tokens=48), rt, None), ids)
-                if rt.n_threads < len(cores):
+                if control.home < len(cores):
                     break
-            assert rt.thread_control.moves >= 1
-            assert rt.n_threads < len(cores)
-            assert llama_cpp.llama_n_threads(rt._ctx) == rt.n_threads
-            assert set(rt.thread_control.rates()) >= {rt.n_threads, len(cores)}
+            assert control.moves >= 1
+            assert control.home < len(cores)              # the count in use, not one on trial
+            assert llama_cpp.llama_n_threads(rt._ctx) == rt.n_threads == control.current
+            assert set(control.rates()) >= {control.home, len(cores)}
     finally:
         for p in spin:
             p.kill()

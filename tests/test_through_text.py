@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from conftest import GEMMA_Q8_0, SMOL, prompt
@@ -138,7 +137,7 @@ def test_a_same_vocabulary_pair_can_go_through_text(smol, smol_draft):
     assert pair(smol, smol_draft, "auto", print) is False
     ids = prompt_ids(smol, prompt("typos-short"))
     expected, _, _ = run(smol, smol_draft, ids, "none")
-    tokens, stats, _ = run(smol, smol_draft, ids, "mla", k=6)
+    tokens, stats, trace = run(smol, smol_draft, ids, "mla", k=6)
     assert tokens == expected
     assert stats.accepted > 0
-    assert np.all(np.asarray(tokens) < smol.n_vocab)
+    assert any(row.get("draft_text") for row in trace)      # it did go through text

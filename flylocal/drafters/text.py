@@ -19,6 +19,7 @@ back to the common prefix (`Runtime.reuse_prefix`) in the drafter's own catch-up
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,19 +43,63 @@ def complete_utf8(data: bytes) -> int:
     return len(data)
 
 
+class Tokenizer:
+    """Text to ids in one vocabulary for text that continues other text. A SentencePiece
+    tokenizer with `add_space_prefix` (Llama 2, Mistral) writes a space in front of every text it
+    is given, which would put a space at every seam: there the text is tokenized after a newline
+    and the ids of that newline (and the space) are dropped, so the ids' pieces are the text's
+    bytes again."""
+
+    LEAD = b"\n"
+
+    def __init__(self, vocab):
+        self.vocab = vocab
+        self.lead = 0          # bytes of pieces before the text: 0, or the space and LEAD
+        if self._text(self._raw(b"a")) == b" a":
+            lead = self._raw(self.LEAD + b"a")
+            if self._text(lead) == b" " + self.LEAD + b"a":
+                self.lead = 1 + len(self.LEAD)
+
+    def _raw(self, data: bytes) -> list[int]:
+        return self.vocab.tokenize(data, add_special=False, parse_special=False).tolist()
+
+    def _text(self, ids) -> bytes:
+        return b"".join(self.vocab.piece(int(t)) for t in ids)
+
+    def __call__(self, data: bytes) -> list[int]:
+        if not data:
+            return []
+        if not self.lead:
+            return self._raw(data)
+        ids = self._raw(self.LEAD + data)
+        covered = 0
+        for i, t in enumerate(ids):
+            if covered == self.lead:
+                return ids[i:]
+            covered += len(self.vocab.piece(int(t)))
+            if covered > self.lead:          # the newline merged with the text: no clean cut
+                break
+        ids = self._raw(data)
+        return ids[1:] if ids and self.vocab.piece(int(ids[0])) == b" " else ids
+
+
 @dataclass(frozen=True)
 class Proposal:
     tokens: np.ndarray       # [k'] int32, target ids
     text: str                # the draft text they came from
     draft_ends: np.ndarray   # [n] int64 byte end of each draft token used, in that text
     target_ends: np.ndarray  # [k'] int64 byte end of each target token, in that text
+    ends_with_control: bool = False   # the last of `tokens` is the draft's end token, mapped
 
     def draft_tokens_within(self, accepted: int) -> int:
-        """How many draft tokens lie wholly inside the first `accepted` target tokens' text."""
+        """How many draft tokens lie wholly inside the first `accepted` target tokens' text
+        (the draft's end token counts when its mapped token was accepted)."""
+        accepted = min(accepted, len(self.target_ends))
         if accepted <= 0:
             return 0
-        end = self.target_ends[min(accepted, len(self.target_ends)) - 1]
-        return int(np.searchsorted(self.draft_ends, end, side="right"))
+        end = self.target_ends[accepted - 1]
+        n = int(np.searchsorted(self.draft_ends, end, side="right"))
+        return n + (self.ends_with_control and accepted == len(self.target_ends))
 
 
 class TextBridge:
@@ -72,6 +117,8 @@ class TextBridge:
         self.start = [int(draft.bos)] if draft.add_bos else []
         self.checkpoints = [(0, len(self.start))]    # (target tokens, draft ids) that are final
         self.held = b""                    # an unfinished character at the end, not yet translated
+        self.draft_text = Tokenizer(draft)
+        self.target_text = Tokenizer(target)
         self._units: dict[int, bytes | list[int]] = {}
         self._pieces: dict[int, bytes] = {}           # draft id -> its text
         self._controls: tuple[dict, dict] | None = None   # control texts -> ids: (draft's, target's)
@@ -91,8 +138,7 @@ class TextBridge:
             else:
                 text = target.piece(t, special=True)
                 mapped = self._control_maps()[0].get(text)
-                unit = [mapped] if mapped is not None else \
-                    self.draft.tokenize(text, add_special=False, parse_special=False).tolist()
+                unit = [mapped] if mapped is not None else self.draft_text(text)
             self._units[t] = unit
         return unit
 
@@ -104,7 +150,10 @@ class TextBridge:
         shared = int(differ[0]) if differ.size else n
         if shared == len(self.t_ids) == len(context):
             return self._ids()
-        while self.checkpoints[-1][0] > shared:
+        # A checkpoint at `shared` itself stands only if the old text merely goes on: where a
+        # token there changed (a control token became text), the seam before it may move.
+        last = shared if shared == len(self.t_ids) else shared - 1
+        while len(self.checkpoints) > 1 and self.checkpoints[-1][0] > last:
             self.checkpoints.pop()
         t_mark, d_mark = self.checkpoints[-1]
         del self.d_ids[d_mark - len(self.start):]
@@ -173,9 +222,7 @@ class TextBridge:
             self.checkpoints.append(point)
 
     def _tokenize(self, data: bytes) -> list[int]:
-        if not data:
-            return []
-        return self.draft.tokenize(data, add_special=False, parse_special=False).tolist()
+        return self.draft_text(data)
 
     # ----- draft tokens -> target ids -----
     def proposal(self, draft_tokens: np.ndarray) -> Proposal:
@@ -196,17 +243,17 @@ class TextBridge:
         if self.held:                      # the target is inside a character: nothing lines up
             return Proposal(EMPTY, data.decode("utf-8", "replace"), draft_ends[:0], draft_ends[:0])
         usable = complete_utf8(data)
-        tokens = self.target.tokenize(data[:usable], add_special=False, parse_special=False) \
-            if usable else EMPTY
+        tokens = np.asarray(self.target_text(data[:usable]), dtype=np.int32)
         final = end is not None and usable == len(data)
         if len(tokens) and not final:
             tokens = tokens[:-1]
         target_ends = np.cumsum([len(self.target.piece(int(t))) for t in tokens], dtype=np.int64)
-        if final and end >= 0:
+        mapped = final and end >= 0
+        if mapped:                         # the draft's own end token is proposed too
             tokens = np.append(tokens, end).astype(np.int32)
             target_ends = np.append(target_ends, len(data))
         return Proposal(np.asarray(tokens, dtype=np.int32), data.decode("utf-8", "replace"),
-                        draft_ends, target_ends)
+                        draft_ends, target_ends, mapped)
 
     def _target_control(self, t: int) -> int:
         """The target's control token with the text of draft control token `t`, or -1."""
@@ -246,6 +293,8 @@ class ThroughText:
         if k <= 0:
             return Draft(EMPTY)
         ids = self.bridge.sync(context)
+        if self.bridge.held or not len(ids):          # nothing would line up, or nothing to go on
+            return Draft(EMPTY)
         inner = self.inner.propose(ids, k + 1)        # one more: the trailing token is dropped
         proposal = self.bridge.proposal(inner.tokens)
         self._last = (inner, proposal)
@@ -253,6 +302,12 @@ class ThroughText:
                      text=proposal.text)
 
     def observe(self, draft: Draft, accepted: int) -> None:
-        if self._last is not None:
-            inner, proposal = self._last
-            self.inner.observe(inner, proposal.draft_tokens_within(accepted))
+        """Feedback in draft tokens, over the draft tokens the target was shown: the dropped
+        trailing text, and what lay past k, was never tried and is not counted as rejected."""
+        if self._last is None:
+            return
+        inner, proposal = self._last
+        shown = proposal.draft_tokens_within(len(draft.tokens))
+        tried = dataclasses.replace(inner, tokens=inner.tokens[:shown],
+                                    levels=inner.levels[:shown] if inner.levels is not None else None)
+        self.inner.observe(tried, min(proposal.draft_tokens_within(accepted), shown))
