@@ -29,7 +29,8 @@ MARGIN = 0.3            # another count must be this much faster to move to it: 
                         # matters costs 2-4 times, and counts within 30% of each other are not
                         # worth a move that noise could undo
 CHANGE = 1.4            # the current speed moved by this factor: the load changed, re-check now
-RECHECK = (0.5, 8.0)    # seconds of decoding between re-checks: doubling while the choice stands
+RECHECK = (1.0, 30.0)   # seconds of decoding between re-checks: doubling while the choice stands
+                        # (a trial decode on a loaded core can cost ten ordinary ones)
 RECENT = 5              # the current count's last decodes, compared with a trial's
 
 
@@ -89,8 +90,6 @@ class ThreadControl:
             self.reference = now
         changed = not (self.reference / CHANGE < now < self.reference * CHANGE)
         if (changed or self.clock >= self.next_check) and len(self.counts) > 1:
-            if changed:
-                self.interval = RECHECK[0]
             i = self.counts.index(self.home)
             self.trying = sorted((c for c in self.counts if c != self.home),
                                  key=lambda c: abs(self.counts.index(c) - i))     # nearest first

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from flylocal.threads import ThreadControl, candidates
+from flylocal.threads import RECHECK, ThreadControl, candidates
 
 BASE = 0.02
 STALL = 5.0
@@ -59,7 +59,7 @@ def test_moves_to_fewer_threads_when_rounds_slow_down_and_back_when_they_speed_u
     used = run(control, 2, 0, 2000, rng)            # the load goes away
     assert control.current == 2
     # Back within a re-check period (at most RECHECK[1] seconds of decoding at 1 thread).
-    assert used.index(2) < 8.0 / (BASE / 1) + 10
+    assert used.index(2) < RECHECK[1] / (BASE / 1) + 10
 
 
 def test_an_eight_core_machine_climbs_down_and_up_step_by_step():
