@@ -226,3 +226,27 @@ def test_a_control_token_replaced_by_text_is_re_tokenized_across():
     second = np.asarray([TARGET.bos, TARGET.ids[b"ab"], TARGET.ids[b"c"]], dtype=np.int32)
     assert bridge.sync(second).tolist() == TextBridge(TARGET, DRAFT).sync(second).tolist() \
         == [DRAFT.bos, DRAFT.ids[b"abc"]]
+
+
+def test_a_sync_cut_short_leaves_nothing_stale():
+    """Ctrl-C inside a sync (here: in the draft's tokenizer): the next sync gives what a fresh
+    bridge gives, not the half-translated state."""
+
+    class Interrupting(Table):
+        armed = False
+
+        def tokenize(self, data, add_special=False, parse_special=False):
+            if self.armed:
+                self.armed = False
+                raise KeyboardInterrupt
+            return super().tokenize(data, add_special, parse_special)
+
+    draft = Interrupting(DRAFT.texts, bos="<d>", add_bos=True, eog=["<end>"])
+    bridge = TextBridge(TARGET, draft)
+    ids = target_ids("abc ab cab " * 20)
+    bridge.sync(ids[:100])
+    draft.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        bridge.sync(ids[:150])
+    assert bridge.sync(ids[:150]).tolist() == TextBridge(TARGET, DRAFT).sync(ids[:150]).tolist()
+    assert bridge.sync(ids).tolist() == TextBridge(TARGET, DRAFT).sync(ids).tolist()

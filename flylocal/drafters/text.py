@@ -156,19 +156,21 @@ class TextBridge:
         while len(self.checkpoints) > 1 and self.checkpoints[-1][0] > last:
             self.checkpoints.pop()
         t_mark, d_mark = self.checkpoints[-1]
+        translated = np.array(context, dtype=np.int32)
+        self.t_ids = EMPTY          # until the translation is whole: one cut short (Ctrl-C) starts over
         del self.d_ids[d_mark - len(self.start):]
         self.held = b""
-        self.t_ids = np.array(context, dtype=np.int32)
-        self._translate(t_mark)
+        self._translate(translated, t_mark)
+        self.t_ids = translated
         return self._ids()
 
     def _ids(self) -> np.ndarray:
         return np.asarray(self.start + self.d_ids, dtype=np.int32)
 
-    def _translate(self, t_from: int) -> None:
-        """Append the draft ids of t_ids[t_from:]: plain runs tokenized whole, control units as
+    def _translate(self, ids: np.ndarray, t_from: int) -> None:
+        """Append the draft ids of ids[t_from:]: plain runs tokenized whole, control units as
         they map; checkpoints after every unit and at stable seams inside runs."""
-        ids, i, n = self.t_ids, t_from, len(self.t_ids)
+        i, n = t_from, len(ids)
         while i < n:
             unit = self._unit(int(ids[i]))
             if isinstance(unit, list):
