@@ -391,6 +391,14 @@ def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, human
         prompts = per_group(prompts, per_category)
     notes = []                        # said once every check has passed, so that an error stays one line
     chosen = parse_methods(methods, settings.draft is not None, notes.append)
+    if settings.target_rpc:
+        local = [m for m in chosen if m.startswith("llama-cpp-python")]
+        if local:
+            notes.append(f"--target-rpc: skipping {', '.join(local)} (llama-cpp-python's own generation runs the "
+                         "target here)")
+            chosen = [m for m in chosen if m not in local]
+        if not chosen:
+            raise FlylocalError("no methods left to run")
     out = prepare_out(out_dir)
     if humaneval and not execute:
         notes.append("HumanEval completions will not be run (no pass@1); --execute runs them, see --help")
@@ -416,6 +424,7 @@ def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, human
                        "source": "HumanEval" if humaneval else prompts_path, "prompts": len(prompts),
                        "category": category, "per_category": per_category, "max_tokens": settings.max_tokens, "repeat": repeat,
                        "k": settings.k, "ctx": settings.ctx, "exact": settings.exact, "threads": settings.threads,
+                       "target_rpc": list(settings.target_rpc), "draft_rpc": list(settings.draft_rpc),
                        "methods": chosen, "executed": execute if humaneval else None},
         }
         report, png = write_results(out, results)

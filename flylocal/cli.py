@@ -151,7 +151,8 @@ def stream_generation(generation, target, trace_out, trace_file, as_json) -> Non
 COLORS = {"accepted": "\033[32m", "loose": "\033[33m", "target": ""}
 RESET = "\033[0m"
 CHAT_HELP = f"""commands:
-  /reset              start a new conversation (and empty the ASD budget ledger)
+  /reset              start a new conversation (and empty the ASD budget ledger); a model
+                      whose rpc servers were lost reconnects
   /verifier NAME      switch verifier: {', '.join(VERIFIERS)}
   /drafter NAME       switch drafter: {', '.join(DRAFTERS)} (model and mla need --draft)
   /system TEXT        set the system prompt (starts a new conversation)
@@ -294,8 +295,8 @@ def chat_command(session, line: str) -> bool:
         if name == "/help":
             click.echo(CHAT_HELP, err=True)
         elif name == "/reset":
-            session.reset()
-            note("new conversation")
+            again = session.reset()
+            note("new conversation" + (f"; {' and '.join(again)} reconnected to its rpc servers" if again else ""))
         elif name in ("/verifier", "/drafter"):
             what = name[1:]
             choices = VERIFIERS if what == "verifier" else DRAFTERS
@@ -415,6 +416,32 @@ def serve(host, port, api_key, max_queue, cors_origins, **opts):
             registry.resolve(name, note)
     server.serve(lambda: Session(load(settings, log=note)), settings, host, port, api_key or None, max_queue,
                  cors_origins, note)
+
+
+@cli.command("rpc-server")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on. Anything but loopback needs --allow-remote.")
+@click.option("--port", type=click.IntRange(1, 65535), default=50052, show_default=True, help="Port to listen on.")
+@options("threads", "exact")
+@click.option("--cache", "cache_dir", default=None, metavar="DIR",
+              help="Keep the tensors clients send in DIR, so that a model sent once loads from there next time.")
+@click.option("--allow-remote", is_flag=True,
+              help="Listen on a --host other machines can reach. llama.cpp's RPC protocol has NO authentication "
+                   "and no encryption: anyone who reaches the port can use this machine's devices and memory and "
+                   "see the model. Only on a trusted network.")
+def rpc_server(host, port, threads, exact, cache_dir, allow_remote):
+    """Serve this machine's devices (its GPUs, or its CPU) to another machine's flylocal, which
+    places a model's layers here with --target-rpc HOST:PORT (docs/scale-out.md). It serves
+    one client at a time. Ctrl-C or SIGTERM stops it."""
+    from flylocal import rpc
+    from flylocal.net import check_port, is_loopback
+
+    host = rpc.server_host(host)
+    if not is_loopback(host) and not allow_remote:
+        raise FlylocalError(f"--host {host} is reachable from other machines, and the RPC protocol has no "
+                            "authentication: add --allow-remote to serve there, on a trusted network only")
+    check_port(host, port)
+    rpc.serve(host, port, threads, cache_dir, note)
 
 
 @cli.group()
@@ -563,15 +590,21 @@ def models_path(name):
 @cli.command()
 @click.option("--model", "model", default=None, metavar="NAME|PATH",
               help="Also measure whether this model's logits are batch-invariant in this build.")
-@options("threads", "exact", "recalibrate", "flash_attn")
+@options("threads", "exact", "recalibrate", "flash_attn", "target_rpc", "tensor_split", "rpc_timeout")
 @click.option("--this-build-only", is_flag=True, hidden=True, help="Report only the build this process runs.")
-def doctor(model, threads, exact, recalibrate, flash_attn, this_build_only):
+def doctor(model, threads, exact, recalibrate, flash_attn, target_rpc, tensor_split, rpc_timeout, this_build_only):
     """Print both llama.cpp builds (fast and exact), and check a model in each: batch
     invariance, its decode cost curve (cached; --recalibrate measures it again) and the thread
-    count --threads auto chooses now, with the speed measured at each count it tried."""
+    count --threads auto chooses now, with the speed measured at each count it tried.
+
+    With --target-rpc, the model (--model, or the default target) is placed on those rpc
+    servers: their devices, and the round trip of a decode of 1, 2, 5 and 9 rows through them."""
     from flylocal import doctor as checks
 
-    for line in checks.report(model, threads, flash_attn, recalibrate, this_build_only):
+    if tensor_split and not target_rpc:
+        raise FlylocalError("--tensor-split shares the model among its --target-rpc servers: give --target-rpc")
+    for line in checks.report(model, threads, flash_attn, recalibrate, this_build_only, target_rpc, tensor_split,
+                              rpc_timeout):
         click.echo(line)
 
 

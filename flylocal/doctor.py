@@ -17,7 +17,9 @@ import numpy as np
 
 from flylocal import kernels, models
 from flylocal.adaptive import CALIBRATION_SIZES, timed_decode
+from flylocal.loader import open_model
 from flylocal.runtime import Runtime, RuntimeConfig, build_info
+from flylocal.settings import DEFAULT_TARGET
 
 PROBE_TEXT = (
     "The committee met on Tuesday to review the budget. After a long discussion, the members "
@@ -89,6 +91,8 @@ def thread_choice(rt: Runtime, steps: int = 64) -> str:
     """What --threads auto chooses on this machine now: decode `steps` tokens one at a time, as
     generation does, and report the count chosen and the speed measured at each count tried."""
     control = rt.thread_control
+    if rt.config.rpc:
+        return "threads: the rpc servers' own (flylocal rpc-server --threads)"
     if control is None:
         return f"threads: {rt.n_threads} (as given)"
     ids = rt.tokenize(PROBE_TEXT)
@@ -104,15 +108,40 @@ def thread_choice(rt: Runtime, steps: int = 64) -> str:
             f"{rt.calibration_threads})")
 
 
+def rpc_report(rt: Runtime) -> list[str]:
+    """The devices of the rpc servers holding the model's layers, and what a decode of 1, 2, 5
+    and 9 rows costs through them, network included (the median of 9 after 256 tokens)."""
+    lines = [f"rpc servers: {', '.join(rt.config.rpc)}; devices: "
+             + "; ".join(f"{d.name} ({d.description}, {d.free >> 20} MiB free of {d.total >> 20})" for d in rt.devices)]
+    ids = rt.tokenize(PROBE_TEXT * 12)[:256]
+    rt.reset()
+    rt.decode(ids[:-1])
+    times = {n: float(np.median([timed_decode(rt, int(ids[-1]), n) for _ in range(9)])) for n in RPC_ROWS}
+    rt.reset()
+    lines.append("round trip of a decode through the rpc servers by rows (ms, median of 9): "
+                 + ", ".join(f"{n}: {1000 * t:.1f}" for n, t in times.items()))
+    return lines
+
+
+RPC_ROWS = (1, 2, 5, 9)
+
+
 def model_report(spec: str, threads: int | None = None, flash_attn: str = "auto",
-                 recalibrate: bool = False) -> list[str]:
+                 recalibrate: bool = False, rpc: tuple[str, ...] = (), tensor_split: tuple[float, ...] = (),
+                 rpc_timeout: float = 60.0) -> list[str]:
     path = models.resolve(spec)
-    with Runtime(path, RuntimeConfig(n_ctx=1024, n_threads=threads, flash_attn=flash_attn)) as rt:
+    config = RuntimeConfig(n_ctx=1024, n_threads=threads, flash_attn=flash_attn, rpc=rpc, tensor_split=tensor_split,
+                           rpc_timeout=rpc_timeout)
+    with open_model(path, config) as rt:
+        remote = rpc_report(rt) if rpc else []
         delta, flips, rows = batch_invariance(rt)
         costs, source = cost_curve(rt, recalibrate)
         choice = thread_choice(rt)
+        off = " (off in a CPU build)" if not build_info()["gpu_offload"] else ""
+        if rpc:
+            off = " (off on rpc servers)"
         lines = [f"model: {path} ({rt.description()}, vocab {rt.n_vocab}), flash attention {flash_attn}"
-                 f"{' (off in a CPU build)' if flash_attn == 'auto' and not build_info()['gpu_offload'] else ''}"]
+                 f"{off if flash_attn == 'auto' else ''}"] + remote
     if delta == 0.0:
         lines.append(f"batch-invariant: yes ({rows} positions, single vs batched logits bitwise equal); "
                      "strict output equals plain greedy output token for token")
@@ -127,13 +156,16 @@ def model_report(spec: str, threads: int | None = None, flash_attn: str = "auto"
 
 
 def report(model: str | None, threads: int | None = None, flash_attn: str = "auto", recalibrate: bool = False,
-           this_build_only: bool = False) -> list[str]:
+           this_build_only: bool = False, rpc: tuple[str, ...] = (), tensor_split: tuple[float, ...] = (),
+           rpc_timeout: float = 60.0) -> list[str]:
     """This process's build (and the model in it), then the other build's, from a child
-    process: one process can load only one llama.cpp library."""
+    process: one process can load only one llama.cpp library. With `rpc`, the model is on those
+    servers, which run one build: the other is not checked."""
     lines = build_report()
-    if model:
-        lines += model_report(model, threads, flash_attn, recalibrate)
-    if this_build_only:
+    if model or rpc:
+        lines += model_report(model or DEFAULT_TARGET, threads, flash_attn, recalibrate, rpc, tensor_split,
+                              rpc_timeout)
+    if this_build_only or rpc:
         return lines
     other_exact = kernels.mode() != kernels.EXACT
     argv = [sys.executable, "-m", "flylocal", "doctor", "--this-build-only",

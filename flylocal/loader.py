@@ -39,6 +39,12 @@ class Models:
         corpus = self.corpus.copy() if private and self.corpus is not None else self.corpus
         return build_engine(settings or self.settings, self.target, self.draft, corpus, verifier, self.through_text)
 
+    def reconnect(self) -> list[str]:
+        """Start again the models whose rpc servers were lost (flylocal.remote), once they
+        answer; the names of those reconnected. FlylocalError when a server still does not."""
+        return [rt.name for rt in (self.target, self.draft)
+                if rt is not None and hasattr(rt, "reconnect") and rt.reconnect()]
+
     def close(self):
         for rt in (self.draft, self.target):
             if rt is not None:
@@ -52,6 +58,14 @@ def check(settings: Settings) -> None:
         raise FlylocalError(f"--k {k} verifies {k + 1} rows per round; --batch-size must be at least {k + 1}")
     if settings.drafter_name in ("model", "mla") and not settings.draft:
         raise FlylocalError(f"--drafter {settings.drafter_name} needs a draft model (--draft NAME|PATH)")
+    if settings.draft_rpc and not settings.draft:
+        raise FlylocalError("--draft-rpc places a draft model: give --draft NAME|PATH")
+    shared = set(settings.target_rpc) & set(settings.draft_rpc)
+    if shared:
+        raise FlylocalError(f"rpc server {sorted(shared)[0]} is given for both the target and the draft; a server "
+                            "serves one client at a time: run another rpc-server for the draft, or draft locally")
+    if settings.tensor_split and not settings.target_rpc:
+        raise FlylocalError("--tensor-split shares the target among its --target-rpc servers: give --target-rpc")
 
 
 def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Models:
@@ -59,17 +73,16 @@ def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Mod
     check(settings)
     target_path = models.resolve(settings.target, log)
     draft_path = models.resolve(settings.draft, log) if settings.draft else None
-    from flylocal.runtime import Runtime, gpu_offload     # llama.cpp, once the files are known good
+    from flylocal.runtime import gpu_offload     # llama.cpp, once the files are known good
 
-    rconf = runtime_config(settings)
-    if settings.gpu_layers and not gpu_offload():
+    if settings.gpu_layers and not gpu_offload() and not settings.target_rpc:
         log("this llama.cpp build has no GPU backend: --gpu-layers is ignored")
-    target = Runtime(target_path, rconf)
+    target = open_model(target_path, runtime_config(settings, settings.target_rpc, settings.tensor_split))
     draft = None
     through_text = False
     try:
         if draft_path is not None:     # loaded even for pld/none, so chat can switch to it
-            draft = Runtime(draft_path, rconf)
+            draft = open_model(draft_path, runtime_config(settings, settings.draft_rpc))
             through_text = pair(target, draft, settings.draft_vocab, log)
         corpus = read_corpus(settings.lookup_corpus, target)
     except BaseException:
@@ -98,12 +111,25 @@ def pair(target: Runtime, draft: Runtime, mode: str, log: Callable[[str], None])
     return False
 
 
-def runtime_config(settings: Settings) -> RuntimeConfig:
+def runtime_config(settings: Settings, rpc: tuple[str, ...] = (), tensor_split: tuple[float, ...] = ()) -> RuntimeConfig:
+    """A model's llama.cpp settings; `rpc`: the servers that hold its layers."""
     from flylocal.runtime import RuntimeConfig
 
     return RuntimeConfig(n_ctx=settings.ctx, n_batch=settings.batch_size, n_threads=settings.threads,
                          n_gpu_layers=999 if settings.gpu_layers == -1 else settings.gpu_layers,
-                         flash_attn=settings.flash_attn)
+                         flash_attn=settings.flash_attn, rpc=rpc, tensor_split=tensor_split,
+                         rpc_timeout=settings.rpc_timeout)
+
+
+def open_model(path, config: RuntimeConfig) -> Runtime:
+    """A loaded model: here, or on rpc servers through a worker process (flylocal.remote)."""
+    if config.rpc:
+        from flylocal.remote import RemoteRuntime
+
+        return RemoteRuntime(path, config)
+    from flylocal.runtime import Runtime
+
+    return Runtime(path, config)
 
 
 CORPUS_LIMIT = 64 << 20     # bytes of --lookup-corpus text

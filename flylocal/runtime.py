@@ -115,23 +115,120 @@ class RuntimeConfig:
     n_batch: int = 512
     n_threads: int | None = None   # None: auto (flylocal.threads); 0: all cores; N: N threads
     n_gpu_layers: int = 0
+    # The model's layers on these llama.cpp rpc servers ("HOST:PORT"), split by `tensor_split`
+    # (proportions per remote device; empty: llama.cpp's split by free memory). Such a model
+    # runs in a worker process (flylocal.remote), since ggml aborts its process when a server
+    # goes away; `rpc_timeout` bounds how long one call may wait for them (docs/scale-out.md).
+    rpc: tuple[str, ...] = ()
+    tensor_split: tuple[float, ...] = ()
+    rpc_timeout: float = 60.0
     # "auto": off in a CPU-only build, where llama.cpp's CPU flash-attention kernel gives a
     # position other logits in a batch than alone once the cache passes 256 cells (measured:
     # |delta| up to 1.0), which breaks strict == greedy; llama.cpp's own choice on a GPU.
     flash_attn: str = "auto"
 
 
-def _flash_attn_type(mode: str) -> int:
+def _flash_attn_type(mode: str, remote: bool = False) -> int:
+    """auto: off on CPUs, and on rpc servers, whose device types the protocol does not tell
+    (their CPU kernel would be no more batch-invariant than a local one)."""
     if mode == "on":
         return llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-    if mode == "off" or not llama_cpp.llama_supports_gpu_offload():
+    if mode == "off" or remote or not gpu_offload():
         return llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     return llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
 
 
+# ggml's device API, reached through the loaded libllama (which links ggml, and its RPC
+# backend in a build made with -DGGML_RPC=ON), so it is always the build this process chose.
+_GGML: dict = {}
+DEVICE_CPU, DEVICE_GPU, DEVICE_IGPU = 0, 1, 2
+
+
+def _ggml(name: str, restype, *argtypes):
+    if name not in _GGML:
+        fn = getattr(llama_cpp.llama_cpp._lib, name)
+        fn.restype, fn.argtypes = restype, list(argtypes)
+        _GGML[name] = fn
+    return _GGML[name]
+
+
 def gpu_offload() -> bool:
-    """Whether this llama.cpp build has a GPU backend (HIP, CUDA, Metal, ...)."""
-    return bool(llama_cpp.llama_supports_gpu_offload())
+    """Whether this llama.cpp build has a local GPU backend (HIP, CUDA, Metal, ...). Not
+    llama_supports_gpu_offload(), which also says yes for a CPU build with the RPC backend."""
+    by_type = _ggml("ggml_backend_dev_by_type", ctypes.c_void_p, ctypes.c_int)
+    return bool(by_type(DEVICE_GPU) or by_type(DEVICE_IGPU))
+
+
+@dataclass(frozen=True)
+class Device:
+    """A ggml device: its handle, name, description and memory (bytes)."""
+
+    handle: int
+    name: str
+    description: str
+    free: int
+    total: int
+
+
+def _device(handle: int) -> Device:
+    name = _ggml("ggml_backend_dev_name", ctypes.c_char_p, ctypes.c_void_p)(handle) or b""
+    desc = _ggml("ggml_backend_dev_description", ctypes.c_char_p, ctypes.c_void_p)(handle) or b""
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    _ggml("ggml_backend_dev_memory", None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+          ctypes.POINTER(ctypes.c_size_t))(handle, ctypes.byref(free), ctypes.byref(total))
+    return Device(handle, name.decode("utf-8", "replace"), desc.decode("utf-8", "replace"), free.value, total.value)
+
+
+def _rpc_reg() -> int:
+    reg = _ggml("ggml_backend_reg_by_name", ctypes.c_void_p, ctypes.c_char_p)(b"RPC")
+    if not reg:
+        raise FlylocalError("this llama.cpp build has no RPC backend; run scripts/setup.sh again "
+                            "(it builds with -DGGML_RPC=ON)")
+    return reg
+
+
+def _rpc_proc(name: str, prototype):
+    address = _ggml("ggml_backend_reg_get_proc_address", ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_char_p)(_rpc_reg(), name.encode())
+    if not address:
+        raise FlylocalError(f"this llama.cpp build's RPC backend has no {name}")
+    return prototype(address)
+
+
+def rpc_devices(endpoints) -> list[Device]:
+    """The devices the rpc servers at `endpoints` ("HOST:PORT") serve, in order, for this
+    process's models (not registered for llama.cpp's automatic placement). ggml aborts the
+    process when a server cannot be reached: call this in a worker (flylocal.remote), after
+    checking each server answers (flylocal.rpc.hello)."""
+    add_server = _rpc_proc("ggml_backend_rpc_add_server", ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p))
+    count = _ggml("ggml_backend_reg_dev_count", ctypes.c_size_t, ctypes.c_void_p)
+    get = _ggml("ggml_backend_reg_dev_get", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    devices = []
+    for endpoint in endpoints:
+        reg = add_server(endpoint.encode())
+        if not reg:
+            raise FlylocalError(f"the rpc server {endpoint} has no devices")
+        devices += [_device(get(reg, i)) for i in range(count(reg))]
+    return devices
+
+
+def local_devices() -> list[Device]:
+    """What `flylocal rpc-server` serves: this machine's GPUs, or its CPU where it has none."""
+    n = _ggml("ggml_backend_dev_count", ctypes.c_size_t)()
+    get = _ggml("ggml_backend_dev_get", ctypes.c_void_p, ctypes.c_size_t)
+    kind = _ggml("ggml_backend_dev_type", ctypes.c_int, ctypes.c_void_p)
+    handles = [get(i) for i in range(n)]
+    gpus = [h for h in handles if kind(h) in (DEVICE_GPU, DEVICE_IGPU)]
+    return [_device(h) for h in (gpus or [h for h in handles if kind(h) == DEVICE_CPU][:1])]
+
+
+def serve_rpc(endpoint: str, cache_dir: str | None, threads: int, devices: list[Device]) -> None:
+    """ggml's rpc server for `devices` at `endpoint`: serves one client at a time, forever."""
+    start = _rpc_proc("ggml_backend_rpc_start_server",
+                      ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
+                                       ctypes.POINTER(ctypes.c_void_p)))
+    handles = (ctypes.c_void_p * len(devices))(*[d.handle for d in devices])
+    start(endpoint.encode(), os.fsencode(cache_dir) if cache_dir else None, threads, len(devices), handles)
 
 
 def default_threads() -> int:
@@ -145,13 +242,33 @@ class Runtime:
     """A loaded model with one context (sequence 0) and its KV bookkeeping."""
 
     def __init__(self, path: str | os.PathLike, config: RuntimeConfig = RuntimeConfig()):
+        self._load_model(path, config)
+        self._create_context()
+        self._init_state()
+
+    def _load_model(self, path, config: RuntimeConfig, vocab_only: bool = False) -> None:
+        """The model (or its vocabulary alone), with its layers on the rpc servers of `config`."""
         self.path = Path(path)
         self.name = self.path.name
         self.config = config
+        self.devices: list[Device] = []       # the remote devices holding its layers
         check_gguf_file(self.path)
 
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = config.n_gpu_layers
+        mparams.vocab_only = vocab_only
+        if config.rpc and not vocab_only:
+            self.devices = rpc_devices(config.rpc)
+            if len(config.tensor_split) > len(self.devices):
+                raise FlylocalError(f"--tensor-split gives {len(config.tensor_split)} proportions for the "
+                                    f"{len(self.devices)} devices of {', '.join(config.rpc)}")
+            # A NULL-terminated device array, and the split, kept alive with the model.
+            self._device_array = (ctypes.c_void_p * (len(self.devices) + 1))(*[d.handle for d in self.devices], None)
+            mparams.devices = ctypes.addressof(self._device_array)
+            mparams.n_gpu_layers = config.n_gpu_layers or 999     # every layer on the servers
+            if config.tensor_split:
+                self._split = (ctypes.c_float * llama_cpp.llama_max_devices())(*config.tensor_split)
+                mparams.tensor_split = self._split
         _clear_log()
         with interrupts_deferred():
             self._model = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), mparams)
@@ -160,6 +277,8 @@ class Runtime:
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
 
+    def _create_context(self) -> None:
+        config = self.config
         threads = config.n_threads or default_threads()
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = config.n_ctx
@@ -172,7 +291,7 @@ class Runtime:
         # never needs a position the window already evicted (Gemma 3).
         cparams.swa_full = True
         cparams.no_perf = True
-        cparams.flash_attn_type = _flash_attn_type(config.flash_attn)
+        cparams.flash_attn_type = _flash_attn_type(config.flash_attn, remote=bool(config.rpc))
         with interrupts_deferred():
             self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
         if not self._ctx:
@@ -183,6 +302,7 @@ class Runtime:
         # llama.cpp may round the context up (padding); the user's size is the limit.
         self.n_ctx = min(config.n_ctx, llama_cpp.llama_n_ctx(self._ctx))
         self.n_batch = llama_cpp.llama_n_batch(self._ctx)
+        self.n_threads = threads
 
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         n = self.n_batch
@@ -193,6 +313,9 @@ class Runtime:
         for i in range(n):
             self._batch.seq_id[i][0] = 0
 
+    def _init_state(self, threads_auto: bool = True) -> None:
+        """The bookkeeping of the cache, the thread control and the vocabulary tables."""
+        config, threads = self.config, self.n_threads
         self._tokens = np.zeros(self.n_ctx, dtype=np.int32)  # [n_ctx] ids held in the KV cache
         # `n_past` never exceeds what the cache holds. Where an exception (Ctrl-C) can land
         # between a change to the cache and the record of it, `_unsynced` is set first, and
@@ -200,9 +323,9 @@ class Runtime:
         self.n_past = 0
         self._unsynced = False
         self._specials = None   # control-token texts, found lazily for chat templates
-        self.n_threads = threads
         # --threads auto: start on every core, then follow how fast decodes run (flylocal.threads).
-        self.thread_control = ThreadControl(candidates(threads), threads) if config.n_threads is None else None
+        self.thread_control = (ThreadControl(candidates(threads), threads)
+                               if config.n_threads is None and threads_auto else None)
         self._steady = 0       # > 0: thread count held (calibration measures one count)
         self.calibration_threads = threads
         # What a decode of n rows costs here, shared by everything that drafts for this model;
@@ -228,7 +351,7 @@ class Runtime:
             "system": hashlib.sha256(system.encode()).hexdigest()[:16],
             "gpu_layers": self.config.n_gpu_layers if gpu_offload() else 0,
             "flash_attn": self.config.flash_attn, "threads": self.calibration_threads, "batch": self.n_batch,
-        }
+        } | ({"rpc": list(self.config.rpc), "tensor_split": list(self.config.tensor_split)} if self.config.rpc else {})
 
     def close(self) -> None:
         """Free the context and the model. Any later use raises instead of touching freed memory.
@@ -576,7 +699,7 @@ def quantize(src: Path, dst: Path, qtype: str, threads: int = 0) -> None:
 def build_info() -> dict:
     """What this llama-cpp-python build is: version, backend and CPU flags."""
     system = llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip()
-    gpu = bool(llama_cpp.llama_supports_gpu_offload())
+    gpu = gpu_offload()
     return {
         "llama_cpp_python": llama_cpp.__version__,
         "kernels": KERNELS,

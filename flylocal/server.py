@@ -14,10 +14,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import hmac
-import ipaddress
 import json
 import signal
-import socket
 import threading
 import time
 import uuid
@@ -33,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_serializer, f
 
 from flylocal.errors import FlylocalError
 from flylocal.loader import check
+from flylocal.net import check_port, is_loopback
 from flylocal.session import Session, TextStream
 from flylocal.settings import OPTIONS, Settings
 
@@ -365,6 +364,7 @@ class Worker:
 
     def _generate(self, job: Job) -> None:
         session = self.session
+        session.models.reconnect()       # a model whose rpc servers were lost: once they answer again
         gen = session.request(job.ids, job.settings)
         text = TextStream(session.target)
         stops = StopStrings(job.stops)
@@ -437,15 +437,6 @@ class Metrics:
 
 
 # ----- the application -----
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
 
 def usage(prompt_tokens: int, completion_tokens: int, stats, settings: Settings, reason: str) -> Usage:
     return Usage(
@@ -741,20 +732,5 @@ def serve(load: Callable[[], Session], settings: Settings, host: str, port: int,
     if failure:
         e = failure[0]
         raise e if isinstance(e, FlylocalError) else FlylocalError(f"cannot load the models: {e}")
-
-
-def check_port(host: str, port: int) -> None:
-    """One line, before anything loads, when the address cannot be listened on."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        raise FlylocalError(f"--host {host}: {e.strerror}") from None
-    family, _, _, _, address = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(address)
-        except OSError as e:
-            raise FlylocalError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 

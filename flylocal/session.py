@@ -92,13 +92,16 @@ class Session:
         self.settings = dataclasses.replace(self.settings, **{k: v for k, v in changes.items() if v is not None})
         self._engine = None
 
-    def reset(self) -> None:
-        """A new conversation: history cleared, ASD ledger emptied (the caches are reused)."""
+    def reset(self) -> list[str]:
+        """A new conversation: history cleared, ASD ledger emptied (the caches are reused), and
+        models whose rpc servers were lost started again; their names. FlylocalError, after the
+        rest, when such a server still does not answer."""
         self.messages.clear()
         for v in self._verifiers.values():
             reset = getattr(v, "reset", None)
             if reset:
                 reset()
+        return self.models.reconnect()
 
     # ----- turns -----
     def encode(self, messages: list[dict]):

@@ -38,6 +38,10 @@ class Settings:
     target: str = DEFAULT_TARGET
     draft: str | None = None
     draft_vocab: str = "auto"         # same | translate | auto: a draft of another vocabulary drafts through text
+    target_rpc: tuple[str, ...] = ()  # rpc servers ("HOST:PORT") holding the target's layers (docs/scale-out.md)
+    draft_rpc: tuple[str, ...] = ()   # ... and the draft's
+    tensor_split: tuple[float, ...] = ()   # the target's split across its servers' devices (empty: by free memory)
+    rpc_timeout: float = 60.0         # seconds one decode (per --batch-size tokens) may wait for rpc servers
     drafter: str | None = None        # None: mla with a draft, pld without
     verifier: str = "fly"
     k: int | None = None              # None: adaptive up to DEFAULT_K for drafters that adapt
@@ -122,6 +126,42 @@ class Threads(click.ParamType):
         return n
 
 
+class Endpoints(click.ParamType):
+    """`HOST:PORT[,HOST:PORT...]`: llama.cpp rpc servers."""
+
+    name = "HOST:PORT[,...]"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        from flylocal.errors import FlylocalError
+        from flylocal.rpc import parse_endpoints
+
+        try:
+            return parse_endpoints(value)
+        except FlylocalError as e:
+            self.fail(str(e), param, ctx)
+
+
+class Proportions(click.ParamType):
+    """`P[,P...]`: non-negative proportions, not all zero."""
+
+    name = "P[,P...]"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            parts = tuple(float(p) for p in value.split(","))
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of numbers, such as 3,1.", param, ctx)
+        if any(not math.isfinite(p) or p < 0 for p in parts) or not any(parts):
+            self.fail(f"{value!r}: proportions are finite numbers >= 0, not all 0.", param, ctx)
+        if len(parts) > 16:
+            self.fail(f"{value!r}: at most 16 proportions (llama.cpp's limit on devices).", param, ctx)
+        return parts
+
+
 def _check_threads(ctx, param, value):
     """More threads than usable cores only makes threads wait."""
     if value is not None and value > cpu_count():
@@ -169,7 +209,7 @@ class Option:
         if self.is_flag:
             return click.option(*self.flags, self.name, is_flag=True, callback=self.callback, help=self.help)
         return click.option(*self.flags, self.name, type=self.type, default=self.default,
-                            show_default=self.default is not None, metavar=self.metavar,
+                            show_default=self.default not in (None, ()), metavar=self.metavar,
                             callback=self.callback, help=self.help)
 
 
@@ -185,6 +225,18 @@ OPTIONS = {o.name: o for o in [
            "is tokenized for the target) and says so; same refuses such a draft; translate goes through text "
            "even when the vocabularies agree. Verification is on target tokens either way.",
            type=click.Choice(["auto", "same", "translate"])),
+    # placement
+    Option("target_rpc", ("--target-rpc",),
+           "Put the target's layers on these llama.cpp rpc servers (flylocal rpc-server on other machines); "
+           "only a round's rows cross the network. See docs/scale-out.md.", type=Endpoints(), metavar="HOST:PORT[,...]"),
+    Option("draft_rpc", ("--draft-rpc",), "Put the draft model's layers on these rpc servers (not the target's: "
+           "a server serves one client at a time).", type=Endpoints(), metavar="HOST:PORT[,...]"),
+    Option("tensor_split", ("--tensor-split",),
+           "How the target's layers are shared among the --target-rpc servers' devices, in order, as proportions "
+           "(3,1: three quarters on the first). Default: by their free memory.", type=Proportions(), metavar="P[,P...]"),
+    Option("rpc_timeout", ("--rpc-timeout",),
+           "Seconds a decode (per --batch-size tokens) may wait for rpc servers before they count as lost.",
+           type=Number(min=1.0, max=86400.0)),
     # methods
     Option("drafter", ("--drafter",), "Where drafts come from. Default: mla with --draft, pld without.",
            type=click.Choice(DRAFTERS)),
@@ -271,7 +323,7 @@ OPTIONS = {o.name: o for o in [
            type=click.IntRange(min=0, max=2**32 - 1), to="sampling"),
 ]}
 
-MODEL = ("target", "draft", "draft_vocab")
+MODEL = ("target", "draft", "draft_vocab", "target_rpc", "draft_rpc", "tensor_split", "rpc_timeout")
 METHOD = ("drafter", "verifier")
 DRAFTING = ("k", "draft_p_min", "lookup_corpus", "pld_ngram", "pld_tokens", "max_tokens")
 LLAMA = ("ctx", "batch_size", "gpu_layers", "flash_attn", "threads", "exact", "recalibrate")

