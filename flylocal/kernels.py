@@ -82,6 +82,15 @@ def activate() -> str:
         os.environ["LLAMA_CPP_LIB_PATH"] = str(lib)
     elif "LLAMA_CPP_LIB_PATH" in os.environ and os.environ["LLAMA_CPP_LIB_PATH"] == str(exact_lib_dir()):
         del os.environ["LLAMA_CPP_LIB_PATH"]      # inherited from an exact parent process
+    # llama-cpp-python reads LLAMA_CPP_LIB_PATH once, when llama_cpp is first imported: an
+    # earlier `import llama_cpp` has already loaded some build, whatever was chosen here.
+    early = sys.modules.get("llama_cpp.llama_cpp")
+    if early is not None:
+        name = getattr(getattr(early, "_lib", None), "_name", None) or ""
+        found = EXACT if Path(name).resolve().parent == exact_lib_dir().resolve() else FAST
+        if found != chosen:
+            raise FlylocalError(f"llama_cpp was imported before flylocal.runtime and loaded the {found} "
+                                f"build ({name}); the {chosen} build needs flylocal.runtime imported first")
     _loaded = chosen
     return chosen
 

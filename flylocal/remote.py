@@ -32,7 +32,7 @@ import numpy as np
 
 from flylocal import kernels, rpc
 from flylocal.errors import FlylocalError
-from flylocal.runtime import Device, Runtime, RuntimeConfig
+from flylocal.runtime import Device, Runtime, RuntimeConfig, interrupts_deferred
 
 FIRST_ROWS = 16        # logits rows the shared buffer holds at first; it doubles as needed
 POLL = 0.2             # seconds between checks that the worker is alive, while waiting
@@ -44,6 +44,7 @@ class RemoteRuntime(Runtime):
 
     def __init__(self, path, config: RuntimeConfig):
         self._worker = None
+        self._ctx = None                    # no llama.cpp context here: it is the worker's
         self._lost: str | None = None       # why the worker is gone, until reconnect()
         rpc.check_servers(config.rpc)       # one line naming a server that does not answer, in seconds
         self._load_model(path, config, vocab_only=True)
@@ -82,7 +83,6 @@ class RemoteRuntime(Runtime):
             raise FlylocalError(reply[1])
         _, self.n_ctx, self.n_batch, devices, self._description = reply
         self.devices = [Device(*d) for d in devices]
-        self._ctx = self._worker             # open while the worker is
         self._grow(FIRST_ROWS)
 
     def _grow(self, rows: int) -> None:
@@ -111,12 +111,14 @@ class RemoteRuntime(Runtime):
     def _call(self, message, limit: float | None):
         if self._lost:
             raise FlylocalError(self._lost)
-        self._check_open()
+        if self._worker is None:
+            raise FlylocalError(f"{self.name} was already closed")
         while self._pending:                 # a reply owed to a call Ctrl-C cut short
             self._reply(limit)
             self._pending -= 1
-        self._conn.send(message)
-        self._pending += 1
+        with interrupts_deferred():          # a message is sent whole, and counted
+            self._conn.send(message)
+            self._pending += 1
         reply = self._reply(limit)
         self._pending -= 1
         if reply[0] == "error":
@@ -133,8 +135,8 @@ class RemoteRuntime(Runtime):
             what = f"lost rpc server{'s' * (len(silent) > 1)} {gone}, which held {self.name}"
         else:
             what = f"lost {self.name} on rpc servers {', '.join(self.config.rpc)} ({log or what})"
-        self._lost = (f"{what}: its context is gone; once the server answers again, /reset in chat (or a new run) "
-                      "reconnects")
+        self._lost = (f"{what}: its context is gone; once the server answers again, /reset in chat, the next "
+                      "request to flylocal serve or a new run reconnects")
         self.n_past = 0
         raise FlylocalError(self._lost)
 
@@ -147,7 +149,7 @@ class RemoteRuntime(Runtime):
         return lines[-1] if lines else ""
 
     def _stop(self) -> None:
-        worker, self._worker, self._ctx = self._worker, None, None
+        worker, self._worker = self._worker, None
         if worker is None:
             return
         try:
@@ -174,15 +176,14 @@ class RemoteRuntime(Runtime):
     def lost(self) -> str | None:
         return self._lost
 
-    # ----- the Runtime interface -----
+    # ----- the Runtime interface: text from the vocabulary here, decodes in the worker -----
     def _check_open(self) -> None:
-        if self._lost:
-            raise FlylocalError(self._lost)
-        super()._check_open()
+        if getattr(self, "_model", None) is None:
+            raise FlylocalError(f"{self.name} was already closed")
 
     @property
     def closed(self) -> bool:
-        return self._worker is None and self._lost is None
+        return getattr(self, "_model", None) is None
 
     def description(self) -> str:
         return getattr(self, "_description", "")
@@ -216,7 +217,6 @@ class RemoteRuntime(Runtime):
         self.n_past = min(self.n_past, n_keep)
 
     def reset(self) -> None:
-        self._check_open()
         self.n_past = 0
 
     def set_threads(self, n: int) -> None:

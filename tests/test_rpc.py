@@ -163,6 +163,12 @@ def test_a_port_in_use_is_one_line():
 
 # ----- real servers -----
 
+# One thread per server: on a 2-core machine the server, the worker and the test's own models
+# take turns, and a server's threads spinning at a barrier while another process holds the
+# core would only slow every call. Logits do not depend on the thread count.
+SERVER_ARGS = ("--threads", "1")
+
+
 @contextlib.contextmanager
 def rpc_servers(n: int, *extra: str):
     """`n` flylocal rpc-server processes on free loopback ports: [(process, endpoint)]."""
@@ -172,7 +178,7 @@ def rpc_servers(n: int, *extra: str):
             endpoint = f"127.0.0.1:{free_port()}"
             log = tempfile.TemporaryFile()
             proc = subprocess.Popen([sys.executable, "-m", "flylocal", "rpc-server", "--port",
-                                     endpoint.split(":")[1], *extra], stdin=subprocess.DEVNULL,
+                                     endpoint.split(":")[1], *SERVER_ARGS, *extra], stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=log)
             servers.append((proc, endpoint, log))
         for proc, endpoint, log in servers:
@@ -294,7 +300,7 @@ def test_a_lost_server_leaves_the_draft_consistent_and_reconnects(smol):
 
             port = endpoint.split(":")[1]
             log = tempfile.TemporaryFile()
-            again = subprocess.Popen([sys.executable, "-m", "flylocal", "rpc-server", "--port", port],
+            again = subprocess.Popen([sys.executable, "-m", "flylocal", "rpc-server", "--port", port, *SERVER_ARGS],
                                      stdout=subprocess.DEVNULL, stderr=log)
             try:
                 wait_ready(again, endpoint, log)
@@ -367,7 +373,7 @@ def test_chat_goes_on_with_reset_once_the_server_is_back():
 
     def start():
         log = tempfile.TemporaryFile()
-        proc = subprocess.Popen([sys.executable, "-m", "flylocal", "rpc-server", "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, "-m", "flylocal", "rpc-server", "--port", str(port), *SERVER_ARGS],
                                 stdout=subprocess.DEVNULL, stderr=log)
         wait_ready(proc, endpoint, log)
         return proc
@@ -425,3 +431,56 @@ def test_doctor_reports_the_remote_devices_and_round_trips():
     trip = next(line for line in lines if line.startswith("round trip of a decode"))
     assert all(f"{n}: " in trip for n in (1, 2, 5, 9))
     assert any(line.startswith("decode cost by rows") for line in lines)
+
+
+@pytest.mark.slow
+def test_an_interrupted_call_leaves_nothing_stale(smol):
+    """Ctrl-C while a decode is on its way: the reply it is owed is read before the next call,
+    and the next generation gives what a fresh one does."""
+    from flylocal.loader import encode_prompt
+
+    ids, _ = encode_prompt(smol, PROMPTS["copy"], raw=False)
+    expected, _ = strict_run(smol, "none", ids, 0)
+    with rpc_servers(1) as servers, remote([e for _, e in servers]) as target:
+        original, calls = target._reply, []
+
+        def interrupted(limit):
+            calls.append(limit)
+            if len(calls) == 6:
+                raise KeyboardInterrupt
+            return original(limit)
+
+        target._reply = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            strict_run(target, "pld", ids, 8)
+        target._reply = original
+        assert target._pending == 1
+        assert strict_run(target, "pld", ids, 8)[0] == expected
+        assert target._pending == 0
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_quietly_and_leaves_no_worker():
+    with rpc_servers(1) as servers:
+        (_, endpoint), = servers
+        gen = subprocess.Popen([sys.executable, "-m", "flylocal", "generate", "--target-rpc", endpoint, "--raw",
+                                "--max-tokens", "1500", "--ctx", "2048", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert gen.stdout.read(8)
+        workers = subprocess.run(["pgrep", "-f", "flylocal.remote"], capture_output=True, text=True).stdout.split()
+        assert workers
+        gen.send_signal(signal.SIGINT)
+        _, err = gen.communicate(timeout=60)
+        assert gen.returncode == 130 and "Traceback" not in err.decode()
+
+        def worker_alive(pid):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    return b"flylocal.remote" in f.read()
+            except OSError:
+                return False
+
+        deadline = time.monotonic() + 5
+        while any(map(worker_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(worker_alive, workers))

@@ -193,3 +193,22 @@ def test_interrupt_right_after_a_decode_leaves_a_consistent_cache(smol, monkeypa
         smol.truncate(keep)                                       # nothing to roll back, it believes
         got = smol.decode(ids[keep:], logits_from=len(ids) - keep - 1)[0]
         assert np.array_equal(got, expected)
+
+
+@pytest.mark.slow
+def test_llama_cpp_imported_first_cannot_pass_for_the_exact_build():
+    """llama-cpp-python loads its library when first imported: an `import llama_cpp` before
+    flylocal.runtime would run the fast build under the name exact. It is refused instead,
+    and the right order loads the exact libraries."""
+    import subprocess
+    import sys
+
+    env = dict(__import__("os").environ, FLYLOCAL_EXACT="1")
+    env.pop("LLAMA_CPP_LIB_PATH", None)
+    early = subprocess.run([sys.executable, "-c", "import llama_cpp, flylocal.runtime"], env=env,
+                           capture_output=True, text=True)
+    assert early.returncode != 0 and "imported before flylocal.runtime and loaded the fast build" in early.stderr
+    right = subprocess.run([sys.executable, "-c", "import flylocal.runtime as r, llama_cpp; "
+                            "print(r.KERNELS, llama_cpp.llama_cpp._lib._name)"], env=env, capture_output=True, text=True)
+    kernels, lib = right.stdout.split()
+    assert kernels == "exact" and "flylocal-exact" in lib

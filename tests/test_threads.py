@@ -117,11 +117,12 @@ SPIN = "import os, sys, time\nos.sched_setaffinity(0, {int(sys.argv[1])})\nend =
 def test_the_thread_count_changes_at_run_time_and_the_logits_do_not():
     """The context's own thread count follows set_threads, and a position's logits are the same
     on any count: auto can move without changing a token."""
-    import llama_cpp
     import numpy as np
 
     from conftest import SMOL, model_path
-    from flylocal.runtime import Runtime, RuntimeConfig
+    from flylocal.runtime import Runtime, RuntimeConfig     # before llama_cpp: it chooses the build
+
+    import llama_cpp
 
     with Runtime(model_path(SMOL), RuntimeConfig(n_ctx=256)) as rt:
         assert rt.thread_control is not None and rt.n_threads == rt.thread_control.counts[-1]
@@ -150,14 +151,14 @@ def test_auto_moves_off_a_busy_core():
     import subprocess
     import sys
 
-    import llama_cpp
-
     from conftest import SMOL, model_path, prompt
     from flylocal.engine import generate_all
     from flylocal.loader import build_engine, encode_prompt
-    from flylocal.runtime import Runtime, RuntimeConfig
+    from flylocal.runtime import Runtime, RuntimeConfig     # before llama_cpp: it chooses the build
     from flylocal.settings import Settings
     from flylocal.threads import usable_cores
+
+    import llama_cpp
 
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
