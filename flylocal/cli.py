@@ -590,9 +590,10 @@ def models_path(name):
 @cli.command()
 @click.option("--model", "model", default=None, metavar="NAME|PATH",
               help="Also measure whether this model's logits are batch-invariant in this build.")
-@options("threads", "exact", "recalibrate", "flash_attn", "target_rpc", "tensor_split", "rpc_timeout")
+@options("threads", "exact", "recalibrate", "flash_attn", "target_rpc", "tensor_split", "rpc_output", "rpc_timeout")
 @click.option("--this-build-only", is_flag=True, hidden=True, help="Report only the build this process runs.")
-def doctor(model, threads, exact, recalibrate, flash_attn, target_rpc, tensor_split, rpc_timeout, this_build_only):
+def doctor(model, threads, exact, recalibrate, flash_attn, target_rpc, tensor_split, rpc_output, rpc_timeout,
+           this_build_only):
     """Print both llama.cpp builds (fast and exact), and check a model in each: batch
     invariance, its decode cost curve (cached; --recalibrate measures it again) and the thread
     count --threads auto chooses now, with the speed measured at each count it tried.
@@ -604,7 +605,7 @@ def doctor(model, threads, exact, recalibrate, flash_attn, target_rpc, tensor_sp
     if tensor_split and not target_rpc:
         raise FlylocalError("--tensor-split shares the model among its --target-rpc servers: give --target-rpc")
     for line in checks.report(model, threads, flash_attn, recalibrate, this_build_only, target_rpc, tensor_split,
-                              rpc_timeout):
+                              rpc_timeout, rpc_output):
         click.echo(line)
 
 

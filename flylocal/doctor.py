@@ -111,7 +111,7 @@ def thread_choice(rt: Runtime, steps: int = 64) -> str:
 def rpc_report(rt: Runtime) -> list[str]:
     """The devices of the rpc servers holding the model's layers, and what a decode of 1, 2, 5
     and 9 rows costs through them, network included (the median of 9 after 256 tokens)."""
-    lines = [f"rpc servers: {', '.join(rt.config.rpc)}; devices: "
+    lines = [f"rpc servers: {', '.join(rt.config.rpc)} (output layer {rt.config.rpc_output}); devices: "
              + "; ".join(f"{d.name} ({d.description}, {d.free >> 20} MiB free of {d.total >> 20})" for d in rt.devices)]
     ids = rt.tokenize(PROBE_TEXT * 12)[:256]
     rt.reset()
@@ -128,10 +128,10 @@ RPC_ROWS = (1, 2, 5, 9)
 
 def model_report(spec: str, threads: int | None = None, flash_attn: str = "auto",
                  recalibrate: bool = False, rpc: tuple[str, ...] = (), tensor_split: tuple[float, ...] = (),
-                 rpc_timeout: float = 60.0) -> list[str]:
+                 rpc_timeout: float = 60.0, rpc_output: str = "here") -> list[str]:
     path = models.resolve(spec)
     config = RuntimeConfig(n_ctx=1024, n_threads=threads, flash_attn=flash_attn, rpc=rpc, tensor_split=tensor_split,
-                           rpc_timeout=rpc_timeout)
+                           rpc_timeout=rpc_timeout, rpc_output=rpc_output)
     with open_model(path, config) as rt:
         remote = rpc_report(rt) if rpc else []
         delta, flips, rows = batch_invariance(rt)
@@ -157,14 +157,14 @@ def model_report(spec: str, threads: int | None = None, flash_attn: str = "auto"
 
 def report(model: str | None, threads: int | None = None, flash_attn: str = "auto", recalibrate: bool = False,
            this_build_only: bool = False, rpc: tuple[str, ...] = (), tensor_split: tuple[float, ...] = (),
-           rpc_timeout: float = 60.0) -> list[str]:
+           rpc_timeout: float = 60.0, rpc_output: str = "here") -> list[str]:
     """This process's build (and the model in it), then the other build's, from a child
     process: one process can load only one llama.cpp library. With `rpc`, the model is on those
     servers, which run one build: the other is not checked."""
     lines = build_report()
     if model or rpc:
         lines += model_report(model or DEFAULT_TARGET, threads, flash_attn, recalibrate, rpc, tensor_split,
-                              rpc_timeout)
+                              rpc_timeout, rpc_output)
     if this_build_only or rpc:
         return lines
     other_exact = kernels.mode() != kernels.EXACT

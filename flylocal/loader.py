@@ -118,7 +118,7 @@ def runtime_config(settings: Settings, rpc: tuple[str, ...] = (), tensor_split: 
     return RuntimeConfig(n_ctx=settings.ctx, n_batch=settings.batch_size, n_threads=settings.threads,
                          n_gpu_layers=999 if settings.gpu_layers == -1 else settings.gpu_layers,
                          flash_attn=settings.flash_attn, rpc=rpc, tensor_split=tensor_split,
-                         rpc_timeout=settings.rpc_timeout)
+                         rpc_timeout=settings.rpc_timeout, rpc_output=settings.rpc_output)
 
 
 def open_model(path, config: RuntimeConfig) -> Runtime:

@@ -241,8 +241,12 @@ def _serve(conn: Connection, shm_fd: int) -> int:
     from flylocal.runtime import Runtime as Local
 
     try:
-        # One local thread: every layer runs on the servers.
-        rt = Local(path, dataclasses.replace(config, n_threads=1))
+        # Every layer runs on the servers; the output layer here (--rpc-output here) gets the
+        # threads asked for, or every core.
+        from flylocal.threads import usable_cores
+
+        threads = (config.n_threads or usable_cores()) if config.rpc_output == "here" else 1
+        rt = Local(path, dataclasses.replace(config, n_threads=threads))
     except FlylocalError as e:
         conn.send(("error", str(e)))
         return 1

@@ -122,6 +122,7 @@ class RuntimeConfig:
     rpc: tuple[str, ...] = ()
     tensor_split: tuple[float, ...] = ()
     rpc_timeout: float = 60.0
+    rpc_output: str = "here"       # where the output layer of a placed model runs: here or server
     # "auto": off in a CPU-only build, where llama.cpp's CPU flash-attention kernel gives a
     # position other logits in a batch than alone once the cache passes 256 cells (measured:
     # |delta| up to 1.0), which breaks strict == greedy; llama.cpp's own choice on a GPU.
@@ -193,6 +194,12 @@ def _rpc_proc(name: str, prototype):
     if not address:
         raise FlylocalError(f"this llama.cpp build's RPC backend has no {name}")
     return prototype(address)
+
+
+class _Override(ctypes.Structure):
+    """llama_model_tensor_buft_override: tensors whose name matches `pattern` go to `buft`."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
 def rpc_devices(endpoints) -> list[Device]:
@@ -269,6 +276,16 @@ class Runtime:
             if config.tensor_split:
                 self._split = (ctypes.c_float * llama_cpp.llama_max_devices())(*config.tensor_split)
                 mparams.tensor_split = self._split
+            if config.rpc_output == "here":
+                # The output layer's weights in this process's memory: llama.cpp then computes
+                # the logits here, and a verified row brings back its hidden state (n_embd
+                # floats) instead of n_vocab logits (docs/scale-out.md). A tied output matrix is
+                # the token embedding, which stays here anyway.
+                cpu = _ggml("ggml_backend_dev_by_type", ctypes.c_void_p, ctypes.c_int)(DEVICE_CPU)
+                buft = _ggml("ggml_backend_dev_buffer_type", ctypes.c_void_p, ctypes.c_void_p)(cpu)
+                self._overrides = (_Override * 2)(_Override(rb"^(output|token_embd)\.weight$", buft),
+                                                  _Override(None, None))
+                mparams.tensor_buft_overrides = ctypes.addressof(self._overrides)
         _clear_log()
         with interrupts_deferred():
             self._model = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), mparams)
@@ -351,7 +368,8 @@ class Runtime:
             "system": hashlib.sha256(system.encode()).hexdigest()[:16],
             "gpu_layers": self.config.n_gpu_layers if gpu_offload() else 0,
             "flash_attn": self.config.flash_attn, "threads": self.calibration_threads, "batch": self.n_batch,
-        } | ({"rpc": list(self.config.rpc), "tensor_split": list(self.config.tensor_split)} if self.config.rpc else {})
+        } | ({"rpc": list(self.config.rpc), "tensor_split": list(self.config.tensor_split),
+              "rpc_output": self.config.rpc_output} if self.config.rpc else {})
 
     def close(self) -> None:
         """Free the context and the model. Any later use raises instead of touching freed memory.

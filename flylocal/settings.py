@@ -42,6 +42,7 @@ class Settings:
     draft_rpc: tuple[str, ...] = ()   # ... and the draft's
     tensor_split: tuple[float, ...] = ()   # the target's split across its servers' devices (empty: by free memory)
     rpc_timeout: float = 60.0         # seconds one decode (per --batch-size tokens) may wait for rpc servers
+    rpc_output: str = "here"          # here: a placed model's output layer runs here, and hidden states cross
     drafter: str | None = None        # None: mla with a draft, pld without
     verifier: str = "fly"
     k: int | None = None              # None: adaptive up to DEFAULT_K for drafters that adapt
@@ -234,6 +235,11 @@ OPTIONS = {o.name: o for o in [
     Option("tensor_split", ("--tensor-split",),
            "How the target's layers are shared among the --target-rpc servers' devices, in order, as proportions "
            "(3,1: three quarters on the first). Default: by their free memory.", type=Proportions(), metavar="P[,P...]"),
+    Option("rpc_output", ("--rpc-output",),
+           "Where the output layer of a model on rpc servers runs. here: on this machine's CPU, so a verified "
+           "row brings back its hidden state (kilobytes); server: with the last layer, so each row brings back "
+           "n_vocab logits (a megabyte for a 256k vocabulary), better on a fast link with a slow CPU here.",
+           type=click.Choice(["here", "server"])),
     Option("rpc_timeout", ("--rpc-timeout",),
            "Seconds a decode (per --batch-size tokens) may wait for rpc servers before they count as lost.",
            type=Number(min=1.0, max=86400.0)),
@@ -323,7 +329,7 @@ OPTIONS = {o.name: o for o in [
            type=click.IntRange(min=0, max=2**32 - 1), to="sampling"),
 ]}
 
-MODEL = ("target", "draft", "draft_vocab", "target_rpc", "draft_rpc", "tensor_split", "rpc_timeout")
+MODEL = ("target", "draft", "draft_vocab", "target_rpc", "draft_rpc", "tensor_split", "rpc_output", "rpc_timeout")
 METHOD = ("drafter", "verifier")
 DRAFTING = ("k", "draft_p_min", "lookup_corpus", "pld_ngram", "pld_tokens", "max_tokens")
 LLAMA = ("ctx", "batch_size", "gpu_layers", "flash_attn", "threads", "exact", "recalibrate")

@@ -208,12 +208,12 @@ def wait_ready(proc, endpoint: str, log, limit: float = 60.0) -> None:
             time.sleep(0.1)
 
 
-def remote(endpoints, tensor_split=(), n_ctx=2048, rpc_timeout=60.0):
+def remote(endpoints, tensor_split=(), n_ctx=2048, rpc_timeout=60.0, output="here"):
     from flylocal.loader import open_model
     from flylocal.runtime import RuntimeConfig
 
     return open_model(model_path(SMOL), RuntimeConfig(n_ctx=n_ctx, rpc=tuple(endpoints), tensor_split=tensor_split,
-                                                      rpc_timeout=rpc_timeout))
+                                                      rpc_timeout=rpc_timeout, rpc_output=output))
 
 
 def strict_run(target, drafter, ids, k, draft=None, max_tokens=48):
@@ -228,10 +228,11 @@ def strict_run(target, drafter, ids, k, draft=None, max_tokens=48):
 
 
 @pytest.mark.slow
-def test_strict_on_one_server_equals_local_greedy(smol, smol_draft):
+@pytest.mark.parametrize("output", ["here", "server"])
+def test_strict_on_one_server_equals_local_greedy(smol, smol_draft, output):
     from flylocal.loader import encode_prompt
 
-    with rpc_servers(1) as servers, remote([e for _, e in servers]) as target:
+    with rpc_servers(1) as servers, remote([e for _, e in servers], output=output) as target:
         assert target.devices and target.devices[0].name.startswith("RPC")
         for name, text in PROMPTS.items():
             ids, _ = encode_prompt(smol, text, raw=False)
@@ -256,8 +257,8 @@ def test_strict_split_across_two_servers_equals_local_greedy(smol, smol_draft):
     expected, _ = strict_run(smol, "none", ids, 0)
     with rpc_servers(2) as servers:
         endpoints = [e for _, e in servers]
-        for split in [(1.0, 1.0), (3.0, 1.0)]:
-            with remote(endpoints, tensor_split=split) as target:
+        for split, output in [((1.0, 1.0), "here"), ((3.0, 1.0), "server")]:
+            with remote(endpoints, tensor_split=split, output=output) as target:
                 assert len(target.devices) == 2
                 assert strict_run(target, "mla", ids, 8, draft=smol_draft)[0] == expected, split
                 assert strict_run(target, "pld", ids, None)[0] == expected, split
@@ -484,3 +485,60 @@ def test_ctrl_c_ends_quietly_and_leaves_no_worker():
         while any(map(worker_alive, workers)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(map(worker_alive, workers))
+
+
+@contextlib.contextmanager
+def byte_counter(upstream: str):
+    """A loopback proxy in front of `upstream` that counts the bytes the server sends: [count]."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    down = [0]
+
+    def pump(src, dst, count):
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 20):
+                if count:
+                    down[0] += len(data)
+                dst.sendall(data)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def accept():
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = listener.accept()
+                server = socket.create_connection(rpc.split(upstream))
+                threading.Thread(target=pump, args=(client, server, False), daemon=True).start()
+                threading.Thread(target=pump, args=(server, client, True), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}", down
+    finally:
+        listener.close()
+
+
+@pytest.mark.slow
+def test_with_the_output_layer_here_rows_come_back_as_hidden_states():
+    """--rpc-output here: a verified row crosses the network as its hidden state (n_embd
+    floats), not its n_vocab logits."""
+    import numpy as np
+
+    with rpc_servers(1) as servers:
+        (_, endpoint), = servers
+        with byte_counter(endpoint) as (proxy, down):
+            per_decode = {}
+            for output in ("here", "server"):
+                with remote([proxy], output=output) as target:
+                    ids = target.tokenize(PROMPTS["copy"])
+                    target.decode(ids[:-1])
+                    before = down[0]
+                    for _ in range(5):
+                        target.decode(np.full(9, ids[-1], dtype=np.int32), logits_from=0)
+                        target.truncate(len(ids) - 1)
+                    per_decode[output] = (down[0] - before) / 5
+                    row = 4 * target.n_vocab
+    assert per_decode["server"] >= 9 * row
+    assert per_decode["here"] < 9 * row / 20, per_decode
