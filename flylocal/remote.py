@@ -190,14 +190,8 @@ class RemoteRuntime(Runtime):
 
     def decode(self, tokens, logits_from: int | None = None) -> np.ndarray | None:
         self._check_open()
-        tokens = np.asarray(tokens, dtype=np.int32)
+        tokens, _, rows = self._decode_args(tokens, logits_from)
         n = len(tokens)
-        if self.n_past + n > self.n_ctx:
-            raise FlylocalError(f"context full: {self.n_past} + {n} tokens exceed --ctx {self.n_ctx}")
-        start = n if logits_from is None else logits_from
-        rows = n - start
-        if rows > self.n_batch:
-            raise ValueError(f"logits requested for {rows} rows; at most n_batch={self.n_batch}")
         if rows > self._cap:
             self._grow(rows)
         if n == 0:

@@ -574,14 +574,8 @@ class Runtime:
         """
         self._check_open()
         self._sync()
-        tokens = np.asarray(tokens, dtype=np.int32)
+        tokens, start, rows = self._decode_args(tokens, logits_from)
         n = len(tokens)
-        if self.n_past + n > self.n_ctx:
-            raise FlylocalError(f"context full: {self.n_past} + {n} tokens exceed --ctx {self.n_ctx}")
-        start = n if logits_from is None else logits_from
-        if n - start > self.n_batch:
-            raise ValueError(f"logits requested for {n - start} rows; at most n_batch={self.n_batch}")
-        rows = n - start
         steer = self.thread_control is not None and not self._steady and 0 < rows <= CONTROL_ROWS
         if start and self.thread_control is not None and not self._steady:
             self._use_threads(self.thread_control.home)     # a prompt never runs on a count on trial
@@ -601,6 +595,17 @@ class Runtime:
             self._steer(rows, time.perf_counter() - t0)
         ptr = llama_cpp.llama_get_logits(self._ctx)
         return np.ctypeslib.as_array(ptr, shape=(n - start, self.n_vocab))
+
+    def _decode_args(self, tokens, logits_from: int | None) -> tuple[np.ndarray, int, int]:
+        """(tokens as int32, the first row with logits, the rows with logits), checked."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        n = len(tokens)
+        if self.n_past + n > self.n_ctx:
+            raise FlylocalError(f"context full: {self.n_past} + {n} tokens exceed --ctx {self.n_ctx}")
+        start = n if logits_from is None else logits_from
+        if n - start > self.n_batch:
+            raise ValueError(f"logits requested for {n - start} rows; at most n_batch={self.n_batch}")
+        return tokens, start, n - start
 
     def _decode_chunk(self, chunk: np.ndarray, want_logits: bool) -> None:
         m = len(chunk)
