@@ -617,7 +617,10 @@ def report_md(results: dict) -> str:
             lines.append(f"- `{method}` on `{f['prompt']}` (repeat {f['repeat']}): {message}")
     m = results["machine"]
     lines += ["", f"Machine: {m['processor']}, {m['cpus']} CPUs, llama-cpp-python {m['llama_cpp_python']}, "
-                  f"{m.get('kernels', 'fast')} build, {'GPU offload' if m['gpu_offload'] else 'CPU only'}.", ""]
+                  f"{m.get('kernels', 'fast')} build, {'GPU offload' if m['gpu_offload'] else 'CPU only'}"
+                  + "".join(f"; the {who} on rpc servers {', '.join(results['config'][key])}" for who, key in
+                            (("target", "target_rpc"), ("draft", "draft_rpc")) if results["config"].get(key))
+                  + ".", ""]
     return "\n".join(lines)
 
 

@@ -542,3 +542,24 @@ def test_with_the_output_layer_here_rows_come_back_as_hidden_states():
                     row = 4 * target.n_vocab
     assert per_decode["server"] >= 9 * row
     assert per_decode["here"] < 9 * row / 20, per_decode
+
+
+@pytest.mark.slow
+def test_a_draft_on_a_server_drafts_for_a_local_target(smol):
+    """--draft-rpc: the draft model's layers on a server, the target here; strict is still the
+    target's greedy output, and the draft really drafted."""
+    from flylocal.engine import generate_all
+    from flylocal.loader import encode_prompt, load
+
+    ids, _ = encode_prompt(smol, PROMPTS["copy"], raw=False)
+    expected, _ = strict_run(smol, "none", ids, 0)
+    with rpc_servers(1) as servers:
+        (_, endpoint), = servers
+        models = load(Settings(target=str(model_path(SMOL)), draft=str(model_path(SMOL_Q4_0)), draft_rpc=(endpoint,),
+                               verifier="strict", drafter="model", k=6, max_tokens=48, ctx=2048))
+        try:
+            assert models.draft.devices and not getattr(models.target, "devices", None)
+            tokens, stats, _ = generate_all(models.engine(), ids)
+        finally:
+            models.close()
+    assert tokens == expected and stats.accepted > 0
