@@ -563,3 +563,55 @@ def test_a_draft_on_a_server_drafts_for_a_local_target(smol):
         finally:
             models.close()
     assert tokens == expected and stats.accepted > 0
+
+
+@pytest.mark.slow
+def test_serve_answers_again_once_its_server_is_back():
+    """flylocal serve with the target on an rpc server: a request while the server is gone gets
+    the one-line error; the first request after it is back reconnects and gets the same text."""
+    import httpx
+
+    port, api = free_port(), free_port()
+    endpoint = f"127.0.0.1:{port}"
+
+    def start_server():
+        log = tempfile.TemporaryFile()
+        proc = subprocess.Popen([sys.executable, "-m", "flylocal", "rpc-server", "--port", str(port), *SERVER_ARGS],
+                                stdout=subprocess.DEVNULL, stderr=log)
+        wait_ready(proc, endpoint, log)
+        return proc
+
+    server = start_server()
+    serve = subprocess.Popen([sys.executable, "-m", "flylocal", "serve", "--port", str(api), "--threads", "1",
+                              "--target-rpc", endpoint, "--verifier", "strict", "--ctx", "1024"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{api}"
+    body = {"prompt": "The sky is", "max_tokens": 12}
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert serve.poll() is None, serve.stderr.read()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "serve did not become ready"
+            time.sleep(0.2)
+        first = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert first.status_code == 200
+        server.kill()
+        server.wait()
+        lost = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert lost.status_code >= 500 and f"rpc server {endpoint}" in lost.json()["error"]["message"]
+        server = start_server()
+        again = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert again.status_code == 200
+        assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            serve.wait(30)
+        if serve.poll() is None:
+            serve.kill()
+        server.kill()
+        server.wait()
+    assert "Traceback" not in serve.stderr.read()
