@@ -36,8 +36,8 @@ def parse_endpoint(text: str) -> str:
         raise FlylocalError(f"{text!r} is not an rpc server address: give HOST:PORT, such as 127.0.0.1:{DEFAULT_PORT}")
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise FlylocalError(f"{text!r}: the port must be a number from 1 to 65535")
-    if any(c.isspace() for c in host):
-        raise FlylocalError(f"{text!r} is not an rpc server address: give HOST:PORT")
+    if not all(c.isascii() and (c.isalnum() or c in ".-_") for c in host):
+        raise FlylocalError(f"{text!r} is not an rpc server address: a host is a name or an IPv4 address")
     return f"{host}:{int(port)}"
 
 

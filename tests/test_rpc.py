@@ -49,6 +49,8 @@ def test_endpoints_parse(text, expected):
 @pytest.mark.parametrize("text,words", [
     ("gpu-box", "HOST:PORT"), ("gpu-box:0", "1 to 65535"), ("gpu-box:http", "1 to 65535"),
     ("[::1]:50052", "IPv4"), ("::1:50052", "IPv4"), ("a:1,a:1", "twice"), (",", "no rpc server"),
+    ("gpu box:50052", "a name or an IPv4 address"), ("gpu\x00box:50052", "a name or an IPv4 address"),
+    ("gpü-box:50052", "a name or an IPv4 address"),
 ])
 def test_bad_endpoints_name_the_problem(text, words):
     with pytest.raises(FlylocalError, match=words):
@@ -169,6 +171,28 @@ def test_a_port_in_use_is_one_line():
 SERVER_ARGS = ("--threads", "1")
 
 
+def launch(endpoint: str, *extra: str):
+    """A flylocal rpc-server process for loopback `endpoint`: (process, the file of its stderr)."""
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-m", "flylocal", "rpc-server", "--port", endpoint.split(":")[1],
+                             *SERVER_ARGS, *extra], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+    return proc, log
+
+
+def start_server(endpoint: str):
+    """A flylocal rpc-server at loopback `endpoint`, once it answers; the caller ends it."""
+    proc, log = launch(endpoint)
+    try:
+        wait_ready(proc, endpoint, log)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        log.close()
+    return proc
+
+
 @contextlib.contextmanager
 def rpc_servers(n: int, *extra: str):
     """`n` flylocal rpc-server processes on free loopback ports: [(process, endpoint)]."""
@@ -176,10 +200,7 @@ def rpc_servers(n: int, *extra: str):
     try:
         for _ in range(n):
             endpoint = f"127.0.0.1:{free_port()}"
-            log = tempfile.TemporaryFile()
-            proc = subprocess.Popen([sys.executable, "-m", "flylocal", "rpc-server", "--port",
-                                     endpoint.split(":")[1], *SERVER_ARGS, *extra], stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=log)
+            proc, log = launch(endpoint, *extra)
             servers.append((proc, endpoint, log))
         for proc, endpoint, log in servers:
             wait_ready(proc, endpoint, log)
@@ -299,12 +320,8 @@ def test_a_lost_server_leaves_the_draft_consistent_and_reconnects(smol):
             with pytest.raises(FlylocalError, match="connection refused"):
                 models.reconnect()
 
-            port = endpoint.split(":")[1]
-            log = tempfile.TemporaryFile()
-            again = subprocess.Popen([sys.executable, "-m", "flylocal", "rpc-server", "--port", port, *SERVER_ARGS],
-                                     stdout=subprocess.DEVNULL, stderr=log)
+            again = start_server(endpoint)     # the same address
             try:
-                wait_ready(again, endpoint, log)
                 assert models.reconnect() == [models.target.name]
                 assert models.reconnect() == []
                 tokens, _, _ = generate_all(models.engine(), ids)
@@ -312,7 +329,6 @@ def test_a_lost_server_leaves_the_draft_consistent_and_reconnects(smol):
             finally:
                 again.kill()
                 again.wait()
-                log.close()
         finally:
             models.close()
 
@@ -369,17 +385,8 @@ def test_unreachable_at_start_is_one_line():
 
 @pytest.mark.slow
 def test_chat_goes_on_with_reset_once_the_server_is_back():
-    port = free_port()
-    endpoint = f"127.0.0.1:{port}"
-
-    def start():
-        log = tempfile.TemporaryFile()
-        proc = subprocess.Popen([sys.executable, "-m", "flylocal", "rpc-server", "--port", str(port), *SERVER_ARGS],
-                                stdout=subprocess.DEVNULL, stderr=log)
-        wait_ready(proc, endpoint, log)
-        return proc
-
-    server = start()
+    endpoint = f"127.0.0.1:{free_port()}"
+    server = start_server(endpoint)
     chat = subprocess.Popen([sys.executable, "-m", "flylocal", "chat", "--target-rpc", endpoint, "--max-tokens", "12",
                              "--verifier", "strict"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -406,7 +413,7 @@ def test_chat_goes_on_with_reset_once_the_server_is_back():
         assert any(f"error: lost rpc server {endpoint}" in line for line in lost)
         send("/reset")
         assert any("connection refused" in line for line in stderr_until("error:"))
-        server = start()
+        server = start_server(endpoint)
         send("/reset")
         assert any("reconnected to its rpc servers" in line for line in stderr_until("new conversation"))
         send("What is rain?")
@@ -571,17 +578,8 @@ def test_serve_answers_again_once_its_server_is_back():
     the one-line error; the first request after it is back reconnects and gets the same text."""
     import httpx
 
-    port, api = free_port(), free_port()
-    endpoint = f"127.0.0.1:{port}"
-
-    def start_server():
-        log = tempfile.TemporaryFile()
-        proc = subprocess.Popen([sys.executable, "-m", "flylocal", "rpc-server", "--port", str(port), *SERVER_ARGS],
-                                stdout=subprocess.DEVNULL, stderr=log)
-        wait_ready(proc, endpoint, log)
-        return proc
-
-    server = start_server()
+    endpoint, api = f"127.0.0.1:{free_port()}", free_port()
+    server = start_server(endpoint)
     serve = subprocess.Popen([sys.executable, "-m", "flylocal", "serve", "--port", str(api), "--threads", "1",
                               "--target-rpc", endpoint, "--verifier", "strict", "--ctx", "1024"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -602,7 +600,7 @@ def test_serve_answers_again_once_its_server_is_back():
         server.wait()
         lost = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert lost.status_code >= 500 and f"rpc server {endpoint}" in lost.json()["error"]["message"]
-        server = start_server()
+        server = start_server(endpoint)
         again = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert again.status_code == 200
         assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
