@@ -9,6 +9,7 @@ batch, and the logits compared.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,7 +17,8 @@ import sys
 import numpy as np
 
 from flylocal import kernels, models
-from flylocal.adaptive import CALIBRATION_SIZES, timed_decode
+from flylocal.adaptive import timed_decode
+from flylocal.costs import CALIBRATION_SIZES, CostCurve, costs_dir, read_record
 from flylocal.loader import open_model
 from flylocal.runtime import Runtime, RuntimeConfig, build_info
 from flylocal.settings import DEFAULT_TARGET
@@ -74,17 +76,73 @@ def batch_invariance(rt: Runtime, rows: int = PROBE_ROWS, contexts=(24, 320)) ->
     return worst, flips, compared
 
 
-def cost_curve(rt: Runtime, recalibrate: bool = False, context: int = 256) -> tuple[np.ndarray, str]:
-    """The model's decode cost curve t(1..17) as the engine uses it (cached on disk; measured
-    after `context` tokens when not cached or with `recalibrate`), and where it came from."""
+def cost_curve(rt: Runtime, recalibrate: bool = False, context: int = 256) -> CostCurve:
+    """The model's decode cost curve up to 17 rows as the engine uses it (cached on disk;
+    measured after `context` tokens when not cached, when the cache was distorted or with
+    `recalibrate`)."""
     ids = rt.tokenize(PROBE_TEXT * 12)[:context]
     rt.reset()
     rt.decode(ids[:-1])
-    rows = max(CALIBRATION_SIZES)
-    rt.costs.ensure(lambda n: timed_decode(rt, int(ids[-1]), n), max_rows=rows, limit=rt.n_batch,
-                    recalibrate=recalibrate)
+    rt.costs.ensure(lambda n: timed_decode(rt, int(ids[-1]), n), max_rows=max(CALIBRATION_SIZES),
+                    limit=rt.n_batch, recalibrate=recalibrate)
     rt.reset()
-    return rt.costs.cost(rows), rt.costs.source
+    return rt.costs
+
+
+def calibration_words(meta: dict) -> str:
+    """When, in how many passes and under what load a calibration was measured."""
+    if not meta.get("measured"):
+        return "measured by an older flylocal (best of two, load unknown)"
+    busy = meta.get("busy_cores")
+    load = ("load unknown" if busy is None else
+            f"{busy:.2f} of {meta.get('cores', '?')} cores busy with other work")
+    return (f"measured {meta['measured']} in {meta.get('passes', '?')} passes agreeing within "
+            f"{meta.get('spread', 0):.0%}, {load}")
+
+
+def curve_line(curve: CostCurve) -> str:
+    """The doctor's line on a model's cost curve: where it came from, its state, its shape,
+    the single step and how it was measured."""
+    report = curve.report()
+    where = {"cache": "cached", "measured": "measured now"}.get(report["source"], report["source"])
+    shape = ", ".join(f"{n}: {s:.1f}" for n, s in report["shape"].items())
+    line = (f"decode cost curve ({where}, {report['state']}): t(n)/t(1) by rows {shape}; a single step "
+            f"{report['calibrated_step_ms']:.1f} ms; {calibration_words(curve.meta)}")
+    if report["state"] == "provisional":
+        line += f"; not saved, measured again later: {report['problem']}"
+    elif report.get("problem"):
+        line += f"; the cached curve was distorted and is repaired: {report['problem']}"
+    return line
+
+
+def cache_report() -> list[str]:
+    """Every cost curve in the disk cache, one line each; a distorted one is flagged (it is
+    repaired when its model is next used)."""
+    folder = costs_dir()
+    files = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    lines = [f"cost curves cached in {folder}: {len(files)}"]
+    for path in files:
+        try:
+            record = read_record(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            record = None
+        if record is None:
+            lines.append(f"  {path.name}: not a cost curve (measured over when its model is next used)")
+            continue
+        key = record["key"]
+        what = (f"{os.path.basename(str(key.get('model', '?')))}, {key.get('kernels', '?')} build, "
+                f"{key.get('threads', '?')} threads, batch {key.get('batch', '?')}")
+        if record["calibration_problem"]:
+            lines.append(f"  {what}: DISTORTED ({record['calibration_problem']}); measured again when next used")
+            continue
+        base = record["base"]
+        shape = ", ".join(f"{n}: {base[n - 1] / base[0]:.1f}" for n in CALIBRATION_SIZES
+                          if n <= len(base) and not np.isnan(base[n - 1]))
+        line = f"  {what}: t(n)/t(1) {shape}; {calibration_words(record['meta'])}"
+        if record["problem"]:
+            line += f"; DISTORTED refinement, dropped when next used: {record['problem']}"
+        lines.append(line)
+    return lines
 
 
 def thread_choice(rt: Runtime, steps: int = 64) -> str:
@@ -135,7 +193,7 @@ def model_report(spec: str, threads: int | None = None, flash_attn: str = "auto"
     with open_model(path, config) as rt:
         remote = rpc_report(rt) if rpc else []
         delta, flips, rows = batch_invariance(rt)
-        costs, source = cost_curve(rt, recalibrate)
+        curve = cost_curve(rt, recalibrate)
         choice = thread_choice(rt)
         off = " (off in a CPU build)" if not build_info()["gpu_offload"] else ""
         if rpc:
@@ -148,9 +206,7 @@ def model_report(spec: str, threads: int | None = None, flash_attn: str = "auto"
     else:
         lines.append(f"batch-invariant: no (max |delta logit| {delta:.4g}, argmax flips {flips}/{rows}); "
                      "strict output can leave plain greedy output at numerical near-ties")
-    one = costs[0]
-    lines.append(f"decode cost by rows ({'cached' if source == 'cache' else 'measured now'}; ms, in single steps): "
-                 + ", ".join(f"{n}: {1000 * costs[n - 1]:.1f} ({costs[n - 1] / one:.1f})" for n in CALIBRATION_SIZES))
+    lines.append(curve_line(curve))
     lines.append(choice)
     return lines
 
@@ -177,8 +233,11 @@ def report(model: str | None, threads: int | None = None, flash_attn: str = "aut
     try:
         out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return lines + [f"the {'exact' if other_exact else 'fast'} build could not be checked: {e}"]
-    if out.returncode != 0:
-        reason = (out.stderr.strip().splitlines() or ["no message"])[-1].removeprefix("flylocal: error: ")
-        return lines + [f"the {'exact' if other_exact else 'fast'} build could not be checked: {reason}"]
-    return lines + out.stdout.rstrip("\n").splitlines()
+        lines.append(f"the {'exact' if other_exact else 'fast'} build could not be checked: {e}")
+    else:
+        if out.returncode != 0:
+            reason = (out.stderr.strip().splitlines() or ["no message"])[-1].removeprefix("flylocal: error: ")
+            lines.append(f"the {'exact' if other_exact else 'fast'} build could not be checked: {reason}")
+        else:
+            lines += out.stdout.rstrip("\n").splitlines()
+    return lines + [""] + cache_report()

@@ -92,11 +92,13 @@ class Generation:
 
 
 class Engine:
-    def __init__(self, target, drafter, verifier: Verifier, config: EngineConfig = EngineConfig()):
+    def __init__(self, target, drafter, verifier: Verifier, config: EngineConfig = EngineConfig(),
+                 clock: Callable[[], float] = time.perf_counter):
         self.target = target          # Runtime, or anything with its decode/truncate/reuse_prefix interface
         self.drafter = drafter
         self.verifier = verifier
         self.config = config
+        self.clock = clock            # seconds; tests give a simulated machine's
         self.length = (DraftLength(config.k, drafter.level_prior, target.costs)
                        if config.adaptive and drafter.adaptive else None)
         # The target's cost curve is needed by the engine's draft-length control and by drafters
@@ -121,8 +123,8 @@ class Engine:
         return Generation(self, prompt, on_end)
 
     def _rounds(self, prompt: np.ndarray, gen: Generation) -> Iterator[RoundEvent]:
-        cfg, target, stats, out = self.config, self.target, gen.stats, gen.tokens
-        t_start = time.perf_counter()
+        cfg, target, stats, out, clock = self.config, self.target, gen.stats, gen.tokens, self.clock
+        t_start = clock()
         context = np.zeros(target.n_ctx, dtype=np.int32)    # [n_ctx] prompt + committed
         n = len(prompt)
         context[:n] = prompt
@@ -133,16 +135,17 @@ class Engine:
         seed = cfg.sampling.seed if cfg.sampling.seed is not None else secrets.randbits(64)
         for curve in self.curves:
             curve.pin(cfg.pin_costs)
+        source = None                  # where the target's cost curve came from, once it is known
         try:
             reused = target.reuse_prefix(prompt)
             target.decode(prompt[reused:-1])
             if self.costs is not None:     # from the disk cache, or measured once per process
                 known = self.costs.source != "none"
-                self.costs.ensure(lambda rows: timed_decode(target, int(prompt[-1]), rows), max_rows=cfg.k + 1,
+                self.costs.ensure(lambda rows: timed_decode(target, int(prompt[-1]), rows, clock), max_rows=cfg.k + 1,
                                   limit=target.n_batch, recalibrate=cfg.recalibrate)
-                stats.cost_curve = "reused" if known else self.costs.source
+                source = "reused" if known else self.costs.source
             stats.prompt_reused, stats.prompt_evaluated = reused, len(prompt) - reused
-            stats.prefill_s = time.perf_counter() - t_start
+            stats.prefill_s = clock() - t_start
             while True:
                 if len(out) >= cfg.max_tokens:
                     stats.stop = "max_tokens"
@@ -152,18 +155,18 @@ class Engine:
                     break
                 # Room: the batch [last, *draft] needs k+1 cells, and drafting past max_tokens is waste.
                 k = max(0, min(cfg.k, target.n_ctx - n, cfg.max_tokens - len(out) - 1))
-                t0 = time.perf_counter()
+                t0 = clock()
                 proposal = self.drafter.propose(context[:n], k) if k else None
                 draft = proposal.tokens[:k] if proposal is not None else context[:0]
                 if self.length is not None and len(draft):
                     draft = draft[: self.length.choose(proposal.level, len(draft))]
-                t1 = time.perf_counter()
+                t1 = clock()
                 batch = np.empty(len(draft) + 1, dtype=np.int32)
                 batch[0] = context[n - 1]
                 batch[1:] = draft
                 n_past = target.n_past
                 logits = target.decode(batch, logits_from=0)          # [k+1, n_vocab]
-                t2 = time.perf_counter()
+                t2 = clock()
                 # a[0..k]: the target's token at each position, its argmax at temperature 0 and
                 # its speculative-sampling decision otherwise (docs/design.md, "Temperature > 0").
                 if cfg.sampling.greedy:
@@ -174,7 +177,7 @@ class Engine:
                 decision = self.verifier(draft, a, logits)
                 L = decision.accepted
                 emitted = emitted_tokens(draft, a, L)                    # [L+1]
-                t3 = time.perf_counter()
+                t3 = clock()
 
                 # Cut at the first end-of-generation token, at max_tokens and at the context's end.
                 eog = np.flatnonzero(eog_mask[emitted])
@@ -184,7 +187,7 @@ class Engine:
                 target.truncate(n_past + m)        # [last, *committed[:-1]] stay; committed[-1] is the new last
                 if commit is not None:             # a ledger pays only for what was committed
                     decision = commit(decision, min(L, m))
-                t4 = time.perf_counter()
+                t4 = clock()
 
                 context[n : n + m] = committed
                 n += m
@@ -209,7 +212,7 @@ class Engine:
                 if self.observe is not None and proposal is not None:
                     self.observe(proposal, min(L, m))     # drafts that choose their own length
                 if self.costs is not None:
-                    self.costs.update(len(draft) + 1, t4 - t1)
+                    self.costs.update(len(draft) + 1, t4 - t1, emitted=m)
                 trace = self._trace_row(stats.rounds - 1, n_past, draft, a, logits, decision, emitted,
                                         proposal) if cfg.trace else None
                 tokens = tuple(int(t) for t in committed[:shown])
@@ -237,7 +240,9 @@ class Engine:
         finally:
             for curve in self.curves:
                 curve.pin(False)
-            stats.wall_s = time.perf_counter() - t_start
+            if source is not None:
+                stats.cost_curve = self.costs.report() | {"source": source}
+            stats.wall_s = clock() - t_start
             if self.corpus is not None:
                 self.corpus.add(out)
             gen._end()

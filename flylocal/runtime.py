@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from flylocal import kernels
-from flylocal.adaptive import CostCurve
+from flylocal.costs import CostCurve
 from flylocal.cache import reusable_prefix
 from flylocal.errors import FlylocalError, ModelError
 from flylocal.files import check_gguf_file

@@ -24,8 +24,9 @@ class Stats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     stop: str = ""               # "eog", "max_tokens", "context" or "interrupted"
-    cost_curve: str = ""         # the target's cost curve: "cache" (read from disk), "measured" (now),
-                                 # "reused" (known in this process) or "" (not used)
+    cost_curve: dict | None = None   # the target's cost curve (CostCurve.report): its "source" ("cache",
+                                     # read from disk; "measured" now; "reused", known in this process),
+                                     # "state", shape, single step and exploration; None when not used
 
     @property
     def mean_accepted_length(self) -> float:

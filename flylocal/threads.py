@@ -11,8 +11,10 @@ way the draft-length controller measures acceptance:
   the current count's speed (one decode the OS stalled is not a change of load);
 - now and then the other candidate counts are tried, nearest first, for a few decodes each (one,
   when it is clearly slower), and the fastest is kept if it beats the current one by a margin;
-- a re-check comes early when the current count's speed changes (the load changed); while the
-  choice keeps standing, re-checks grow rarer, so probing costs little when nothing changes.
+- a re-check comes early when the current count's speed changes (the load changed); otherwise
+  it waits as long as keeps re-checks within BUDGET of decoding time (between 1 and 8 seconds
+  of decoding), so a count measured slow during a passing load is tried again within a
+  generation, and probing costs little when nothing changes.
 
 The clock is the seconds of decoding observed, so the controller is deterministic given its
 timings (tests feed it made-up ones).
@@ -29,7 +31,9 @@ MARGIN = 0.3            # another count must be this much faster to move to it: 
                         # matters costs 2-4 times, and counts within 30% of each other are not
                         # worth a move that noise could undo
 CHANGE = 1.4            # the current speed moved by this factor: the load changed, re-check now
-RECHECK = (1.0, 30.0)   # seconds of decoding between re-checks: doubling while the choice stands
+RECHECK = (1.0, 8.0)    # seconds of decoding between re-checks, at least and at most
+BUDGET = 0.015          # share of decoding time re-checks may lose: after one that cost c seconds
+                        # more than the current count would have, the next waits c / BUDGET
                         # (a trial decode on a loaded core can cost ten ordinary ones)
 RECENT = 5              # the current count's last decodes, compared with a trial's
 
@@ -67,9 +71,9 @@ class ThreadControl:
         self.reference: float | None = None    # their median when the home count was last confirmed
         self.clock = 0.0                       # seconds of decoding observed
         self.next_check = 0.0
-        self.interval = RECHECK[0]
         self.trying: list[int] = []            # counts still to try in this re-check
         self.samples: list[float] = []         # the trial count's steps so far
+        self.lost = 0.0                        # seconds this re-check's trials lost so far
         self.moves = 0
 
     def observe(self, step: float, seconds: float) -> int:
@@ -80,6 +84,7 @@ class ThreadControl:
             return self.current
         self.clock += seconds
         if self.current != self.home:
+            self.lost += max(seconds * (1 - self.speed[self.home] / step), 0.0)
             self._trial(step)
             return self.current
         self.recent = (self.recent + [step])[-RECENT:]
@@ -94,6 +99,7 @@ class ThreadControl:
             self.trying = sorted((c for c in self.counts if c != self.home),
                                  key=lambda c: abs(self.counts.index(c) - i))     # nearest first
             self.current = self.trying.pop(0)
+            self.lost = 0.0
         return self.current
 
     def _trial(self, step: float) -> None:
@@ -110,12 +116,10 @@ class ThreadControl:
             self.home = best                   # moved: measure it, then look around again soon
             self.moves += 1
             self.recent, self.reference = [], None
-            self.interval = RECHECK[0]
             self.next_check = self.clock
         else:
             self.reference = self.speed[self.home]
-            self.interval = min(self.interval * 2, RECHECK[1])
-            self.next_check = self.clock + self.interval
+            self.next_check = self.clock + min(max(self.lost / BUDGET, RECHECK[0]), RECHECK[1])
         self.current = self.home
 
     def rates(self) -> dict[int, float]:

@@ -19,43 +19,19 @@ turns within each repetition.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
 import statistics
 import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
+
+from loadgen import LOAD_LIMIT_S, busy
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_IDS = ("chat-focus", "copy-edit-keeper")
-LOAD_LIMIT_S = 900        # a busy loop ends by itself after this, whatever happens here
-
-SPIN = """
-import os, sys, time
-os.sched_setaffinity(0, {int(sys.argv[1])})
-end = time.monotonic() + float(sys.argv[2])
-while time.monotonic() < end:
-    pass
-"""
-
-
-@contextlib.contextmanager
-def busy(cores: list[int]):
-    """Busy loops pinned to `cores`, bounded in time, ended on leaving."""
-    procs = [subprocess.Popen([sys.executable, "-c", SPIN, str(c), str(LOAD_LIMIT_S)]) for c in cores]
-    try:
-        time.sleep(0.5 if procs else 0)
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait()
-
-
 def child(args) -> int:
     """One mode under the current load: decode tokens/s of each prompt, as JSON on stdout."""
     from flylocal.bench import load_prompts
@@ -91,6 +67,9 @@ def main() -> int:
     if args.child:
         return child(args)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))      # the load is stopped on the way out
+    # Cost curves of this run's own, calibrated in the idle condition: a run under load never
+    # touches the user's cache.
+    os.environ["FLYLOCAL_COSTS"] = tempfile.mkdtemp(prefix="flylocal-bench-threads-costs-")
 
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
     n = len(cores)

@@ -11,6 +11,9 @@ flylocal.runtime, flylocal.loader or llama_cpp).
 - `FakeTarget`: the part of `flylocal.runtime.Runtime` that the engine, the drafters and
   `timed_decode` use (n_ctx, n_batch, n_vocab, n_past, eog_mask, tokens, costs, decode,
   truncate, reuse_prefix, reset), over a FakeLM.
+- `Machine`: a simulated machine's clock. A decode of n tokens takes `step * (1 + row_cost *
+  (n - 1))` seconds, times `stall` in a share `p_stall` of decodes, times `slow` while a load
+  lasts. Given to a FakeTarget and to the Engine as its clock, it makes timings deterministic.
 - `greedy`: the reference, plain greedy decoding one token at a time on a fresh FakeTarget.
 - `NoisyOracle`: a test drafter proposing the LM's greedy continuation with random
   corruptions, random lengths and EOG tokens inside.
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flylocal.adaptive import CostCurve
+from flylocal.costs import CostCurve
 from flylocal.cache import reusable_prefix
 from flylocal.drafters import Draft
 from flylocal.errors import FlylocalError
@@ -94,14 +97,44 @@ def fixed_costs(row_cost: float = 0.1, rows: int = 17, single: float = 0.01) -> 
     return CostCurve(seconds=single * (1 + row_cost * (n - 1)), fixed=True)
 
 
+class Machine:
+    """A simulated machine: calling it reads its clock (seconds); `decode(n)` advances it by what
+    a decode of n tokens takes. Deterministic given `seed`."""
+
+    def __init__(self, step: float = 0.01, row_cost: float = 0.4, p_stall: float = 0.0, stall: float = 100.0,
+                 noise: float = 0.0, seed: int = 0):
+        self.step, self.row_cost = step, row_cost
+        self.p_stall, self.stall, self.noise = p_stall, stall, noise
+        self.slow = 1.0                       # a load: every decode this many times slower
+        self.rng = np.random.default_rng(seed)
+        self.now = 0.0
+        self.decode_s = 0.0                   # seconds spent decoding
+        self.stalls = 0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def shape(self, n: int) -> float:
+        return 1 + self.row_cost * (n - 1)
+
+    def decode(self, n: int) -> None:
+        t = self.step * self.shape(n) * self.slow * (1 + self.noise * self.rng.uniform(-1, 1))
+        if self.p_stall and self.rng.random() < self.p_stall:
+            t *= self.stall
+            self.stalls += 1
+        self.now += t
+        self.decode_s += t
+
+
 class FakeTarget:
     """The target Runtime's interface over a FakeLM. The cache is the token ids of cells
     0..n_past-1 and, per cell, the hash of the prefix up to and including it; the logits of
     a decoded row come from that cell's hash. `high_water` is the most cells ever held."""
 
     def __init__(self, lm: FakeLM | None = None, n_ctx: int = 64, n_batch: int | None = None,
-                 costs: CostCurve | None = None):
+                 costs: CostCurve | None = None, machine: Machine | None = None):
         self.lm = lm = lm if lm is not None else FakeLM()
+        self.machine = machine
         self.n_ctx = n_ctx
         self.n_batch = n_batch or n_ctx
         self.n_vocab = lm.n_vocab
@@ -145,6 +178,8 @@ class FakeTarget:
         self.n_past = p0 + n
         self.high_water = max(self.high_water, self.n_past)
         self.decodes += 1
+        if self.machine is not None and n:
+            self.machine.decode(n)
         if start >= n:
             return None
         states = [self._hash[p] % self.lm.n_states for p in range(p0 + start, p0 + n)]

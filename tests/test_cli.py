@@ -273,12 +273,68 @@ def test_doctor_reports_both_builds():
 def test_the_cost_curve_is_measured_once_per_machine_and_cached(tmp_path):
     env = {"FLYLOCAL_COSTS": str(tmp_path / "costs")}
     args = ("generate", PROMPT, "--max-tokens", "8", "--json", "--drafter", "pld")
-    first, second = (json.loads(flylocal(*args, env=env).stdout)["stats"] for _ in range(2))
-    assert (first["cost_curve"], second["cost_curve"]) == ("measured", "cache")
+    first, second = (json.loads(flylocal(*args, env=env).stdout)["stats"]["cost_curve"] for _ in range(2))
+    assert first["source"] == "measured" and first["passes"] >= 3 and first["shape"]["1"] == 1.0
+    if first["state"] == "settled":
+        assert second["source"] == "cache"
+    else:                                # measured under load: used, not saved, measured again
+        assert first["state"] == "provisional" and second["source"] == "measured"
     again = json.loads(flylocal(*args, "--recalibrate", env=env).stdout)["stats"]
-    assert again["cost_curve"] == "measured"
+    assert again["cost_curve"]["source"] == "measured"
     other = json.loads(flylocal(*args, "--threads", "1", env=env).stdout)["stats"]
-    assert other["cost_curve"] == "measured"            # another thread count is another curve
+    assert other["cost_curve"]["source"] == "measured"  # another thread count is another curve
+
+
+# The cost curve a busy hour left for the default target (fast build, 2 threads): calibrated
+# values right, refined ones a hundred times too dear at 2-9 rows.
+POISONED = {"base": [0.0084, 0.0143, 0.0204, None, 0.0285, None, None, None, 0.046] + [None] * 7 + [0.0772],
+            "seconds": [0.0114, 1.620, 1.724, None, 1.622, None, None, None, 1.656] + [None] * 7 + [0.0772]}
+
+
+@pytest.mark.slow
+def test_a_poisoned_cost_cache_is_repaired_and_speculation_drafts(tmp_path, smol):
+    """The busy hour's cache file, written over the default target's curve: generate drafts on
+    a copy-edit prompt as with a fresh cache (strict: the same text), says the curve was
+    repaired, and the file on disk no longer holds the poison; doctor flags such a file."""
+    env = {"FLYLOCAL_COSTS": str(tmp_path / "costs")}
+    args = ("generate", prompt("copy-edit-lighthouse"), "--max-tokens", "160", "--json", "--verifier", "strict",
+            "--drafter", "pld")
+    fresh = json.loads(flylocal(*args, env=env).stdout)
+    assert fresh["stats"]["drafted"] > 0
+    key = smol.costs.key                      # the command's own curve: same file, build, threads, batch
+    path = tmp_path / "costs" / smol.costs._path().name
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({"format": 1, "key": key, **POISONED}))
+    listing = flylocal("doctor", env=env)
+    assert "DISTORTED refinement" in listing.stdout, listing.stdout
+    poisoned = json.loads(flylocal(*args, env=env).stdout)
+    assert poisoned["stats"]["drafted"] > 0 and poisoned["stats"]["accepted"] > 0
+    assert poisoned["stats"]["cost_curve"]["state"] == "repaired"
+    assert poisoned["tokens"] == fresh["tokens"]
+    on_disk = json.loads(path.read_text())
+    assert on_disk["format"] == 2
+    assert all(v is None or v < 20 for v in on_disk["refined"])
+
+
+SPIN = "import time\nend = time.monotonic() + 120\nwhile time.monotonic() < end:\n    pass\n"
+
+
+@pytest.mark.slow
+def test_a_calibration_beside_busy_loops_is_used_but_never_saved(tmp_path):
+    """No timing taken under load becomes the model's truth: with busy loops on every core the
+    curve is measured, used (provisional, naming the load) and not written to the cache."""
+    env = {"FLYLOCAL_COSTS": str(tmp_path / "costs")}
+    spin = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in os.sched_getaffinity(0)]
+    try:
+        done = flylocal("generate", PROMPT, "--max-tokens", "8", "--json", "--drafter", "pld", env=env)
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
+    assert done.returncode == 0, done.stderr
+    curve = json.loads(done.stdout)["stats"]["cost_curve"]
+    assert curve["state"] == "provisional" and curve["busy_cores"] > 0.25, curve
+    assert not list((tmp_path / "costs").glob("*.json"))
 
 
 @pytest.mark.slow

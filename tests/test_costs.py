@@ -9,7 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from flylocal.adaptive import CostCurve, ModelDraftLength, costs_dir
+from flylocal.adaptive import ModelDraftLength
+from flylocal.costs import CostCurve, costs_dir
 from flylocal.drafters.pld import Corpus, PromptLookup, find_match
 
 KEY = {"model": "/m.gguf", "size": 1, "threads": 2}
@@ -64,20 +65,25 @@ def test_recalibrate_measures_again_and_a_bad_cache_file_is_measured_over(costs)
     assert len(calls) > n and broken.source == "measured"
     for path in costs.glob("*.json"):
         data = json.loads(path.read_text())
-        data["seconds"][0] = -1.0
+        data["calibration"]["seconds"][0] = -1.0
         path.write_text(json.dumps(data))
     assert not CostCurve(key=KEY).load()               # a negative time is not a curve
 
 
-def test_rounds_refine_the_curve_and_the_refinement_is_saved(costs):
+def test_rounds_refine_the_shape_and_a_consistent_refinement_is_saved(costs):
+    """A 9-row round costs 3 single-row rounds where the calibration said 4.2: after a few,
+    the shape says 3, and the lower quartile of the agreeing samples is saved with the curve."""
     curve = CostCurve(key=KEY)
     curve.ensure(probe([]), max_rows=9)
-    for _ in range(40):
-        curve.update(9, 0.5)                           # 9-row rounds turn out much dearer
-    assert curve.cost(9)[8] > 0.4 and curve.dirty
+    assert curve.shape(9) == pytest.approx(4.2)
+    for _ in range(9):
+        curve.update(1, 0.01)
+        curve.update(9, 0.03 * (1 + 0.01 * (_ % 3)))
+    assert curve.shape(9) == pytest.approx(3.03) and curve.dirty
     curve.save()
     again = CostCurve(key=KEY)
-    assert again.load() and again.cost(9)[8] > 0.4
+    assert again.load() and again.shape(9) == pytest.approx(3.0)
+    assert again.calibrated_step() == pytest.approx(0.01)        # the calibration stands beside it
 
 
 def test_interpolation_and_growth_past_the_largest_size():
@@ -183,13 +189,17 @@ def test_a_pinned_curve_answers_from_its_calibration_and_ignores_timings():
     rounds measured, before or during the run; the refined values come back when unpinned."""
     curve = CostCurve(key={"model": "pinned-test"})
     curve.calibrate(lambda rows: 0.01 + 0.001 * rows, max_rows=9)
+    curve.pin(True)
     calibrated = curve.cost(9).copy()
-    for _ in range(30):
-        curve.update(9, 0.5)                         # a loaded machine
+    curve.pin(False)
+    for _ in range(30):                              # a loaded machine, 9-row rounds dearer too
+        curve.update(1, 0.05)
+        curve.update(9, 0.05 * 2.5)
     refined = curve.cost(9).copy()
-    assert refined[8] > 10 * calibrated[8]
+    assert refined[0] > 4 * calibrated[0] and curve.shape(9) == pytest.approx(2.5)
     curve.pin(True)
     assert curve.cost(9).tolist() == calibrated.tolist()
+    assert curve.explore(np.array([1.0, 0.5, 0.2]), 0) == 0       # never tries another length
     curve.update(9, 5.0)
     assert curve.cost(9).tolist() == calibrated.tolist()
     curve.pin(False)
@@ -210,5 +220,6 @@ def test_a_larger_size_extends_the_calibration_without_changing_it():
     curve.ensure(lambda rows: 0.05 + 0.002 * rows, max_rows=33, limit=64)       # a slower machine now
     np.testing.assert_array_equal(curve.base[:9], before)          # NaN where a size was not measured
     assert curve.largest() >= 33
+    curve.update(1, 0.011)
     curve.update(80, 0.2)
-    assert curve.calibrated and curve.cost(80)[79] == pytest.approx(0.2)
+    assert curve.calibrated and curve.cost(80)[79] >= curve.cost(33)[32] > 0

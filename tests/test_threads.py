@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from flylocal.threads import RECHECK, ThreadControl, candidates
+from flylocal.threads import BUDGET, RECHECK, ThreadControl, candidates
 
 BASE = 0.02
 STALL = 5.0
@@ -60,6 +60,22 @@ def test_moves_to_fewer_threads_when_rounds_slow_down_and_back_when_they_speed_u
     assert control.current == 2
     # Back within a re-check period (at most RECHECK[1] seconds of decoding at 1 thread).
     assert used.index(2) < RECHECK[1] / (BASE / 1) + 10
+
+
+@pytest.mark.parametrize("busy", [0, 1])
+def test_rechecks_cost_at_most_their_budget(busy):
+    """Trying the other count now and then, idle or with a core busy, loses at most BUDGET of
+    the decoding time (plus the first re-checks, which come at once), against decoding on the
+    best count throughout."""
+    rng = random.Random(6 + busy)
+    control = ThreadControl(candidates(2), 2)
+    run(control, 2, busy, 200, rng, noise=0.0)          # settle first
+    used = run(control, 2, busy, 20000, rng, noise=0.0)
+    best = min((1, 2), key=lambda c: step_time(c, 2, busy, rng, 0.0))
+    spent = sum(step_time(c, 2, busy, rng, 0.0) for c in used)
+    ideal = len(used) * step_time(best, 2, busy, rng, 0.0)
+    assert control.home == best
+    assert spent / ideal - 1 <= BUDGET * 1.1
 
 
 def test_an_eight_core_machine_climbs_down_and_up_step_by_step():

@@ -79,6 +79,7 @@ class ModelBased:
         rates = self.lookup_length.rates(guess.level, len(guess.tokens))
         j = int(np.argmax(rates))
         if rates[j] >= model_rate or model_k == 0:
+            j = self.lookup_length.curve.explore(rates, j)     # now and then a length with old evidence
             return Draft(guess.tokens[:j], guess.level, source="pld")
         t0 = time.perf_counter()
         draft = self._draft(context, k, self.plan.keep_going)

@@ -1,0 +1,596 @@
+"""What a decode of n rows costs on one loaded model (docs/design.md, "Cost model").
+
+    t(n) = shape(n) * speed
+
+- `shape(n) = t(n) / t(1)` is a property of the model, the build and the device. It is
+  calibrated once per key (model file, build, device, threads, batch size), only from
+  measurements that agree with each other on a quiet machine, and cached on disk.
+- `speed` is the seconds of a single-row step now. It follows the load of the moment, so it is
+  measured from every round (a median: one stalled round is not a change of load) and never
+  saved.
+
+Rounds refine the shape: a round of n rows, divided by the single-row rounds just before it,
+is a sample of shape(n). A sample that breaks physics (n rows dearer than PHYSICS * n single
+steps, or cheaper than FLOOR of one) or lies FAR from the calibration is a stall, not a shape,
+and is dropped. Fresh samples (the median of at least 3 within STALE seconds of decoding)
+correct the calibrated shape; older ones expire, so evidence taken under a load that has gone
+does not outlive it. Only a refinement that is consistent (SAVE_SAMPLES samples whose middle
+half lies within AGREE_REFINED) is saved, as a low quantile.
+
+Draft-length control may try a size whose evidence is stale (`explore`), when the round is
+expected to lose at most what the exploration budget has left: EXPLORE of the decoding time
+observed. A wrong curve, however it got there, is corrected that way within a generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+CALIBRATION_SIZES = (1, 2, 3, 5, 9, 17)
+COST_FORMAT = 2
+PRIOR_ROW_COST = 0.4     # extra cost of one more row relative to a single-row decode (CPU-like)
+
+# Calibration: passes over every size until the two lowest times of each agree.
+MIN_PASSES, MAX_PASSES = 3, 8
+AGREE = 0.30             # the two lowest samples of a size within 30% (or ABS_AGREE seconds): a
+                         # busy spell stalls decodes by 2-100x; on an idle 2-core VM a decode's
+                         # time varies by 10-15%, and the two lowest of 8 by up to 27% at times
+ABS_AGREE = 2e-4
+QUIET = 0.25             # cores busy with other work during calibration above which it was loaded
+MIN_WALL = 0.1           # seconds a load measurement needs
+SLOWER = 1.5             # a calibrated single step this much slower than the rounds before it: loaded
+RETRY = 30.0             # wall seconds before a calibration taken under load is tried again (doubling)
+
+# Physics: what a decode of n rows can cost, in single steps.
+PHYSICS = 1.5            # at most 1.5 * n: batching never makes a row dearer than a step of its own
+FLOOR = 0.7              # at least 0.7: more rows are never much cheaper than one
+FAR = 3.0                # a refined shape more than 3x from the calibrated one (either way)
+
+# Refinement from rounds.
+RECENT = 7               # speed: the median of the last 7 rounds, each in single steps
+ANCHORS = 5              # single-row rounds kept as the yardstick of a refinement sample
+SAMPLES = 9              # refinement samples kept per size
+FRESH = 3                # fresh samples needed before they correct the shape
+STALE = 3.0              # seconds of decoding after which evidence is old
+SAVE_SAMPLES = 5
+AGREE_REFINED = 0.25     # (q75 - q25) / median of a size's samples, to be saved
+EXPLORE = 0.015          # share of decoding time that trying stale sizes may lose
+
+
+def costs_dir() -> Path:
+    return Path(os.environ.get("FLYLOCAL_COSTS") or Path.home() / ".cache" / "flylocal" / "costs")
+
+
+def prior_shape(rows: int) -> np.ndarray:
+    """The CPU-like shape assumed before anything is measured: [rows] float64."""
+    return 1 + PRIOR_ROW_COST * np.arange(rows, dtype=np.float64)
+
+
+def interpolate(values: np.ndarray, rows: int) -> np.ndarray:
+    """t(1..rows) [rows] float64 from measured values [m] (NaN where not measured): interpolated
+    between measured sizes, along the last slope past the largest, the prior's shape with fewer
+    than two."""
+    n = np.arange(1, rows + 1, dtype=np.float64)
+    seen = np.flatnonzero(~np.isnan(values))
+    if seen.size >= 2:
+        x, y = seen + 1.0, values[seen]
+        cost = np.interp(n, x, y)
+        slope = max((y[-1] - y[-2]) / (x[-1] - x[-2]), 0.0)
+        beyond = n > x[-1]
+        cost[beyond] = y[-1] + slope * (n[beyond] - x[-1])
+        return cost
+    return prior_shape(rows) * ((values[seen[0]] / (1 + PRIOR_ROW_COST * seen[0])) if seen.size else 0.01)
+
+
+def distortion(seconds: np.ndarray) -> str | None:
+    """Why calibrated times [m] (NaN where not measured) cannot be a decode's cost curve, or None."""
+    seen = np.flatnonzero(~np.isnan(seconds))
+    if seen.size < 2 or seen[0] != 0:
+        return "no single-row time" if seen.size else "nothing measured"
+    shape = seconds[seen] / seconds[0]
+    for n, s in zip(seen + 1, shape):
+        if s > PHYSICS * n:
+            return f"{n} rows cost {s:.1f} single steps (at most {PHYSICS:g} x {n} can be real)"
+        if s < FLOOR:
+            return f"{n} rows cost {s:.2f} of a single step (a single row measured slow)"
+    return None
+
+
+def plausible(rows: int, r: float, calibrated: float) -> bool:
+    """Whether r single steps can be what `rows` rows cost, the calibration saying `calibrated`."""
+    return FLOOR <= r <= PHYSICS * rows and calibrated / FAR <= r <= calibrated * FAR
+
+
+def median(values) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+class CpuLoad:
+    """Cores kept busy by other processes while a measurement runs: the CPU time /proc/stat
+    counts on this process's cores, less this process's own, over the wall time. None where
+    /proc/stat cannot be read (not Linux)."""
+
+    def __init__(self):
+        self._start = None
+
+    @staticmethod
+    def _read():
+        try:
+            cores = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+            busy = 0
+            with open("/proc/stat") as f:
+                for line in f:
+                    parts = line.split()
+                    if parts and parts[0] in cores:
+                        v = [int(x) for x in parts[1:9]]
+                        busy += sum(v) - v[3] - v[4]           # all but idle and iowait
+            own = resource.getrusage(resource.RUSAGE_SELF)
+            return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), own.ru_utime + own.ru_stime
+        except (OSError, ValueError, AttributeError, IndexError):
+            return None
+
+    def start(self) -> None:
+        self._start = self._read()
+
+    def stop(self) -> float | None:
+        end = self._read()
+        if self._start is None or end is None:
+            return None
+        wall = end[0] - self._start[0]
+        if wall < MIN_WALL:               # /proc/stat counts in ticks of 10 ms: too short to tell
+            return None
+        return max((end[1] - self._start[1]) - (end[2] - self._start[2]), 0.0) / wall
+
+
+class CostCurve:
+    """Seconds of one decode of n rows, all with logits, on one loaded model: t(n).
+
+    `base` [m] holds the calibrated t(1..m), NaN where not measured; `meta` says when, in how
+    many passes and under what load. `refined` [m] holds the saved refinement of the shape,
+    NaN where none. `state` is "settled" (calibrated consistently on a quiet machine, and
+    saved), "provisional" (measured under load or inconsistently: used, never saved, measured
+    again later) or "repaired" (the cached file was distorted; `problem` says how). A `fixed`
+    curve never changes (tests, a cost model given by hand). A `pinned` curve answers from
+    `base` alone, ignores rounds and never explores, so that decisions made on it do not depend
+    on this run's timings (a seeded run)."""
+
+    def __init__(self, key: dict | None = None, seconds=None, fixed: bool = False):
+        self.key = key
+        self.fixed = fixed
+        self.pinned = False
+        self.base = np.full(max(CALIBRATION_SIZES), np.nan)
+        if seconds is not None:
+            self._set_base(seconds)
+        self.refined = np.full(len(self.base), np.nan)
+        self.meta: dict = {}
+        self.source = "given" if seconds is not None else "none"   # "cache", "measured", "given"
+        self.state = "settled" if seconds is not None else "none"
+        self.problem: str | None = None
+        self.dirty = False
+        self._ensured = 0
+        self._retry_at = 0.0
+        self._retry_wait = RETRY
+        # This process's observations: the clock is seconds of rounds observed.
+        self.clock = 0.0
+        self.recent: list[float] = []                        # the last rounds, in single steps
+        self.anchors: list[tuple[float, float]] = []         # (clock, seconds) of single-row rounds
+        self.samples: dict[int, list[tuple[float, float]]] = {}   # rows -> (clock, shape sample)
+        self.rejected = 0                                    # round times dropped as stalls
+        self.explored = 0                                    # rounds run at a stale size
+        self.spent = 0.0                                     # seconds those rounds lost
+        self._pending: float | None = None                   # an exploration's benchmark rate
+        self._calibrated: np.ndarray | None = None           # memo: the calibrated shape
+        self._step: float | None = None                      # memo: the calibrated single step
+        self._shape: np.ndarray | None = None                # memo: the effective shape ...
+        self._until = math.inf                               # ... until this clock (evidence expires)
+        self._speed: float | None = None                     # memo: the speed, until the next round
+
+    def _set_base(self, seconds) -> None:
+        seconds = np.asarray(seconds, dtype=np.float64)
+        if len(seconds) > len(self.base):
+            self.base = np.concatenate([self.base, np.full(len(seconds) - len(self.base), np.nan)])
+        self.base[: len(seconds)] = seconds
+        self._changed()
+
+    def _changed(self) -> None:
+        """The calibration, the saved refinement or the pin changed: every memo goes."""
+        self._calibrated = self._step = self._shape = self._speed = None
+
+    @property
+    def calibrated(self) -> bool:
+        return int((~np.isnan(self.base)).sum()) >= 2
+
+    def largest(self) -> int:
+        """The largest calibrated size (0 when none is)."""
+        seen = np.flatnonzero(~np.isnan(self.base))
+        return int(seen[-1]) + 1 if seen.size else 0
+
+    def calibrated_step(self) -> float:
+        """The calibrated seconds of a single-row decode."""
+        if self._step is None:
+            self._step = float(interpolate(self.base, 1)[0])
+        return self._step
+
+    def pin(self, pinned: bool) -> None:
+        """Answer from the calibrated values, ignoring rounds (True), or from shape and speed."""
+        if pinned != self.pinned:
+            self.pinned = pinned
+            self._changed()
+
+    # ---- the curve as decisions see it
+    def calibrated_shape(self, rows: int) -> np.ndarray:
+        """t(1..rows) / t(1) as calibrated (the saved refinement included, unless pinned):
+        [rows] float64, memoised (do not write into it)."""
+        if self._calibrated is None or len(self._calibrated) < rows:
+            size = max(rows, len(self.base), 33)
+            cost = interpolate(self.base, size)
+            shape = cost / cost[0]
+            have = min(size, len(self.refined))
+            if have and not self.pinned:
+                saved = self.refined[:have]
+                ok = ~np.isnan(saved)
+                shape[:have][ok] = saved[ok]
+            self._calibrated = shape
+        return self._calibrated[:rows]
+
+    def shape_of(self, rows: int) -> np.ndarray:
+        """The effective shape t(1..rows) / t(1): the calibrated one, corrected by fresh
+        evidence from rounds (interpolated in log between sizes with evidence, held past the
+        largest). [rows] float64, memoised until a sample comes or one used expires."""
+        if self._shape is not None and len(self._shape) >= rows and self.clock <= self._until:
+            return self._shape[:rows]
+        size = max(rows, len(self.base), max(self.samples, default=0), 33)
+        shape = self.calibrated_shape(size)
+        self._until = math.inf
+        if not (self.pinned or self.fixed):
+            x, y = [1.0], [0.0]
+            for n in sorted(self.samples):
+                fresh = [r for c, r in self.samples[n] if self.clock - c <= STALE]
+                if len(fresh) >= FRESH:
+                    x.append(float(n))
+                    y.append(math.log(median(fresh) / shape[n - 1]))
+                    # kept until this size would have too few fresh samples (the median of
+                    # the fresh ones, as they were at the last sample: one round's lag at most)
+                    self._until = min(self._until, self.samples[n][-FRESH][0] + STALE)
+            if len(x) > 1:
+                shape = shape * np.exp(np.interp(np.arange(1, size + 1), x, y))
+        self._shape = shape
+        return shape[:rows]
+
+    def shape(self, rows: int) -> float:
+        """t(rows) / t(1): how many single steps a decode of `rows` rows is worth (the thread
+        controller's yardstick)."""
+        return float(self.shape_of(rows)[-1])
+
+    def speed(self) -> float:
+        """Seconds of a single-row step now: the median of the last rounds, each divided by its
+        shape; the calibrated single step before any round (and for a pinned curve)."""
+        if self._speed is None:
+            use_rounds = not (self.pinned or self.fixed) and len(self.recent) >= 3
+            self._speed = median(self.recent) if use_rounds else self.calibrated_step()
+        return self._speed
+
+    def cost(self, rows: int) -> np.ndarray:
+        """t(1..rows) in seconds: [rows] float64."""
+        if self.pinned or self.fixed:
+            return self.calibrated_shape(rows) * self.calibrated_step()
+        return self.shape_of(rows) * self.speed()
+
+    def evidence(self, rows: int) -> int:
+        """How many fresh rounds of `rows` rows stand behind the shape there."""
+        pairs = self.anchors if rows == 1 else self.samples.get(rows, ())
+        return sum(1 for c, _ in pairs if self.clock - c <= STALE)
+
+    def _anchor(self) -> float | None:
+        fresh = [s for c, s in self.anchors if self.clock - c <= STALE]
+        return median(fresh) if fresh else None
+
+    # ---- rounds
+    def update(self, rows: int, seconds: float, emitted: int | None = None) -> None:
+        """Fold in a round that decoded `rows` rows in `seconds` and committed `emitted` tokens."""
+        if self.fixed or self.pinned or not (seconds > 0 and math.isfinite(seconds)):
+            self._pending = None
+            return
+        if self._pending is not None:          # an exploration: what it lost against the choice
+            if emitted is not None:
+                self.spent += max(seconds - emitted / self._pending, 0.0)
+            self.explored += 1
+            self._pending = None
+        self.clock += seconds
+        self._speed = None
+        if rows == 1:
+            self.anchors = (self.anchors + [(self.clock, seconds)])[-ANCHORS:]
+        elif (anchor := self._anchor()) is not None:
+            r = seconds / anchor
+            if plausible(rows, r, float(self.calibrated_shape(rows)[-1])):
+                self.samples[rows] = (self.samples.get(rows, []) + [(self.clock, r)])[-SAMPLES:]
+                self._shape = None
+                self.dirty = True
+            else:
+                self.rejected += 1
+        self.recent = (self.recent + [seconds / self.shape(rows)])[-RECENT:]
+
+    def explore(self, rates: np.ndarray, best: int) -> int:
+        """The draft length to verify this round: `best` (the argmax of `rates` [k+1], the
+        expected tokens per second of verifying 0..k), or a length whose size has fewer than
+        FRESH fresh rounds behind it, when what that round is expected to lose against `best`
+        fits the exploration budget (the cheapest such length). A size's cost is never believed above what physics allows, so a curve that
+        says a size is absurdly dear cannot keep it from being tried."""
+        if self.fixed or self.pinned or len(rates) < 2 or not rates[best] > 0:
+            return best
+        step = self.speed()
+        left = EXPLORE * self.clock - self.spent
+        if left < 0:
+            return best
+        cost = self.cost(len(rates))
+        choice, least = best, left
+        for j in range(len(rates)):
+            if j == best or self.evidence(j + 1) >= FRESH:
+                continue
+            expected = rates[j] * cost[j]                        # tokens the round is expected to emit
+            loss = min(cost[j], PHYSICS * (j + 1) * step) - expected / rates[best]
+            if loss <= least:
+                choice, least = j, loss
+        if choice != best:
+            self._pending = float(rates[best])
+        return choice
+
+    # ---- calibration
+    def calibrate(self, timed_decode, max_rows: int, limit: int | None = None, meter=None) -> None:
+        """Measure t at the usual sizes and at `max_rows`, none above `limit` (the batch size).
+        On a CPU the step from 1 to 2 rows is the steepest (a matrix-vector kernel gives way to
+        a matrix-matrix one), so the small sizes are all measured. `timed_decode(n)` decodes n
+        rows, rolls them back and returns the seconds taken. After one warm-up decode, every
+        size is measured in passes until the two lowest times of each agree (at least
+        MIN_PASSES, at most MAX_PASSES), and the lowest counts: a stall only ever adds time.
+        The result is settled when the passes agreed, the shape obeys physics, other work kept
+        under QUIET cores busy meanwhile and (where rounds ran before it) the single step is
+        not SLOWER than theirs; otherwise it is provisional."""
+        sizes = sorted(s for s in set(CALIBRATION_SIZES) | {max_rows} if limit is None or s <= limit)
+        meter = meter if meter is not None else CpuLoad()
+        timed_decode(sizes[0])                  # the first decode pays for pages and buffers
+        meter.start()
+        samples: dict[int, list[float]] = {rows: [] for rows in sizes}
+        passes = 0
+        while passes < MAX_PASSES:
+            for rows in sizes:
+                t = timed_decode(rows)
+                if t > 0 and math.isfinite(t):
+                    samples[rows].append(t)
+            passes += 1
+            if passes >= MIN_PASSES and all(_agree(v) for v in samples.values()):
+                break
+        busy = meter.stop()
+        best = {rows: min(v) for rows, v in samples.items() if v}
+        if len(best) < 2:
+            return
+        values = np.full(max(best), np.nan)
+        for rows, t in best.items():
+            values[rows - 1] = t
+        spread = max((sorted(v)[1] / sorted(v)[0] - 1) for v in samples.values() if len(v) >= 2)
+        problem = distortion(values)
+        if not all(_agree(v) for v in samples.values()):
+            problem = problem or f"passes disagree by up to {spread:.0%}"
+        if busy is not None and busy > QUIET:
+            problem = problem or f"{busy:.2f} cores were busy with other work"
+        recent = self._anchor()              # single-row rounds just before, when there were any
+        if recent is not None and best[sizes[0]] > SLOWER * recent:
+            problem = problem or f"a single step took {best[sizes[0]] / recent:.1f}x the rounds' just before"
+        self.base = np.full(len(values), np.nan)
+        self._set_base(values)
+        self.refined = np.full(len(self.base), np.nan)
+        self._changed()
+        self.meta = {"measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "passes": passes,
+                     "spread": round(float(spread), 4), "busy_cores": None if busy is None else round(busy, 3),
+                     "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
+        self.source = "measured"
+        self.state, self.problem = ("settled", None) if problem is None else ("provisional", problem)
+        self.dirty = self.state == "settled"
+
+    def ensure(self, timed_decode, max_rows: int, limit: int | None = None, recalibrate: bool = False,
+               meter=None) -> None:
+        """Make the curve usable up to `max_rows`: from the disk cache when it holds this key
+        (unless `recalibrate`), else measured now and cached once settled. Within a process a
+        curve is measured at most once for each larger `max_rows` asked for, and a provisional
+        one again once RETRY seconds have passed (then twice as long)."""
+        if self.fixed:
+            return
+        retry = self.state == "provisional" and time.monotonic() >= self._retry_at
+        if max_rows <= self._ensured and not retry:
+            return
+        if self.source == "none" and not recalibrate:
+            self.load()
+        if retry or not (self.calibrated and self.largest() >= min(max_rows, limit or max_rows)):
+            keep = self.calibrated and not recalibrate and self.state != "provisional"
+            kept, kept_meta, repaired = self.base.copy(), self.meta, self.problem if self.state == "repaired" else None
+            self.calibrate(timed_decode, max_rows, limit, meter)
+            if keep:                 # a larger size was asked for: the calibration so far stands,
+                n = min(len(kept), len(self.base))      # and the new sizes join it in its units
+                merged = self.base * (kept[0] / self.base[0])
+                merged[:n] = np.where(np.isnan(kept[:n]), merged[:n], kept[:n])
+                if distortion(merged) is None:
+                    self.base = merged
+                    self.meta = kept_meta | {"extended": self.meta.get("measured")}
+                    self._changed()
+            if self.state == "settled":
+                if repaired:
+                    self.state, self.problem = "repaired", repaired
+                self.save()
+            else:
+                self._retry_at = time.monotonic() + self._retry_wait
+                self._retry_wait *= 2
+        self._ensured = max(max_rows, self._ensured)
+
+    # ---- the disk cache
+    def _path(self) -> Path | None:
+        if self.key is None:
+            return None
+        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:20]
+        return costs_dir() / f"{digest}.json"
+
+    def load(self) -> bool:
+        """Read the cached curve for this key, if there is a valid one. A file whose
+        calibration is distorted is not obeyed (the curve is measured again: `state` becomes
+        "repaired" once it is); a refinement that is distorted is dropped and the file is
+        rewritten without it."""
+        path = self._path()
+        try:
+            data = json.loads(path.read_text()) if path else None
+        except (OSError, ValueError):
+            return False
+        record = read_record(data)
+        if record is None or record["key"] != self.key:
+            return False
+        base, refined, meta, problem = record["base"], record["refined"], record["meta"], record["problem"]
+        if record["calibration_problem"] is not None:
+            self.state, self.problem = "repaired", f"cached calibration distorted: {record['calibration_problem']}"
+            return False
+        self.base = np.full(len(base), np.nan)
+        self._set_base(base)
+        self.refined = np.full(len(self.base), np.nan)
+        self.refined[: min(len(refined), len(self.base))] = refined[: len(self.base)]
+        self._changed()
+        self.meta = meta
+        self.source = "cache"
+        self.state, self.problem = ("repaired", problem) if problem else ("settled", None)
+        self.dirty = False
+        if problem or record["format"] != COST_FORMAT:
+            self._write()
+        return True
+
+    def _consistent_refinement(self) -> np.ndarray:
+        """This process's refinement that may be saved: per size with SAVE_SAMPLES samples or
+        more whose middle half agrees, their lower quartile; NaN elsewhere. [m] float64."""
+        out = np.full(max(len(self.base), max(self.samples, default=0)), np.nan)
+        for n, pairs in self.samples.items():
+            values = np.array([r for _, r in pairs])
+            if len(values) < SAVE_SAMPLES:
+                continue
+            q25, q50, q75 = np.percentile(values, [25, 50, 75])
+            if (q75 - q25) / q50 <= AGREE_REFINED:
+                out[n - 1] = q25
+        return out
+
+    def save(self) -> None:
+        """Write the curve to the disk cache, if it is settled (atomically; a cache that cannot
+        be written only means measuring again next time)."""
+        if self.key is None or not self.calibrated or self.fixed or self.state == "provisional":
+            return
+        new = self._consistent_refinement()
+        if len(new) > len(self.refined):
+            self.refined = np.concatenate([self.refined, np.full(len(new) - len(self.refined), np.nan)])
+        self.refined[: len(new)] = np.where(np.isnan(new), self.refined[: len(new)], new)
+        self._changed()
+        self._write()
+
+    def _write(self) -> None:
+        path = self._path()
+        data = {"format": COST_FORMAT, "key": self.key,
+                "calibration": dict(self.meta, seconds=_json_list(self.base)),
+                "refined": _json_list(self.refined)}
+        tmp = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".costs-", suffix=".part")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, path)
+            tmp = None
+            self.dirty = False
+        except OSError:
+            pass
+        finally:                      # an error or a Ctrl-C leaves no temporary file behind
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+    def report(self) -> dict:
+        """The curve's state, for `--json` stats and doctor."""
+        rows = max(self.largest(), 1)
+        shape = self.calibrated_shape(rows) if self.calibrated else prior_shape(rows)
+        out = {"source": self.source, "state": self.state,
+               "shape": {str(n): round(float(shape[n - 1]), 3) for n in CALIBRATION_SIZES if n <= rows},
+               "calibrated_step_ms": round(1000 * self.calibrated_step(), 3) if self.calibrated else None,
+               "step_ms": round(1000 * self.speed(), 3) if self.calibrated else None}
+        out.update({k: self.meta[k] for k in ("measured", "passes", "spread", "busy_cores") if k in self.meta})
+        out.update(explored=self.explored, explore_share=round(self.spent / self.clock, 4) if self.clock else 0.0,
+                   rejected=self.rejected)
+        if self.problem:
+            out["problem"] = self.problem
+        return out
+
+
+def _agree(values: list[float]) -> bool:
+    if len(values) < 2:
+        return False
+    a, b = sorted(values)[:2]
+    return b <= a * (1 + AGREE) or b - a <= ABS_AGREE
+
+
+def _json_list(values: np.ndarray) -> list:
+    return [None if np.isnan(v) else float(v) for v in values]
+
+
+def _floats(raw) -> np.ndarray | None:
+    if not isinstance(raw, list):
+        return None
+    try:
+        values = np.array([np.nan if v is None else float(v) for v in raw], dtype=np.float64)
+    except (TypeError, ValueError):
+        return None
+    seen = values[~np.isnan(values)]
+    if not np.isfinite(seen).all() or (seen <= 0).any():
+        return None
+    return values
+
+
+def read_record(data) -> dict | None:
+    """A cache file's contents, checked: {"format", "key", "base" [m] seconds, "refined" [m]
+    shape, "meta", "calibration_problem" (why the calibration is not a curve, or None),
+    "problem" (what was dropped from the refinement, or None)}; None when it is not a cost
+    file at all. Format 1 (before shape and speed were apart) kept the calibration as "base"
+    and a refined curve in seconds as "seconds"."""
+    if not isinstance(data, dict) or data.get("format") not in (1, COST_FORMAT) or not isinstance(data.get("key"), dict):
+        return None
+    if data["format"] == 1:
+        base = _floats(data.get("base", data.get("seconds")))
+        seconds = _floats(data.get("seconds"))
+        if base is None or seconds is None or np.isnan(seconds[0]):
+            return None
+        refined, meta = seconds / seconds[0], {}
+    else:
+        calibration = data.get("calibration")
+        if not isinstance(calibration, dict):
+            return None
+        base, refined = _floats(calibration.get("seconds")), _floats(data.get("refined", []))
+        if base is None or refined is None:
+            return None
+        meta = {k: v for k, v in calibration.items() if k != "seconds"}
+    record = {"format": data["format"], "key": data["key"], "base": base, "meta": meta,
+              "calibration_problem": distortion(base), "problem": None}
+    refined = refined.copy()
+    if record["calibration_problem"] is None:
+        cost = interpolate(base, max(len(base), len(refined)))
+        dropped = []
+        for i in np.flatnonzero(~np.isnan(refined)):
+            n = i + 1
+            if n == 1 or not plausible(n, float(refined[i]), float(cost[i] / cost[0])):
+                if n > 1:
+                    dropped.append(f"{n}: {refined[i]:.1f}")
+                refined[i] = np.nan
+        if dropped:
+            record["problem"] = ("refined shape distorted (single steps at " + ", ".join(dropped)
+                                 + "), dropped; the calibration stands")
+    record["refined"] = refined
+    return record

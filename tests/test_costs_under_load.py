@@ -1,0 +1,275 @@
+"""Speculation that survives a busy machine (docs/design.md, "Cost model"): cost curves that
+load cannot poison, a controller that finds its way back, on a simulated machine.
+
+`Machine` (tests/fake_backend.py) is the clock of the engine and of the fake target: a decode
+of n tokens takes step * (1 + 0.4 (n - 1)) seconds, some of them stalled 100x. The drafter is
+an oracle that proposes the target's greedy continuation (a copy in progress: every draft
+token is accepted when verified), so the best draft length is the longest, and a round that
+does not draft is the controller's own doing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fake_backend import FakeLM, FakeTarget, Machine, NoisyOracle
+from flylocal import costs as costs_module
+from flylocal.adaptive import DraftLength, ModelDraftLength, timed_decode
+from flylocal.costs import EXPLORE, CostCurve, read_record
+from flylocal.engine import Engine, EngineConfig, generate_all
+from flylocal.verifiers.strict import strict
+
+LM = FakeLM(seed=7, n_vocab=48, eog=(), p_eog=0.0)
+KEY = {"model": "/sim.gguf", "threads": 2}
+TRUE_SHAPE = 1 + 0.4 * np.arange(17)          # the machine's t(n)/t(1), n = 1..17
+
+
+class Quiet:
+    """A load meter that says nothing else ran."""
+
+    def start(self):
+        pass
+
+    def stop(self):
+        return 0.0
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLYLOCAL_COSTS", str(tmp_path / "costs"))
+    monkeypatch.setattr(costs_module, "CpuLoad", Quiet)
+    return tmp_path / "costs"
+
+
+def engine_on(machine: Machine, curve: CostCurve, p_corrupt: float = 0.0, seed: int = 0, k: int = 8,
+              max_tokens: int = 300, n_ctx: int = 4096):
+    target = FakeTarget(LM, n_ctx=n_ctx, costs=curve, machine=machine)
+    drafter = NoisyOracle(LM, seed=seed, p_corrupt=p_corrupt, p_eog=0.0, p_short=0.0, adaptive=True)
+    return target, Engine(target, drafter, strict, EngineConfig(max_tokens=max_tokens, k=k, trace=True), clock=machine)
+
+
+def prompt(seed: int, n: int = 12) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, LM.n_vocab, size=n).astype(np.int32)
+
+
+def drafted_rounds(traces) -> list[int]:
+    return [len(t["draft"]) for t in traces]
+
+
+def test_a_curve_poisoned_like_the_busy_hours_cache_drafts_again_within_a_few_rounds(cache):
+    """The cache file a busy hour left: calibrated values right, refined ones 100x too dear at
+    2-9 rows. Loaded, the refinement is dropped as distorted (and the file repaired), so a copy
+    drafts from the first rounds."""
+    single = 0.0084
+    base = [single, 0.0143, 0.0204, None, 0.0285, None, None, None, 0.046] + [None] * 7 + [0.0772]
+    refined = [0.0114, 1.620, 1.724, None, 1.622, None, None, None, 1.656] + [None] * 7 + [0.0772]
+    curve = CostCurve(key=KEY)
+    cache.mkdir()
+    path = curve._path()
+    path.write_text(json.dumps({"format": 1, "key": KEY, "seconds": refined, "base": base}))
+    assert curve.load() and curve.state == "repaired" and "distorted" in curve.problem
+    assert curve.shape(9) == pytest.approx(0.046 / single)          # the calibration stands
+    on_disk = read_record(json.loads(path.read_text()))
+    assert on_disk["format"] == 2 and on_disk["problem"] is None    # repaired, not obeyed
+    assert np.isnan(on_disk["refined"][1:9]).all()
+    machine = Machine(step=single)
+    _, engine = engine_on(machine, curve, max_tokens=160)
+    _, stats, traces = generate_all(engine, prompt(1))
+    drafts = drafted_rounds(traces)
+    assert np.mean([d > 0 for d in drafts[1:]]) > 0.9 and np.mean(drafts) >= 4, drafts
+    assert stats.cost_curve["state"] == "repaired"
+    fresh = Machine(step=single)
+    _, engine = engine_on(fresh, CostCurve(seconds=single * TRUE_SHAPE), max_tokens=160)
+    _, fresh_stats, _ = generate_all(engine, prompt(1))
+    assert stats.emitted / machine.decode_s >= 0.9 * fresh_stats.emitted / fresh.decode_s
+
+
+def test_a_cache_whose_calibration_breaks_physics_is_measured_again(cache):
+    """The exact build's poisoned calibration: one row 159 ms, more rows ~ 20 ms. Not obeyed:
+    measured again when first needed, and the file replaced."""
+    curve = CostCurve(key=KEY)
+    cache.mkdir()
+    curve._path().write_text(json.dumps({"format": 1, "key": KEY, "base": [0.159, 0.021, 0.026],
+                                         "seconds": [0.159, 0.021, 0.026]}))
+    assert not curve.load() and curve.state == "repaired"
+    machine = Machine(step=0.017)
+    target = FakeTarget(LM, n_ctx=256, costs=curve, machine=machine)
+    target.decode(prompt(2))
+    curve.ensure(lambda rows: timed_decode(target, 3, rows, machine), max_rows=9)
+    assert curve.source == "measured" and curve.state == "repaired"
+    assert curve.calibrated_step() == pytest.approx(0.017)
+    assert curve.shape(9) == pytest.approx(TRUE_SHAPE[8])
+    again = CostCurve(key=KEY)
+    assert again.load() and again.state == "settled" and again.calibrated_step() == pytest.approx(0.017)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_calibration_wrong_within_physics_corrects_itself_within_a_generation(seed):
+    """A curve no file check can catch: every size about 2.7x too dear in single steps (a
+    decode of 9 rows 11 steps, where it takes 4.2), so the controller starts on plain steps.
+    Exploring the cheapest sizes first, within its budget, it finds the shape and drafts long
+    again within the first 150 of 300 tokens."""
+    wrong = 1 + 1.25 * np.arange(17)
+    curve = CostCurve(seconds=0.01 * wrong)
+    machine = Machine(step=0.01, noise=0.03, seed=seed)
+    _, engine = engine_on(machine, curve, seed=seed, max_tokens=300)
+    _, stats, traces = generate_all(engine, prompt(seed))
+    drafts = drafted_rounds(traces)
+    assert drafts[0] == 0                                   # the wrong curve did switch drafting off
+    start = next(i for i, d in enumerate(drafts) if d >= 6)
+    assert sum(len(t["emitted"]) for t in traces[:start]) < 150, drafts
+    assert np.mean([d >= 4 for d in drafts[start:]]) > 0.9, drafts
+    assert curve.shape(9) == pytest.approx(TRUE_SHAPE[8], rel=0.1)
+
+
+def test_a_load_that_passes_leaves_no_trace_in_the_decisions():
+    """A spell 10x slower everywhere (a busy machine), then idle again: the curve's speed
+    follows, its shape does not move, and every draft-length decision made on it after the
+    spell is the one made on the curve of a run that never saw it."""
+    def run(spell: bool) -> CostCurve:
+        curve = CostCurve(seconds=0.01 * TRUE_SHAPE)
+        machine = Machine(step=0.01, seed=3)
+        target, engine = engine_on(machine, curve, p_corrupt=0.25, seed=3, max_tokens=120)
+        for turn in range(3):
+            machine.slow = 10.0 if spell and turn == 1 else 1.0
+            target.reset()
+            generate_all(engine, prompt(10 + turn))
+        return curve
+
+    calm, busy = run(False), run(True)
+    assert np.allclose(busy.shape_of(9), calm.shape_of(9), rtol=0.05)
+    assert busy.speed() == pytest.approx(0.01, rel=0.05)
+    prior = NoisyOracle(LM).level_prior
+    for level in range(len(prior)):
+        for available in range(1, 9):
+            assert (DraftLength(8, prior, busy).best(level, available)
+                    == DraftLength(8, prior, calm).best(level, available))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stalls_of_100x_never_move_the_saved_shape(cache, seed):
+    """One decode in ten stalls 100x, in calibration and in the rounds. What is saved (the
+    calibrated shape and the refinement) is within a few percent of what the same machine
+    saves without stalls."""
+    def saved(p_stall: float) -> np.ndarray:
+        key = dict(KEY, stalls=p_stall, seed=seed)
+        curve = CostCurve(key=key)
+        machine = Machine(step=0.01, noise=0.01, p_stall=p_stall, seed=seed)
+        target, engine = engine_on(machine, curve, p_corrupt=0.2, seed=seed, max_tokens=250)
+        for turn in range(2):
+            target.reset()
+            ids = prompt(20 + turn)
+            target.decode(ids[:-1])
+            curve.ensure(lambda rows: timed_decode(target, int(ids[-1]), rows, machine), max_rows=9)
+            assert curve.state == "settled"
+            target.reset()
+            generate_all(engine, ids)
+        curve.save()
+        again = CostCurve(key=key)
+        assert again.load()
+        return again.shape_of(17)
+
+    clean, stalled = saved(0.0), saved(0.1)
+    assert np.allclose(stalled, clean, rtol=0.04), (stalled, clean)
+    assert np.allclose(clean, TRUE_SHAPE, rtol=0.05)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_exploration_stays_within_its_budget_on_an_honest_curve(seed, monkeypatch):
+    """On a curve that is right, trying stale sizes costs at most EXPLORE of the decoding time:
+    by the controller's own account, and measured as tokens per second against the same runs
+    with exploration switched off."""
+    def run(explore: bool):
+        if not explore:
+            monkeypatch.setattr(CostCurve, "explore", lambda self, rates, best: best)
+        curve = CostCurve(seconds=0.01 * TRUE_SHAPE)
+        machine = Machine(step=0.01, seed=seed)
+        target, engine = engine_on(machine, curve, p_corrupt=0.3, seed=seed, max_tokens=400)
+        emitted = 0
+        for turn in range(4):
+            target.reset()
+            _, stats, _ = generate_all(engine, prompt(40 + turn))
+            emitted += stats.emitted
+        monkeypatch.undo()
+        return curve, emitted / machine.decode_s
+
+    curve, with_explore = run(True)
+    _, without = run(False)
+    assert curve.explored > 0
+    assert curve.spent <= EXPLORE * curve.clock + 0.01 * TRUE_SHAPE[8]     # one round's overshoot at most
+    assert with_explore >= (1 - 2 * EXPLORE) * without, (with_explore, without)
+
+
+def test_calibration_repeats_until_its_passes_agree_and_keeps_the_lowest():
+    """Stalled probes are measured over; the lowest of agreeing samples counts."""
+    calls = []
+    stalls = {3: 2, 9: 1}                         # the 3rd and 9th probe take 100x
+
+    def probe(rows):
+        calls.append(rows)
+        t = 0.01 * (1 + 0.4 * (rows - 1))
+        return t * 100 if stalls.get(len(calls)) else t
+
+    curve = CostCurve(key=None)
+    curve.calibrate(probe, max_rows=9, meter=Quiet())
+    assert curve.state == "settled" and curve.meta["passes"] == 4      # size 2 stalled twice in 3
+    assert np.allclose(curve.shape_of(9), TRUE_SHAPE[:9])
+
+
+def test_a_calibration_that_never_settles_is_used_but_not_saved_and_is_tried_again(cache, monkeypatch):
+    rng = np.random.default_rng(0)
+    noisy = lambda rows: 0.01 * (1 + 0.4 * (rows - 1)) * rng.uniform(1, 3)    # noqa: E731
+    curve = CostCurve(key=KEY)
+    curve.ensure(noisy, max_rows=9)
+    assert curve.state == "provisional" and "disagree" in curve.problem
+    assert curve.calibrated and not list(cache.glob("*.json"))           # used, not saved
+    monkeypatch.setattr(costs_module.time, "monotonic", lambda: 1e12)     # RETRY seconds later
+    steady = lambda rows: 0.01 * (1 + 0.4 * (rows - 1))                    # noqa: E731
+    curve.ensure(steady, max_rows=9)
+    assert curve.state == "settled" and len(list(cache.glob("*.json"))) == 1
+
+
+def test_a_calibration_while_other_work_keeps_the_cores_busy_is_provisional(cache):
+    class Busy(Quiet):
+        def stop(self):
+            return 1.6
+
+    curve = CostCurve(key=KEY)
+    curve.calibrate(lambda rows: 0.01 * (1 + 0.4 * (rows - 1)), max_rows=9, meter=Busy())
+    assert curve.state == "provisional" and "busy" in curve.problem
+    curve.save()
+    assert not list(cache.glob("*.json"))
+
+
+def test_refinement_samples_that_break_physics_are_dropped_as_stalls():
+    curve = CostCurve(seconds=0.01 * TRUE_SHAPE)
+    for _ in range(5):
+        for _ in range(3):
+            curve.update(1, 0.01)
+        curve.update(5, 0.01 * 100)               # 100 single steps for 5 rows: a stall
+    assert curve.rejected == 5 and curve.shape(5) == pytest.approx(TRUE_SHAPE[4])
+    assert curve.speed() == pytest.approx(0.01)   # a median: the stalls did not move it
+
+
+def test_the_draft_models_cost_measured_under_load_expires():
+    """Drafts measured while the machine was 10x slower, relative to the target's speed then,
+    give the draft's cost now; once those drafts are STALE seconds old the calibrations' ratio
+    answers again, so a draft model judged too dear is weighed afresh."""
+    target = CostCurve(seconds=0.01 * TRUE_SHAPE)
+    draft = CostCurve(seconds=0.002 * TRUE_SHAPE)
+    plan = ModelDraftLength(8, target, draft)
+    assert plan.step_s() == pytest.approx(0.002)
+    for _ in range(5):
+        target.update(1, 0.1)                      # the target is 10x slower now
+    for _ in range(3):
+        plan.observe([4] * 4, 4, 4 * 0.02 * 3)     # and the draft seemed 3x dearer still
+    assert plan.step_s() == pytest.approx(0.06)
+    for _ in range(10):
+        target.update(1, 0.01)                     # idle again: the ratio holds, the speed follows
+    assert plan.step_s() == pytest.approx(0.006)
+    while target.clock < costs_module.STALE + 1.0:
+        target.update(1, 0.01)
+    assert plan.step_s() == pytest.approx(0.002)
