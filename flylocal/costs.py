@@ -186,6 +186,11 @@ class CostCurve:
         self.recent: list[float] = []                        # the last rounds, in single steps
         self.anchors: list[tuple[float, float]] = []         # (clock, seconds) of single-row rounds
         self.samples: dict[int, list[tuple[float, float]]] = {}   # rows -> (clock, shape sample)
+        # What may be saved: samples taken on the thread count the curve is keyed by (`on_key`,
+        # kept by the runtime), in a period other work left the cores alone (`_period`).
+        self.on_key = True
+        self.keep: dict[int, list[float]] = {}
+        self._period: CpuLoad | None = None
         self.rejected = 0                                    # round times dropped as stalls
         self.explored = 0                                    # rounds run at a stale size
         self.spent = 0.0                                     # seconds those rounds lost
@@ -309,6 +314,9 @@ class CostCurve:
             self._pending = None
         self.clock += seconds
         self._speed = None
+        if self._period is None and self.key is not None:
+            self._period = CpuLoad()
+            self._period.start()
         if rows == 1:
             self.anchors = (self.anchors + [(self.clock, seconds)])[-ANCHORS:]
         elif (anchor := self._anchor()) is not None:
@@ -316,7 +324,9 @@ class CostCurve:
             if plausible(rows, r, float(self.calibrated_shape(rows)[-1])):
                 self.samples[rows] = (self.samples.get(rows, []) + [(self.clock, r)])[-SAMPLES:]
                 self._shape = None
-                self.dirty = True
+                if self.on_key:
+                    self.keep[rows] = (self.keep.get(rows, []) + [r])[-SAMPLES:]
+                    self.dirty = True
             else:
                 self.rejected += 1
         self.recent = (self.recent + [seconds / self.shape(rows)])[-RECENT:]
@@ -471,10 +481,17 @@ class CostCurve:
 
     def _consistent_refinement(self) -> np.ndarray:
         """This process's refinement that may be saved: per size with SAVE_SAMPLES samples or
-        more whose middle half agrees, their lower quartile; NaN elsewhere. [m] float64."""
-        out = np.full(max(len(self.base), max(self.samples, default=0)), np.nan)
-        for n, pairs in self.samples.items():
-            values = np.array([r for _, r in pairs])
+        more (taken on the keyed thread count) whose middle half agrees, their lower quartile;
+        NaN elsewhere. Nothing when other work kept QUIET cores or more busy meanwhile. [m]
+        float64."""
+        out = np.full(max(len(self.base), max(self.keep, default=0)), np.nan)
+        busy = self._period.stop() if self._period is not None else None
+        self._period = None
+        if busy is not None and busy > QUIET:
+            self.keep.clear()
+            return out
+        for n, values in self.keep.items():
+            values = np.array(values)
             if len(values) < SAVE_SAMPLES:
                 continue
             q25, q50, q75 = np.percentile(values, [25, 50, 75])
@@ -488,6 +505,8 @@ class CostCurve:
         if self.key is None or not self.calibrated or self.fixed or self.state == "provisional":
             return
         new = self._consistent_refinement()
+        if np.isnan(new).all() and self.source == "cache":
+            return                                       # nothing new to write
         if len(new) > len(self.refined):
             self.refined = np.concatenate([self.refined, np.full(len(new) - len(self.refined), np.nan)])
         self.refined[: len(new)] = np.where(np.isnan(new), self.refined[: len(new)], new)

@@ -348,6 +348,7 @@ class Runtime:
         # What a decode of n rows costs here, shared by everything that drafts for this model;
         # keyed for the disk cache by what it depends on (docs/design.md, "Cost model").
         self.costs = CostCurve(key=self._cost_key())
+        self.costs.on_key = self.n_threads == self.calibration_threads
         self.bos = llama_cpp.llama_vocab_bos(self._vocab)
         self.eos = llama_cpp.llama_vocab_eos(self._vocab)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
@@ -640,6 +641,7 @@ class Runtime:
         self._check_open()
         llama_cpp.llama_set_n_threads(self._ctx, n, n)
         self.n_threads = n
+        self.costs.on_key = n == self.calibration_threads     # rounds at another count refine, unsaved
 
     @contextlib.contextmanager
     def steady_threads(self):

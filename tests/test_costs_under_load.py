@@ -273,3 +273,41 @@ def test_the_draft_models_cost_measured_under_load_expires():
     while target.clock < costs_module.STALE + 1.0:
         target.update(1, 0.01)
     assert plan.step_s() == pytest.approx(0.002)
+
+
+def refine(curve: CostCurve, nine: float = 3.0, times: int = 9) -> None:
+    for _ in range(times):
+        curve.update(1, 0.01)
+        curve.update(9, 0.01 * nine)
+
+
+def test_a_refinement_measured_while_other_work_was_busy_is_used_but_not_saved(cache, monkeypatch):
+    class Busy(Quiet):
+        def stop(self):
+            return 1.2
+
+    curve = CostCurve(key=KEY)
+    curve.calibrate(lambda rows: 0.01 * (1 + 0.4 * (rows - 1)), max_rows=9)
+    curve.save()
+    monkeypatch.setattr(costs_module, "CpuLoad", Busy)
+    refine(curve)
+    assert curve.shape(9) == pytest.approx(3.0)            # this process decides on it
+    curve.save()
+    again = CostCurve(key=KEY)
+    assert again.load() and again.shape(9) == pytest.approx(TRUE_SHAPE[8])
+    monkeypatch.setattr(costs_module, "CpuLoad", Quiet)
+    refine(again)
+    again.save()
+    third = CostCurve(key=KEY)
+    assert third.load() and third.shape(9) == pytest.approx(3.0)   # a quiet period's is saved
+
+
+def test_rounds_on_another_thread_count_than_the_curves_refine_it_unsaved(cache):
+    curve = CostCurve(key=KEY)
+    curve.calibrate(lambda rows: 0.01 * (1 + 0.4 * (rows - 1)), max_rows=9)
+    curve.on_key = False                                   # --threads auto moved off every core
+    refine(curve)
+    assert curve.shape(9) == pytest.approx(3.0)
+    curve.save()
+    again = CostCurve(key=KEY)
+    assert again.load() and again.shape(9) == pytest.approx(TRUE_SHAPE[8])
