@@ -394,18 +394,24 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
 @click.option("--max-queue", type=click.IntRange(min=0), default=16, show_default=True,
               help="Most requests waiting for the model; past it the server answers 503 with Retry-After.")
 @click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
-              help="Allow browser requests from this origin (repeatable). Default: CORS off.")
-def serve(host, port, api_key, max_queue, cors_origins, **opts):
+              help="Allow browser requests from this origin (repeatable). Default: only the server's own.")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="Another name clients may reach the server by (a LAN name; repeatable). Requests whose Host "
+                   "header names no address of the server and no such name are refused.")
+@click.option("--quiet", is_flag=True, help="No log line per request on stderr.")
+def serve(host, port, api_key, max_queue, cors_origins, allowed_hosts, quiet, **opts):
     """Serve the models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
-    /v1/models, /health, /metrics). The options set each request's defaults; a request may
-    override the method and sampling fields (verifier, drafter, k, temperature, ...).
-    SIGTERM or Ctrl-C stops it once the requests in flight have ended (at most 30 s)."""
+    /v1/models) and Ollama's (/api/chat, /api/generate, /api/tags, ...), with /health and
+    /metrics. The options set each request's defaults; a request may override the method and
+    sampling fields (verifier, drafter, k, temperature, ...). Requests a web page could make
+    (a foreign Origin, a Host that does not name the server, a POST that is not JSON) are
+    refused. SIGTERM or Ctrl-C stops it once the requests in flight have ended (at most 30 s)."""
     from flylocal import models as registry
     from flylocal.loader import check, load
     from flylocal.session import Session
 
     try:
-        from flylocal import server
+        from flylocal import serve as server
     except ImportError as e:
         raise FlylocalError(f"flylocal serve needs its extra ({e.name} is missing): "
                             "pip install -e '.[serve]' (scripts/setup.sh installs it)") from None
@@ -415,7 +421,7 @@ def serve(host, port, api_key, max_queue, cors_origins, **opts):
         if name:
             registry.resolve(name, note)
     server.serve(lambda: Session(load(settings, log=note)), settings, host, port, api_key or None, max_queue,
-                 cors_origins, note)
+                 cors_origins, note, allowed_hosts=allowed_hosts, quiet=quiet)
 
 
 @cli.command("rpc-server")

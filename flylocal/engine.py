@@ -21,7 +21,7 @@ import numpy as np
 
 from flylocal.adaptive import DraftLength, timed_decode
 from flylocal.errors import FlylocalError
-from flylocal.sampling import SamplingParams, position_noise, sample_targets
+from flylocal.sampling import SamplingParams, position_noise, sample_targets, target_argmax, token_logprobs
 from flylocal.stats import Stats
 from flylocal.verifiers import Decision, Verifier, emitted_tokens, regrets
 
@@ -38,6 +38,8 @@ class EngineConfig:
     trace: bool = False        # attach trace rows (docs/design.md) to round events
     sampling: SamplingParams = field(default_factory=SamplingParams)   # temperature 0: greedy
     pin_costs: bool = False    # decide draft lengths on calibrated costs only, never this run's timings
+    logprobs: int | None = None   # give each output token its log-probability and this many of the most
+                                  # likely ones at its position (None: none are computed)
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,8 @@ class RoundEvent:
                                # an end-of-generation token is committed but is not output
     kinds: tuple[str, ...]     # ACCEPTED, LOOSE or TARGET per token of `tokens`
     trace: dict | None = None
+    logprobs: tuple | None = None   # per token of `tokens` (with EngineConfig.logprobs): (log-probability,
+                                    # ((id, log-probability), ...) most likely first), from the round's rows
 
 
 class Generation:
@@ -170,7 +174,7 @@ class Engine:
                 # a[0..k]: the target's token at each position, its argmax at temperature 0 and
                 # its speculative-sampling decision otherwise (docs/design.md, "Temperature > 0").
                 if cfg.sampling.greedy:
-                    a = logits.argmax(axis=1).astype(np.int32)           # [k+1]
+                    a = target_argmax(draft, logits, context[:n], cfg.sampling)   # [k+1]
                 else:
                     a = sample_targets(draft, logits, context[:n], cfg.sampling,
                                        position_noise(seed, np.arange(n, n + len(draft) + 1)))
@@ -215,6 +219,9 @@ class Engine:
                     self.costs.update(len(draft) + 1, t4 - t1, emitted=m)
                 trace = self._trace_row(stats.rounds - 1, n_past, draft, a, logits, decision, emitted,
                                         proposal) if cfg.trace else None
+                # Row j scored the position of committed[j] under the prefix committed before it.
+                logprobs = (tuple(token_logprobs(committed[:shown], logits, context[: n - m], cfg.sampling,
+                                                 cfg.logprobs)) if cfg.logprobs is not None else None)
                 tokens = tuple(int(t) for t in committed[:shown])
                 out.extend(tokens)
                 # The stop is known before the last event goes out: a consumer that closes
@@ -225,7 +232,7 @@ class Engine:
                     stats.stop = "max_tokens"
                 elif n >= target.n_ctx:
                     stats.stop = "context"
-                yield RoundEvent(stats.rounds - 1, tokens, kinds, trace)
+                yield RoundEvent(stats.rounds - 1, tokens, kinds, trace, logprobs)
                 if stats.stop:
                     break
         except GeneratorExit:

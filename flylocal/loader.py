@@ -168,6 +168,7 @@ def build_engine(settings: Settings, target: Runtime, draft: Runtime | None, cor
         adaptive=adaptive,
         recalibrate=settings.recalibrate,
         trace=settings.trace,
+        logprobs=settings.logprobs,
         sampling=settings.sampling,
         # With a seed, draft lengths must not follow this run's timings: a loose verifier's
         # output follows the drafts, and with the fast kernels so can strict's at a near-tie.

@@ -1,9 +1,10 @@
 """Sampling at temperature > 0, lossless under speculation (docs/design.md, "Temperature > 0").
 
 The target's distribution at a draft position is the *processed* one, in the order of
-llama.cpp's own sampler chain: repeat penalty over the tokens committed before that position,
-then top-k, top-p and min-p on the untempered distribution, then temperature over the tokens
-that are left. With the same settings flylocal and llama.cpp sample from the same q. Drafts stay greedy (deterministic): a greedy draft is the most
+llama.cpp's own sampler chain: logit bias, then the penalties (repeat, frequency, presence)
+over the tokens committed before that position, then top-k, top-p and min-p on the untempered
+distribution, then temperature over the tokens that are left. Bias and penalties apply at
+temperature 0 too: the target's greedy token is the argmax of the adjusted logits. With the same settings flylocal and llama.cpp sample from the same q. Drafts stay greedy (deterministic): a greedy draft is the most
 likely proposal under the draft model, and a deterministic draft needs no draft
 probabilities. The target's token at each position, a[j], is drawn from q_j by inverse CDF at
 that position's own noise u = position_noise(seed, position), and a draft token is accepted
@@ -28,23 +29,75 @@ class SamplingParams:
     top_p: float = 0.95           # 1: off
     min_p: float = 0.05           # 0: off
     repeat_penalty: float = 1.0   # 1: off
+    frequency_penalty: float = 0.0   # subtracted once per occurrence in the last repeat_last_n ids
+    presence_penalty: float = 0.0    # subtracted once from each id among them
     repeat_last_n: int = 64
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit), first of all
     seed: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @property
+    def adjusts(self) -> bool:
+        """Whether logit bias or a penalty changes the logits before anything is chosen."""
+        return bool(self.logit_bias) or self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 \
+            or self.presence_penalty != 0.0
+
+
+def adjust(z: np.ndarray, history: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """The logits of one position [n_vocab] float64 (a copy) after logit bias, then the
+    penalties over the last repeat_last_n ids of `history` (the committed ids before it), as
+    llama.cpp's penalties sampler applies them to an id seen c times: the repeat penalty divides
+    a positive logit and multiplies a negative one, then c * frequency + presence is subtracted."""
+    z = z.astype(np.float64)
+    for token, bias in p.logit_bias:
+        z[token] += bias
+    if len(history) and (p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+        seen, counts = np.unique(history[-p.repeat_last_n:], return_counts=True)
+        vals = z[seen]
+        if p.repeat_penalty != 1.0:
+            vals = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+        z[seen] = vals - counts * p.frequency_penalty - p.presence_penalty
+    return z
+
+
+def target_argmax(draft: np.ndarray, logits: np.ndarray, committed: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """a [k+1] int32 at temperature 0: each row's argmax, of its adjusted logits when a bias or a
+    penalty applies (row j's history is the committed ids and the draft before it)."""
+    if not p.adjusts:
+        return logits.argmax(axis=1).astype(np.int32)
+    return np.array([int(adjust(logits[j], np.concatenate([committed, draft[:j]]), p).argmax())
+                     for j in range(len(draft) + 1)], dtype=np.int32)
+
+
+def token_logprobs(tokens: np.ndarray, logits: np.ndarray, committed: np.ndarray, p: SamplingParams,
+                   top: int) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """For each token [m] that row j of `logits` [>= m, n_vocab] chose (row j follows `committed`
+    and tokens[:j]): its log-probability under the target's distribution there (the softmax of
+    the adjusted logits over the whole vocabulary, untempered), and the `top` most likely ids
+    with theirs, most likely first."""
+    out = []
+    for j, token in enumerate(tokens):
+        z = adjust(logits[j], np.concatenate([committed, tokens[:j]]), p) if p.adjusts \
+            else logits[j].astype(np.float64)
+        peak = z.max()
+        lse = peak + np.log(np.exp(z - peak).sum())
+        best = ()
+        if top > 0:
+            ids = np.argpartition(-z, top - 1)[:top] if top < len(z) else np.arange(len(z))
+            ids = ids[np.argsort(-z[ids], kind="stable")]
+            best = tuple((int(i), float(z[i] - lse)) for i in ids)
+        out.append((float(z[int(token)] - lse), best))
+    return out
+
 
 def processed_probs(z: np.ndarray, history: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     """(candidate ids [c] int64, their probabilities [c] float64), most likely first, after
-    repeat penalty -> top-k -> top-p -> min-p -> temperature (llama.cpp's order).
+    logit bias -> penalties -> top-k -> top-p -> min-p -> temperature (llama.cpp's order).
     z [n_vocab] float32: raw logits of one position; history: the committed ids before it."""
-    z = z.astype(np.float64)
-    if p.repeat_penalty != 1.0 and len(history):
-        seen = np.unique(history[-p.repeat_last_n:])
-        vals = z[seen]
-        z[seen] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+    z = adjust(z, history, p) if p.adjusts else z.astype(np.float64)
     if 0 < p.top_k < len(z):
         ids = np.argpartition(z, len(z) - p.top_k)[len(z) - p.top_k:]
     else:

@@ -61,6 +61,7 @@ class Settings:
     verifiers: VerifierConfig = field(default_factory=VerifierConfig)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     trace: bool = False               # attach trace rows (docs/design.md) to round events
+    logprobs: int | None = None       # give output tokens their log-probabilities (and this many alternatives)
 
     @property
     def drafter_name(self) -> str:
@@ -324,6 +325,12 @@ OPTIONS = {o.name: o for o in [
     Option("repeat_penalty", ("--repeat-penalty",),
            "Penalty on the last 64 committed tokens (1: off); rejected drafts never count.",
            type=Number(min=0.0, min_open=True), to="sampling"),
+    Option("frequency_penalty", ("--frequency-penalty",),
+           "Subtracted from a token's logit once per time it occurs in the last 64 committed tokens "
+           "(0: off; OpenAI's and llama.cpp's frequency penalty).", type=Number(min=-2.0, max=2.0), to="sampling"),
+    Option("presence_penalty", ("--presence-penalty",),
+           "Subtracted from the logit of every token that occurs in the last 64 committed tokens "
+           "(0: off; OpenAI's and llama.cpp's presence penalty).", type=Number(min=-2.0, max=2.0), to="sampling"),
     Option("seed", ("--seed",), "Random seed for sampling: the same command then gives the same tokens run after "
            "run, under any load; with --exact, strict gives plain sampling's tokens whatever the drafter.",
            type=click.IntRange(min=0, max=2**32 - 1), to="sampling"),
@@ -334,7 +341,8 @@ METHOD = ("drafter", "verifier")
 DRAFTING = ("k", "draft_p_min", "lookup_corpus", "pld_ngram", "pld_tokens", "max_tokens")
 LLAMA = ("ctx", "batch_size", "gpu_layers", "flash_attn", "threads", "exact", "recalibrate")
 VERIFIER_PARAMS = ("fly_window", "fly_entropy", "fly_topk", "fly_no_window", "asd_gate", "asd_cap", "asd_budget")
-SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed")
+SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty",
+            "seed")
 GENERATION = MODEL + METHOD + DRAFTING + LLAMA + VERIFIER_PARAMS + SAMPLING    # generate, chat, serve
 
 

@@ -99,6 +99,56 @@ def test_a_draft_token_is_accepted_exactly_when_it_is_the_sample():
         assert a.tolist() == [0, 1, 2]
 
 
+# ----- penalties, bias and log-probabilities at temperature 0, on the fake target -----
+
+PENALTIES = SamplingParams(repeat_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.7, repeat_last_n=8,
+                           logit_bias=((3, -100.0), (5, 1.5)))
+
+
+def plain_adjusted(lm, prompt, p: SamplingParams, n: int):
+    """Plain greedy decoding, one token at a time, of the adjusted logits: (tokens, logprobs)."""
+    from fake_backend import FakeTarget
+
+    from flylocal.sampling import adjust
+
+    target = FakeTarget(lm, n_ctx=256)
+    context = [int(t) for t in prompt]
+    target.decode(context[:-1])
+    out, logprobs = [], []
+    for _ in range(n):
+        z = adjust(target.decode(context[-1:], logits_from=0)[0], np.array(context, dtype=np.int32), p)
+        token = int(z.argmax())
+        logprobs.append(float(z[token] - (z.max() + np.log(np.exp(z - z.max()).sum()))))
+        out.append(token)
+        context.append(token)
+    return out, logprobs
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_strict_with_penalties_and_bias_is_plain_greedy_with_them_and_logprobs_are_plain_decodings(seed):
+    """The penalties and the bias act at temperature 0, on every verified row with its own
+    history (the committed tokens and the draft before it), so strict is plain greedy decoding
+    of the adjusted logits whatever was drafted; each token's log-probability is the plain
+    decode's, read from the round's rows."""
+    from fake_backend import FakeLM, FakeTarget, NoisyOracle
+
+    lm = FakeLM(seed=seed, n_vocab=12, eog=(), p_eog=0.0)
+    prompt = np.random.default_rng(seed).integers(0, 12, size=6).astype(np.int32)
+    reference, ref_logprobs = plain_adjusted(lm, prompt, PENALTIES, 40)
+    assert 3 not in reference                                  # the -100 bias bans it
+    raw, _ = plain_adjusted(lm, prompt, SamplingParams(), 40)
+    assert raw != reference                                    # the penalties changed something
+    drafter = NoisyOracle(lm, seed=seed, p_corrupt=0.2, p_eog=0.0)
+    engine = Engine(FakeTarget(lm, n_ctx=256), drafter, strict,
+                    EngineConfig(max_tokens=40, k=5, adaptive=False, sampling=PENALTIES, logprobs=2))
+    gen = engine.generate(prompt)
+    logprobs = [lp for event in gen for lp in event.logprobs]
+    assert gen.tokens == reference and gen.stats.drafted > 0
+    assert np.allclose([lp for lp, _ in logprobs], ref_logprobs)
+    for lp, top in logprobs:
+        assert len(top) == 2 and top[0][1] >= top[1][1] and np.isclose(top[0][1], lp)   # greedy: itself first
+
+
 # ----- the same q as llama.cpp's own sampler chain -----
 
 def llama_cpp_chain(z: np.ndarray, history: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
@@ -107,9 +157,16 @@ def llama_cpp_chain(z: np.ndarray, history: np.ndarray, p: SamplingParams) -> tu
     import llama_cpp
 
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    if p.logit_bias:
+        biases = (llama_cpp.llama_logit_bias * len(p.logit_bias))()
+        for i, (token, bias) in enumerate(p.logit_bias):
+            biases[i].token, biases[i].bias = token, bias
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_logit_bias(len(z), len(p.logit_bias),
+                                                                                         biases))
     # The binding still declares an older signature with n_vocab first; the library reads the
     # first int as penalty_last_n. Passing last_n twice is right under either signature.
-    for smpl in (llama_cpp.llama_sampler_init_penalties(p.repeat_last_n, p.repeat_last_n, p.repeat_penalty, 0.0, 0.0),
+    for smpl in (llama_cpp.llama_sampler_init_penalties(p.repeat_last_n, p.repeat_last_n, p.repeat_penalty,
+                                                         p.frequency_penalty, p.presence_penalty),
                  llama_cpp.llama_sampler_init_top_k(p.top_k),
                  llama_cpp.llama_sampler_init_top_p(p.top_p, 1),
                  llama_cpp.llama_sampler_init_min_p(p.min_p, 1),
@@ -131,10 +188,15 @@ def llama_cpp_chain(z: np.ndarray, history: np.ndarray, p: SamplingParams) -> tu
 
 @pytest.mark.parametrize("temperature", [0.5, 0.7, 1.3])
 @pytest.mark.parametrize("filters", [dict(top_k=40, top_p=0.95, min_p=0.05), dict(top_k=20, top_p=0.8, min_p=0.1),
-                                     dict(top_k=0, top_p=0.9, min_p=0.02, repeat_penalty=1.3)])
+                                     dict(top_k=0, top_p=0.9, min_p=0.02, repeat_penalty=1.3),
+                                     dict(top_k=0, top_p=1.0, min_p=0.0, frequency_penalty=0.6, presence_penalty=0.4),
+                                     dict(top_k=40, top_p=0.95, min_p=0.0, repeat_penalty=1.1, frequency_penalty=-0.3,
+                                          presence_penalty=1.5, logit_bias=((13, 4.0), (260, -100.0), (1000, 2.5)))])
 def test_processed_distribution_equals_llama_cpp_sampler_chain(smol, temperature, filters):
-    """On real logits, flylocal's q has llama.cpp's candidate set and its probabilities."""
-    ids = smol.tokenize("The weather today is", add_special=True)
+    """On real logits, flylocal's q has llama.cpp's candidate set and its probabilities: the
+    logit bias, the repeat, frequency and presence penalties (over a history that repeats
+    itself), top-k, top-p, min-p and temperature, in llama.cpp's order."""
+    ids = smol.tokenize("The weather today is sunny. The weather today is warm. The weather today is", add_special=True)
     smol.reset()
     smol.decode(ids[:-1])
     z = smol.decode(ids[-1:], logits_from=0)[0].copy()           # [n_vocab] float32

@@ -16,6 +16,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from conftest import SMOL, SMOL_Q4_0, prompt
@@ -33,15 +34,26 @@ def free_port() -> int:
 
 
 def start(*args: str, port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "flylocal", "serve", "--port", str(port), "--threads", "1", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """A server whose stderr (a log line a request) goes to a file, read back by `log(proc)`."""
+    import tempfile
+
+    err = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen([sys.executable, "-m", "flylocal", "serve", "--port", str(port), "--threads", "1", *args],
+                            stdout=subprocess.DEVNULL, stderr=err, text=True)
+    proc.log_file = err
+    return proc
+
+
+def log(proc: subprocess.Popen) -> str:
+    proc.log_file.seek(0)
+    return proc.log_file.read()
 
 
 def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"the server exited: {proc.stderr.read()}")
+            raise AssertionError(f"the server exited: {log(proc)}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
@@ -59,6 +71,7 @@ def server():
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc, url)
+        url_of[url] = proc
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -67,7 +80,10 @@ def server():
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
-        assert proc.returncode == 0, proc.stderr.read()
+        assert proc.returncode == 0, log(proc)
+
+
+url_of: dict[str, subprocess.Popen] = {}           # a running server's process, by its URL
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +231,9 @@ def test_errors_have_their_status_and_openai_shape(server):
     error(httpx.post(url, json={"messages": msg}, headers={"Authorization": "Bearer wrong"}), 401)
     error(httpx.post(url, json={"model": "nope", "messages": msg}, headers=auth), 404, "model_not_found")
     error(httpx.post(url, json={"messages": msg, "n": 2}, headers=auth), 400, "n must be 1")
-    error(httpx.post(url, json={"messages": msg, "tools": []}, headers=auth), 400, "tools", "unsupported_field")
-    error(httpx.post(url, json={"messages": msg, "logprobs": True}, headers=auth), 400, "logprobs")
+    error(httpx.post(url, json={"messages": msg, "tools": [{"type": "function"}]}, headers=auth), 400,
+          "tools: 1; 1 function given")
+    error(httpx.post(url, json={"messages": msg, "functions": []}, headers=auth), 400, "functions", "unsupported_field")
     error(httpx.post(url, json={"messages": msg, "temperature": -1}, headers=auth), 400, "temperature")
     error(httpx.post(url, json={"messages": msg, "verifier": "loose"}, headers=auth), 400, "verifier")
     error(httpx.post(url, json={"messages": msg, "asd_budget": "nan"}, headers=auth), 400, "asd_budget")
@@ -302,3 +319,182 @@ def test_a_port_in_use_is_one_line():
                               capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "cannot listen" in done.stderr
+
+
+# ----- what real clients send, and what web pages cannot -----
+
+def test_a_front_end_sending_do_nothing_values_gets_the_same_answer(client):
+    plain = ask(client, prompt("qa-planet"), extra_body=STRICT).choices[0].message.content
+    sliders = ask(client, prompt("qa-planet"), frequency_penalty=0, presence_penalty=0, user="u-17", n=1,
+                  logprobs=False, response_format={"type": "text"}, tools=[], tool_choice="none",
+                  parallel_tool_calls=False, logit_bias={}, store=False, metadata={}, service_tier="auto",
+                  extra_body=STRICT).choices[0].message.content
+    assert sliders == plain
+    named = client.chat.completions.create(model=SMOL, max_tokens=32, extra_body=STRICT,
+                                           messages=[{"role": "user", "content": prompt("qa-planet"), "name": "ann"}])
+    assert named.choices[0].message.content == plain
+
+
+def test_logprobs_are_the_plain_decodes_and_mark_how_each_token_came(client):
+    """Strict at temperature 0 in exact mode: each token's logprob is the one a plain decode of
+    the same text gives, its top_logprobs are sorted and start with it."""
+    from flylocal.runtime import Runtime, RuntimeConfig
+
+    from conftest import model_path
+
+    messages = [{"role": "user", "content": prompt("summarise-council")}]
+    answer = client.chat.completions.create(model=SMOL, messages=messages, max_tokens=24, logprobs=True,
+                                            top_logprobs=3, extra_body={"verifier": "strict", "drafter": "pld"})
+    entries = answer.choices[0].logprobs.content
+    assert "".join(e.token for e in entries) == answer.choices[0].message.content
+    with Runtime(model_path(SMOL), RuntimeConfig(n_ctx=CTX, n_threads=1)) as rt:
+        ids = rt.tokenize_chat(messages)
+        rt.decode(ids[:-1])
+        last = int(ids[-1])
+        for e in entries:
+            z = rt.decode([last], logits_from=0)[0].astype(np.float64)
+            lse = z.max() + np.log(np.exp(z - z.max()).sum())
+            token = int(z.argmax())
+            assert bytes(e.bytes) == rt.piece(token)
+            assert e.logprob == pytest.approx(z[token] - lse, abs=1e-4)
+            assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+            assert e.top_logprobs[0].token == e.token and len(e.top_logprobs) == 3
+            assert e.model_extra["flylocal"]["kind"] in ("accepted", "target")      # strict: never loose
+            last = token
+    kinds = [e.model_extra["flylocal"]["kind"] for e in entries]
+    assert kinds.count("accepted") == answer.usage.model_extra["flylocal"]["accepted"]
+    streamed = [e for c in client.chat.completions.create(
+        model=SMOL, messages=messages, max_tokens=24, logprobs=True, top_logprobs=1, stream=True,
+        extra_body={"verifier": "strict"}) if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-4)
+    text = client.completions.create(model=SMOL, prompt="The capital of France is", max_tokens=6, logprobs=2,
+                                     extra_body=STRICT)
+    lp = text.choices[0].logprobs
+    assert "".join(lp.tokens) == text.choices[0].text and len(lp.token_logprobs) == len(lp.tokens)
+    assert all(len(top) == 2 for top in lp.top_logprobs)
+
+
+def test_loose_tokens_are_marked_and_carry_the_targets_own_logprob(client):
+    answer = client.chat.completions.create(
+        model=SMOL, messages=[{"role": "user", "content": prompt("copy-edit-letter")}], max_tokens=96, logprobs=True,
+        top_logprobs=2, extra_body={"verifier": "fly", "drafter": "model", "k": 8, "fly_entropy": 0.0})
+    entries = answer.choices[0].logprobs.content
+    loose = [e for e in entries if e.model_extra["flylocal"]["kind"] == "loose"]
+    assert len(loose) == answer.usage.model_extra["flylocal"]["loose"]
+    for e in loose:                         # the target preferred another token there
+        assert e.top_logprobs[0].logprob >= e.logprob and e.top_logprobs[0].token != e.token
+
+
+def test_penalties_change_greedy_output_as_in_flylocal_generate(client):
+    kw = {"frequency_penalty": 1.5, "presence_penalty": 1.0}
+    answer = ask(client, prompt("story-robot"), max_tokens=40, extra_body=STRICT, **kw).choices[0].message.content
+    assert answer != ask(client, prompt("story-robot"), max_tokens=40, extra_body=STRICT).choices[0].message.content
+    done = subprocess.run([sys.executable, "-m", "flylocal", "generate", prompt("story-robot"), "--verifier", "strict",
+                           "--max-tokens", "40", "--json", "--ctx", str(CTX), "--threads", "1",
+                           "--frequency-penalty", "1.5", "--presence-penalty", "1.0"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["text"] == answer
+    first = out["tokens"][0]                 # ban the first token of the answer: it must not come
+    banned = ask(client, prompt("story-robot"), max_tokens=8, extra_body=STRICT, logit_bias={str(first): -100},
+                 **kw).choices[0].message.content
+    again = subprocess.run([sys.executable, "-m", "flylocal", "generate", prompt("story-robot"), "--verifier", "strict",
+                            "--max-tokens", "1", "--json", "--ctx", str(CTX), "--threads", "1"],
+                           capture_output=True, text=True, timeout=300)
+    assert banned and not banned.startswith(json.loads(again.stdout)["text"])
+
+
+def test_litellm_langchain_and_the_llm_command_line_get_answers(server, tmp_path):
+    os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"     # no fetch of litellm's price list
+    import litellm
+    from langchain_openai import ChatOpenAI
+
+    question = [{"role": "user", "content": prompt("qa-capital")}]
+    via_litellm = litellm.completion(model=f"openai/{SMOL}", api_base=server + "/v1", api_key=KEY, messages=question,
+                                     max_tokens=16, temperature=0, extra_body=STRICT)
+    assert via_litellm.choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in litellm.completion(
+        model=f"openai/{SMOL}", api_base=server + "/v1", api_key=KEY, messages=question, max_tokens=16,
+        temperature=0, stream=True, extra_body=STRICT))
+    assert streamed == via_litellm.choices[0].message.content
+    chat = ChatOpenAI(model=SMOL, base_url=server + "/v1", api_key=KEY, max_tokens=16, temperature=0,
+                      extra_body=STRICT, max_retries=0, timeout=120)
+    assert chat.invoke(prompt("qa-capital")).content == via_litellm.choices[0].message.content
+    assert "".join(c.content for c in chat.stream(prompt("qa-capital"))) == via_litellm.choices[0].message.content
+    (tmp_path / "extra-openai-models.yaml").write_text(
+        f"- model_id: flylocal\n  model_name: {SMOL}\n  api_base: {server}/v1\n  api_key_name: flylocal\n")
+    (tmp_path / "keys.json").write_text(json.dumps({"flylocal": KEY}))
+    done = subprocess.run([os.path.join(os.path.dirname(sys.executable), "llm"), "-m", "flylocal", "-o", "max_tokens",
+                           "16", "-o", "temperature", "0", "--no-log", prompt("qa-capital")],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "LLM_USER_PATH": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()
+
+
+def test_the_ollama_client_chats_generates_and_lists(server):
+    import ollama
+
+    client = ollama.Client(host=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    names = [m.model for m in client.list().models]
+    assert names == [SMOL]
+    options = {"num_predict": 24, "temperature": 0, "num_ctx": CTX}
+    question = [{"role": "user", "content": prompt("qa-capital")}]
+    whole = client.chat(model=SMOL, messages=question, options=options, stream=False)
+    assert whole.message.content and whole.done and whole.done_reason in ("stop", "length")
+    assert whole.eval_count > 0 and whole.prompt_eval_count > 0 and whole.total_duration > 0
+    pieces = list(client.chat(model=f"{SMOL}:latest", messages=question, options=options, stream=True))
+    assert "".join(p.message.content for p in pieces) == whole.message.content and pieces[-1].done
+    openai_answer = httpx.post(server + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                               json={"messages": question, "max_tokens": 24, "temperature": 0}, timeout=120)
+    assert openai_answer.json()["choices"][0]["message"]["content"] == whole.message.content
+    made = client.generate(model=SMOL, prompt="The capital of France is", raw=True, options=options)
+    assert made.response and made.done
+    assert "".join(p.response for p in client.generate(model=SMOL, prompt="The capital of France is", raw=True,
+                                                        options=options, stream=True)) == made.response
+    shown = client.show(SMOL)
+    assert shown.details.family == "llama" and shown.details.format == "gguf"
+    assert client.ps().models[0].model == SMOL
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="llama3", messages=question)
+    assert e.value.status_code == 404
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model=SMOL, messages=question, options={"num_ctx": CTX * 4})
+    assert e.value.status_code == 400 and "num_ctx" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.pull("llama3")
+    assert "does not manage models" in e.value.error
+    version = httpx.get(server + "/api/version", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert version["version"]
+
+
+def generations(server) -> float:
+    page = httpx.get(server + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    return float(next(line.split()[-1] for line in page.splitlines() if line.startswith("flylocal_generations_total")))
+
+
+def test_web_pages_cannot_drive_it_and_no_generation_runs(server):
+    before = generations(server)
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}).encode()
+    auth = {"Authorization": f"Bearer {KEY}"}
+    simple = httpx.post(server + "/v1/chat/completions", content=body,
+                        headers={**auth, "Content-Type": "text/plain", "Origin": "http://evil.example"})
+    assert simple.status_code == 403
+    plain = httpx.post(server + "/v1/chat/completions", content=body, headers={**auth, "Content-Type": "text/plain"})
+    assert plain.status_code == 415
+    rebound = httpx.get(server + "/v1/models", headers={**auth, "Host": "evil.example:8150"})
+    assert rebound.status_code == 403
+    rebound_chat = httpx.post(server.replace("127.0.0.1", "localhost") + "/api/chat", headers={
+        **auth, "Host": "evil.example"}, json={"model": SMOL, "messages": [{"role": "user", "content": "hi"}]})
+    assert rebound_chat.status_code == 403
+    assert generations(server) == before                    # nothing ran
+    same_origin = httpx.post(server + "/v1/chat/completions", content=body,
+                             headers={**auth, "Content-Type": "application/json", "Origin": server})
+    assert same_origin.status_code == 200
+    assert generations(server) == before + 1
+    lines = log(url_of[server]).splitlines()
+    assert any(line.startswith("flylocal: POST /v1/chat/completions 200 prompt ") and "tok/s" in line
+               for line in lines), lines[-5:]
+    assert any("POST /v1/chat/completions 403 refused (bad_origin)" in line for line in lines), lines[-5:]
+    assert any("GET /v1/models 403 refused (bad_host)" in line for line in lines), lines[-5:]

@@ -6,7 +6,9 @@ import pytest
 
 pytest.importorskip("fastapi", reason="the server extra: pip install -e '.[serve]'")
 
-from flylocal.server import ApiError, ChatRequest, CompletionRequest, StopStrings, parse, request_settings
+from flylocal.serve.app import ApiError
+from flylocal.serve.openai import ChatRequest, CompletionRequest, parse, request_settings
+from flylocal.serve.worker import StopStrings
 from flylocal.settings import Settings
 
 
@@ -51,18 +53,60 @@ def body(**fields):
     return json.dumps({"messages": [{"role": "user", "content": "hi"}], **fields}).encode()
 
 
-@pytest.mark.parametrize("fields,param", [
-    ({"n": 2}, "n"), ({"tools": []}, "tools"), ({"logprobs": True}, "logprobs"), ({"temperature": -1}, "temperature"),
-    ({"top_p": 0}, "top_p"), ({"seed": -1}, "seed"), ({"verifier": "loose"}, "verifier"), ({"k": -1}, "k"),
-    ({"asd_budget": "nan"}, "asd_budget"), ({"fly_entropy": -0.1}, "fly_entropy"), ({"max_tokens": 0}, "max_tokens"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"frequency_penalty": 1}, "frequency_penalty"),
-    ({"user": "u1"}, "user"), ({"temperature": True}, "temperature"), ({"max_tokens": "5"}, "max_tokens"),
-    ({"stream_options": {"include_usage": True}}, "stream_options"),
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("fields,param,words", [
+    ({"n": 2}, "n", "2"), ({"tools": [TOOL, TOOL]}, "tools", "2 functions given; flylocal does not call tools"),
+    ({"temperature": -1}, "temperature", ""), ({"top_p": 0}, "top_p", ""), ({"seed": -1}, "seed", ""),
+    ({"verifier": "loose"}, "verifier", "loose"), ({"k": -1}, "k", ""), ({"asd_budget": "nan"}, "asd_budget", ""),
+    ({"fly_entropy": -0.1}, "fly_entropy", ""), ({"max_tokens": 0}, "max_tokens", ""),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", ""), ({"frequency_penalty": 2.5}, "frequency_penalty", ""),
+    ({"presence_penalty": -3}, "presence_penalty", ""), ({"temperature": True}, "temperature", ""),
+    ({"max_tokens": "5"}, "max_tokens", ""), ({"logprobs": 3}, "logprobs", ""),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "21"), ({"top_logprobs": 2}, None, "logprobs: true"),
+    ({"response_format": {"type": "json_object"}}, "response_format.type", "json_object"),
+    ({"tool_choice": "required"}, "tool_choice", "required"), ({"store": True}, "store", "keeps no completions"),
+    ({"logit_bias": {"12": 101}}, "logit_bias", "101"), ({"logit_bias": {"x": 1}}, "logit_bias", "x"),
+    ({"service_tier": "flex"}, "service_tier", "flex"), ({"functions": []}, "functions", "functions"),
+    ({"stream_options": {"include_usage": True}}, None, "stream: true"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", ""),
 ])
-def test_bad_fields_are_400_naming_the_field(fields, param):
+def test_fields_flylocal_cannot_honour_are_400_naming_the_field_and_value(fields, param, words):
     with pytest.raises(ApiError) as e:
         parse(ChatRequest, body(**fields))
-    assert e.value.status == 400 and e.value.param == param
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+    assert words in e.value.message
+
+
+def test_what_real_clients_send_at_do_nothing_values_is_accepted():
+    """Front-ends with sliders send both penalties at 0; SDKs send tools: [], logprobs: false,
+    response_format text, n: 1, store: false, metadata, a user id, a message's name."""
+    req = parse(ChatRequest, body(
+        messages=[{"role": "user", "content": "hi", "name": "ann"}], frequency_penalty=0, presence_penalty=0.0,
+        logprobs=False, response_format={"type": "text"}, tools=[], tool_choice="none", parallel_tool_calls=False,
+        logit_bias={}, store=False, metadata={}, n=1, user="u1", service_tier="auto",
+        stream_options={"include_usage": False}, top_logprobs=0))
+    assert request_settings(Settings(), req) == Settings()
+    completion = parse(CompletionRequest, json_bytes(prompt="x", logprobs=None, echo=False, best_of=1, suffix=None,
+                                                      n=1, user="u"))
+    assert request_settings(Settings(), completion) == Settings()
+
+
+def json_bytes(**fields):
+    import json
+
+    return json.dumps(fields).encode()
+
+
+def test_penalties_and_logit_bias_reach_the_sampling():
+    req = parse(ChatRequest, body(frequency_penalty=0.5, presence_penalty=-0.25, logit_bias={"7": -100, "3": 2.5}))
+    s = request_settings(Settings(), req, n_vocab=10)
+    assert (s.sampling.frequency_penalty, s.sampling.presence_penalty) == (0.5, -0.25)
+    assert s.sampling.logit_bias == ((3, 2.5), (7, -100.0))
+    with pytest.raises(ApiError) as e:
+        request_settings(Settings(), parse(ChatRequest, body(logit_bias={"10": 1})), n_vocab=10)
+    assert e.value.param == "logit_bias" and "10" in e.value.message
 
 
 def test_message_parts_and_options_reach_the_settings():
@@ -88,7 +132,7 @@ def app_loading(**kw):
     """The application while its models are still loading (they never finish here)."""
     import threading
 
-    from flylocal.server import create_app
+    from flylocal.serve import create_app
 
     never = threading.Event()
 
@@ -99,12 +143,15 @@ def app_loading(**kw):
     return app, never
 
 
+BASE = "http://127.0.0.1:8080"        # where app_loading's application listens (its Host rule)
+
+
 def test_health_says_loading_and_requests_wait_with_503():
     from fastapi.testclient import TestClient
 
     app, never = app_loading()
     try:
-        client = TestClient(app)
+        client = TestClient(app, base_url=BASE)
         health = client.get("/health")
         assert (health.status_code, health.json()) == (503, {"status": "loading"})
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
@@ -117,13 +164,129 @@ def test_cors_is_off_unless_an_origin_is_given():
     from fastapi.testclient import TestClient
 
     preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST"}
-    for origins, allowed in (((), False), (("http://ui.example",), True)):
+    for origins, status in (((), 403), (("http://ui.example",), 200)):
         app, never = app_loading(cors_origins=origins)
         try:
-            r = TestClient(app).options("/v1/chat/completions", headers=preflight)
-            assert (r.headers.get("access-control-allow-origin") == "http://ui.example") == allowed
+            r = TestClient(app, base_url=BASE).options("/v1/chat/completions", headers=preflight)
+            assert r.status_code == status
+            assert (r.headers.get("access-control-allow-origin") == "http://ui.example") == (status == 200)
         finally:
             never.set()
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("headers,path,status,code", [
+    # a web page's "simple" request: text/plain, cross-site, no preflight
+    ({"Origin": "http://evil.example", "Content-Type": "text/plain"}, "/v1/chat/completions", 403, "bad_origin"),
+    ({"Content-Type": "text/plain"}, "/v1/chat/completions", 415, "unsupported_media_type"),
+    ({"Content-Type": "application/x-www-form-urlencoded"}, "/api/chat", 415, "unsupported_media_type"),
+    ({"Host": "evil.example:8080", "Content-Type": "application/json"}, "/v1/chat/completions", 403, "bad_host"),
+    ({"Origin": "null", "Content-Type": "application/json"}, "/api/generate", 403, "bad_origin"),
+    ({"Host": "127.0.0.1:9999", "Content-Type": "application/json"}, "/v1/completions", 403, "bad_host"),
+])
+def test_requests_a_web_page_could_make_are_refused_before_any_work(headers, path, status, code):
+    from fastapi.testclient import TestClient
+
+    app, never = app_loading()
+    try:
+        r = TestClient(app, base_url=BASE).post(path, content=b'{"messages": [], "prompt": "x"}', headers=headers)
+        assert r.status_code == status
+        assert r.json()["error"]["code"] == code
+    finally:
+        never.set()
+
+
+def test_dns_rebinding_cannot_read_answers_and_the_servers_own_origin_works():
+    from fastapi.testclient import TestClient
+
+    app, never = app_loading(cors_origins=("http://ui.example",), allowed_hosts=("box.lan",))
+    try:
+        client = TestClient(app, base_url=BASE)
+        assert client.get("/v1/models", headers={"Host": "evil.example:8080"}).status_code == 403
+        assert client.get("/api/tags", headers={"Host": "evil.example"}).status_code == 403
+        assert client.get("/v1/models").status_code == 200
+        assert client.get("/v1/models", headers={"Origin": BASE}).status_code == 200          # same origin
+        assert client.get("/v1/models", headers={"Host": "localhost:8080", "Origin": "http://localhost:8080"}
+                          ).status_code == 200
+        assert client.get("/v1/models", headers={"Host": "[::1]:8080"}).status_code == 200
+        assert client.get("/v1/models", headers={"Host": "box.lan:8080"}).status_code == 200   # --allowed-host
+        assert client.get("/v1/models", headers={"Origin": "http://ui.example"}).status_code == 200
+        assert client.get("/v1/models", headers={"Origin": "http://evil.example"}).status_code == 403
+        r = client.post("/v1/chat/completions", json=CHAT, headers={"Origin": BASE})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "loading"   # through the guard
+    finally:
+        never.set()
+
+
+def test_the_host_rule_follows_the_address_listened_on():
+    from flylocal.serve.guard import HostRule
+
+    loop = HostRule("127.0.0.1", 8080)
+    assert all(loop(h) for h in ("127.0.0.1:8080", "localhost:8080", "[::1]:8080", "LOCALHOST", "127.0.0.1"))
+    assert not any(loop(h) for h in ("evil.example:8080", "127.0.0.2:8080", "10.0.0.5:8080", "localhost:80",
+                                     "", None, "127.0.0.1:80x", "localhost.:8080"))
+    lan = HostRule("192.168.1.20", 8080, ("box.lan",))
+    assert lan("192.168.1.20:8080") and lan("box.lan:8080") and not lan("127.0.0.1:8080") and not lan("evil:8080")
+    wild = HostRule("0.0.0.0", 8080)
+    assert wild("10.1.2.3:8080") and wild("localhost:8080") and not wild("evil.example:8080")
+    six = HostRule("::", 8080)
+    assert six("[fe80::1]:8080") and six("192.168.1.2:8080") and not six("rebind.example:8080")
+
+
+def test_a_client_too_slow_to_send_its_request_is_closed():
+    """Six slow-loris connections, each sending a header line now and then: all are closed once
+    the request deadline passes, and the server still answers."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from flylocal.serve.guard import BoundedH11
+
+    class Quick(BoundedH11):
+        request_timeout = 1.5
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    app, never = app_loading(port=port)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=Quick, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]
+        for s in slow:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        closed, start = set(), time.monotonic()
+        while len(closed) < len(slow) and time.monotonic() - start < 8:
+            for i, s in enumerate(slow):
+                if i in closed:
+                    continue
+                try:
+                    s.sendall(b"X-Slow: 1\r\n")
+                    s.settimeout(0.05)
+                    if s.recv(1) == b"":
+                        closed.add(i)
+                except (BrokenPipeError, ConnectionResetError):
+                    closed.add(i)
+                except socket.timeout:
+                    pass
+            time.sleep(0.2)
+        assert len(closed) == len(slow) and time.monotonic() - start < 8
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 503    # still serving
+    finally:
+        for s in slow:
+            s.close()
+        server.should_exit = True
+        thread.join(timeout=10)
+        never.set()
 
 
 def test_an_api_key_is_required_where_given():
@@ -131,7 +294,7 @@ def test_an_api_key_is_required_where_given():
 
     app, never = app_loading(api_key="k1")
     try:
-        client = TestClient(app)
+        client = TestClient(app, base_url=BASE)
         assert client.get("/v1/models").status_code == 401
         assert client.get("/v1/models", headers={"Authorization": "Bearer k2"}).status_code == 401
         assert client.get("/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200
