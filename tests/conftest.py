@@ -20,6 +20,8 @@ os.environ.setdefault("FLYLOCAL_EXACT", "1")
 _COSTS = tempfile.mkdtemp(prefix="flylocal-test-costs-")
 os.environ["FLYLOCAL_COSTS"] = _COSTS
 atexit.register(shutil.rmtree, _COSTS, True)
+# No network in tests: litellm fetches a price list at import unless told to use its own copy.
+os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
 
 import pytest  # noqa: E402
 

@@ -237,11 +237,13 @@ def test_errors_have_their_status_and_openai_shape(server):
     error(httpx.post(url, json={"messages": msg, "temperature": -1}, headers=auth), 400, "temperature")
     error(httpx.post(url, json={"messages": msg, "verifier": "loose"}, headers=auth), 400, "verifier")
     error(httpx.post(url, json={"messages": msg, "asd_budget": "nan"}, headers=auth), 400, "asd_budget")
-    error(httpx.post(url, content=b"{not json", headers=auth), 400, "JSON")
+    error(httpx.post(url, content=b"{not json", headers={**auth, "Content-Type": "application/json"}), 400, "JSON")
+    error(httpx.post(url, content=b"{not json", headers=auth), 415, "application/json")
     error(httpx.post(url, json={"messages": msg, "k": 100000}, headers=auth), 400, "batch-size")
     error(httpx.post(url, json={"messages": msg, "fly_window": 10**9}, headers=auth), 400)
     inf = httpx.post(url, content=b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, '
-                                  b'"verifier": "asd", "asd_budget": Infinity}', headers=auth, timeout=120)
+                                  b'"verifier": "asd", "asd_budget": Infinity}',
+                     headers={**auth, "Content-Type": "application/json"}, timeout=120)
     assert inf.status_code == 200 and inf.json()["usage"]["flylocal"]["budget_left"] is None
     long = [{"role": "user", "content": "word " * (CTX + 50)}]
     error(httpx.post(url, json={"messages": long}, headers=auth), 400, "context_length_exceeded")
