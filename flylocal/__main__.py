@@ -1,5 +1,5 @@
 import sys
 
-from flylocal.cli import main
+from flylocal.front.cli import main
 
 sys.exit(main())

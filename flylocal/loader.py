@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from flylocal import models
-from flylocal.drafters import make_drafter
-from flylocal.drafters.pld import Corpus
-from flylocal.engine import Engine, EngineConfig
+from flylocal.decoding.drafters import make_drafter
+from flylocal.decoding.drafters.pld import Corpus
+from flylocal.decoding.engine import Engine, EngineConfig
+from flylocal.decoding.verifiers import Verifier, make_verifier
 from flylocal.errors import FlylocalError
 from flylocal.settings import Settings
-from flylocal.verifiers import Verifier, make_verifier
 
-if TYPE_CHECKING:      # llama.cpp is imported when models are loaded, not before (flylocal.kernels)
-    from flylocal.runtime import Runtime, RuntimeConfig
+if TYPE_CHECKING:      # llama.cpp is imported when models are loaded, not before (flylocal.llama.kernels)
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
 
 
 @dataclass
@@ -28,7 +28,7 @@ class Models:
     target: Runtime
     draft: Runtime | None
     corpus: Corpus | None = None      # what lookup searches beyond the context, for the session
-    through_text: bool = False        # the draft drafts in its own vocabulary (flylocal.drafters.text)
+    through_text: bool = False        # the draft drafts in its own vocabulary (flylocal.decoding.drafters.text)
 
     def engine(self, settings: Settings | None = None, verifier: Verifier | None = None,
                private: bool = False) -> Engine:
@@ -40,7 +40,7 @@ class Models:
         return build_engine(settings or self.settings, self.target, self.draft, corpus, verifier, self.through_text)
 
     def reconnect(self) -> list[str]:
-        """Start again the models whose rpc servers were lost (flylocal.remote), once they
+        """Start again the models whose rpc servers were lost (flylocal.llama.remote), once they
         answer; the names of those reconnected. FlylocalError when a server still does not."""
         return [rt.name for rt in (self.target, self.draft)
                 if rt is not None and hasattr(rt, "reconnect") and rt.reconnect()]
@@ -73,7 +73,7 @@ def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Mod
     check(settings)
     target_path = models.resolve(settings.target, log)
     draft_path = models.resolve(settings.draft, log) if settings.draft else None
-    from flylocal.runtime import gpu_offload     # llama.cpp, once the files are known good
+    from flylocal.llama.runtime import gpu_offload     # llama.cpp, once the files are known good
 
     if settings.gpu_layers and not gpu_offload() and not settings.target_rpc:
         log("this llama.cpp build has no GPU backend: --gpu-layers is ignored")
@@ -113,7 +113,7 @@ def pair(target: Runtime, draft: Runtime, mode: str, log: Callable[[str], None])
 
 def runtime_config(settings: Settings, rpc: tuple[str, ...] = (), tensor_split: tuple[float, ...] = ()) -> RuntimeConfig:
     """A model's llama.cpp settings; `rpc`: the servers that hold its layers."""
-    from flylocal.runtime import RuntimeConfig
+    from flylocal.llama.runtime import RuntimeConfig
 
     return RuntimeConfig(n_ctx=settings.ctx, n_batch=settings.batch_size, n_threads=settings.threads,
                          n_gpu_layers=999 if settings.gpu_layers == -1 else settings.gpu_layers,
@@ -122,12 +122,12 @@ def runtime_config(settings: Settings, rpc: tuple[str, ...] = (), tensor_split: 
 
 
 def open_model(path, config: RuntimeConfig) -> Runtime:
-    """A loaded model: here, or on rpc servers through a worker process (flylocal.remote)."""
+    """A loaded model: here, or on rpc servers through a worker process (flylocal.llama.remote)."""
     if config.rpc:
-        from flylocal.remote import RemoteRuntime
+        from flylocal.llama.remote import RemoteRuntime
 
         return RemoteRuntime(path, config)
-    from flylocal.runtime import Runtime
+    from flylocal.llama.runtime import Runtime
 
     return Runtime(path, config)
 

@@ -15,12 +15,12 @@ import dataclasses
 import threading
 from dataclasses import dataclass
 
-from flylocal.engine import Engine, Generation
+from flylocal.decoding.engine import Engine, Generation
+from flylocal.decoding.stats import Stats
+from flylocal.decoding.verifiers import make_verifier
 from flylocal.errors import FlylocalError
 from flylocal.loader import Models
 from flylocal.settings import Settings
-from flylocal.stats import Stats
-from flylocal.verifiers import make_verifier
 
 
 @dataclass

@@ -22,11 +22,11 @@ from typing import Any, Callable
 
 import click
 
-from flylocal.drafters import DRAFTERS
-from flylocal.sampling import SamplingParams
-from flylocal.verifiers import VERIFIERS, VerifierConfig
-from flylocal.verifiers.asd import AsdParams
-from flylocal.verifiers.fly import FlyParams
+from flylocal.decoding.drafters import DRAFTERS
+from flylocal.decoding.sampling import SamplingParams
+from flylocal.decoding.verifiers import VERIFIERS, VerifierConfig
+from flylocal.decoding.verifiers.asd import AsdParams
+from flylocal.decoding.verifiers.fly import FlyParams
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_K = 8
@@ -56,7 +56,7 @@ class Settings:
     pld_tokens: int | None = None
     draft_p_min: float | None = None  # None: 0.5 when the draft length adapts, 0 with an explicit --k
     recalibrate: bool = False         # measure the cost curves again instead of reading the cache
-    exact: bool = False               # the batch-invariant build (flylocal.kernels)
+    exact: bool = False               # the batch-invariant build (flylocal.llama.kernels)
     lookup_corpus: str | None = None  # a text file prompt lookup also searches
     verifiers: VerifierConfig = field(default_factory=VerifierConfig)
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -137,7 +137,7 @@ class Endpoints(click.ParamType):
         if isinstance(value, tuple):
             return value
         from flylocal.errors import FlylocalError
-        from flylocal.rpc import parse_endpoints
+        from flylocal.llama.rpc import parse_endpoints
 
         try:
             return parse_endpoints(value)
@@ -174,7 +174,7 @@ def _check_threads(ctx, param, value):
 
 def _choose_build(ctx, param, value):
     """--exact picks the llama.cpp build before anything imports it; the value says which runs."""
-    from flylocal import kernels
+    from flylocal.llama import kernels
 
     if value:
         kernels.choose(True)

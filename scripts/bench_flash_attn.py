@@ -15,11 +15,11 @@ import statistics
 import sys
 
 from bench_pld import PROMPTS
-from flylocal.engine import generate_all
+from flylocal.decoding.engine import generate_all
+from flylocal.llama.runtime import Runtime, RuntimeConfig
 from flylocal.loader import build_engine, encode_prompt
-from flylocal.settings import Settings
 from flylocal.models import resolve
-from flylocal.runtime import Runtime, RuntimeConfig
+from flylocal.settings import Settings
 
 
 def main() -> int:

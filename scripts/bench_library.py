@@ -25,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flylocal import gguf_info, models  # noqa: E402
+from flylocal import models
+from flylocal.models import gguf_info  # noqa: E402
 
 NAMES = ("smollm2-135m-instruct", "smollm2-135m-instruct-q4_0", "gemma-3-270m", "gemma-3-270m-q8_0")
 
@@ -83,7 +84,7 @@ def main() -> int:
             cold.append(timed_list(env))
             warm.append(timed_list(env))
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import flylocal.cli, flylocal.library"], env=env, check=True)
+        subprocess.run([sys.executable, "-c", "import flylocal.front.cli, flylocal.models.library"], env=env, check=True)
         startup = time.perf_counter() - start
     print(f"models list, {args.files} files: cold {statistics.median(cold):.3f} s, warm {statistics.median(warm):.3f} s "
           f"(median of {args.repeat}; a fresh process, of which {startup:.3f} s is starting Python and importing)")

@@ -17,11 +17,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from flylocal.engine import generate_all
-from flylocal.bench import load_prompts
+from flylocal.decoding.engine import generate_all
+from flylocal.front.bench import load_prompts
+from flylocal.llama.runtime import Runtime, RuntimeConfig
 from flylocal.loader import build_engine, encode_prompt
 from flylocal.models import resolve
-from flylocal.runtime import Runtime, RuntimeConfig
 from flylocal.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -44,8 +44,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flylocal import rpc  # noqa: E402
-from flylocal.engine import generate_all  # noqa: E402
+from flylocal.decoding.engine import generate_all  # noqa: E402
+from flylocal.llama import rpc  # noqa: E402
 from flylocal.loader import build_engine, encode_prompt, open_model, runtime_config  # noqa: E402
 from flylocal.models import resolve  # noqa: E402
 from flylocal.settings import Settings  # noqa: E402
@@ -152,7 +152,7 @@ class CountingProxy:
 
 
 def decode_times(rt, ids, repeat=15) -> dict[int, float]:
-    from flylocal.adaptive import timed_decode
+    from flylocal.decoding.adaptive import timed_decode
 
     rt.reset()
     rt.decode(ids[:255])

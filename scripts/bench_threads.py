@@ -34,11 +34,11 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPT_IDS = ("chat-focus", "copy-edit-keeper")
 def child(args) -> int:
     """One mode under the current load: decode tokens/s of each prompt, as JSON on stdout."""
-    from flylocal.bench import load_prompts
-    from flylocal.engine import generate_all
+    from flylocal.decoding.engine import generate_all
+    from flylocal.front.bench import load_prompts
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
     from flylocal.loader import build_engine, encode_prompt
     from flylocal.models import resolve
-    from flylocal.runtime import Runtime, RuntimeConfig
     from flylocal.settings import Settings
 
     threads = None if args.child == "auto" else int(args.child)

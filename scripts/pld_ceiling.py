@@ -6,7 +6,7 @@ lookup proposal is a function of the context, and the accepted length is its agr
 the known output. Given this machine's cost curve t(n) (the one the engine uses), the script
 compares, in decode time against plain decoding:
 
-- the controller flylocal runs (flylocal.adaptive.DraftLength, as in the engine);
+- the controller flylocal runs (flylocal.decoding.adaptive.DraftLength, as in the engine);
 - the best fixed draft length per confidence level, chosen in hindsight on these prompts;
 - an oracle that knows how many proposed tokens will be accepted and drafts exactly those:
   a ceiling no controller that sees only the proposal can reach.
@@ -35,13 +35,13 @@ def main() -> None:
     ap.add_argument("--exact", action="store_true", help="the batch-invariant build")
     args = ap.parse_args()
 
-    from flylocal import kernels
+    from flylocal.llama import kernels
     kernels.choose(args.exact)
 
-    from flylocal.adaptive import DraftLength, timed_decode
-    from flylocal.bench import load_prompts, per_group
-    from flylocal.drafters.pld import PromptLookup
-    from flylocal.engine import generate_all
+    from flylocal.decoding.adaptive import DraftLength, timed_decode
+    from flylocal.decoding.drafters.pld import PromptLookup
+    from flylocal.decoding.engine import generate_all
+    from flylocal.front.bench import load_prompts, per_group
     from flylocal.loader import encode_prompt, load
     from flylocal.settings import Settings
 

@@ -145,7 +145,7 @@ fi
 # ---- 3. flylocal
 say "installing flylocal"
 "${PIP[@]}" install -e ".[test,plot,humaneval,serve]"
-.venv/bin/python -c "import flylocal.runtime, llama_cpp" \
+.venv/bin/python -c "import flylocal.llama.runtime, llama_cpp" \
   || { say "llama-cpp-python does not load; rebuild with another CMAKE_ARGS"; exit 1; }
 
 # ---- 4. models

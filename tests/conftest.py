@@ -14,7 +14,7 @@ import shutil
 import tempfile
 
 # The exactness tests compare strict with plain decoding bit for bit, which needs the
-# batch-invariant build (flylocal.kernels); command-line tests inherit it. Cost curves are
+# batch-invariant build (flylocal.llama.kernels); command-line tests inherit it. Cost curves are
 # measured afresh into a directory of this session's own.
 os.environ.setdefault("FLYLOCAL_EXACT", "1")
 _COSTS = tempfile.mkdtemp(prefix="flylocal-test-costs-")
@@ -67,7 +67,7 @@ def model_path(name: str):
 
 
 def _runtime(name: str, n_ctx: int = 2048):
-    from flylocal.runtime import Runtime, RuntimeConfig
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
 
     rt = Runtime(model_path(name), RuntimeConfig(n_ctx=n_ctx))
     yield rt

@@ -1,14 +1,14 @@
 """An in-memory stand-in for the target Runtime, for property tests of the round loop.
 
 No llama.cpp: this module imports only numpy and the pure parts of flylocal (never
-flylocal.runtime, flylocal.loader or llama_cpp).
+flylocal.llama.runtime, flylocal.loader or llama_cpp).
 
 - `FakeLM`: a deterministic "language model". Its logits after a prefix are one row of a
   seeded random table [n_states, n_vocab], picked by a rolling hash of the WHOLE prefix, so
   the logits at a position depend on every earlier token: a stale token left in the cache by
   a wrong rollback changes everything after it. Each row is flat (high entropy), middling or
   peaked, and a share of rows have an end-of-generation (EOG) token as their argmax.
-- `FakeTarget`: the part of `flylocal.runtime.Runtime` that the engine, the drafters and
+- `FakeTarget`: the part of `flylocal.llama.runtime.Runtime` that the engine, the drafters and
   `timed_decode` use (n_ctx, n_batch, n_vocab, n_past, eog_mask, tokens, costs, decode,
   truncate, reuse_prefix, reset), over a FakeLM.
 - `Machine`: a simulated machine's clock. A decode of n tokens takes `step * (1 + row_cost *
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from flylocal.costs import CostCurve
-from flylocal.cache import reusable_prefix
-from flylocal.drafters import Draft
+from flylocal.decoding.cache import reusable_prefix
+from flylocal.decoding.costs import CostCurve
+from flylocal.decoding.drafters import Draft
 from flylocal.errors import FlylocalError
 
 _MASK = (1 << 64) - 1

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from flylocal.adaptive import DraftLength
+from flylocal.decoding.adaptive import DraftLength
 
 PRIOR = np.array([0.2, 0.5, 0.9])
 

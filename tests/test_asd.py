@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from flylocal.verifiers import regrets
-from flylocal.verifiers.asd import Asd, AsdParams, asd
-from flylocal.verifiers.strict import strict
+from flylocal.decoding.verifiers import regrets
+from flylocal.decoding.verifiers.asd import Asd, AsdParams, asd
+from flylocal.decoding.verifiers.strict import strict
 
 V = 8
 

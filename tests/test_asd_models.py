@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from conftest import prompt
-from flylocal.drafters import Draft, make_drafter
-from flylocal.engine import Engine, EngineConfig, generate_all
+from flylocal.decoding.drafters import Draft, make_drafter
+from flylocal.decoding.engine import Engine, EngineConfig, generate_all
+from flylocal.decoding.verifiers.asd import Asd, AsdParams
+from flylocal.decoding.verifiers.strict import strict
 from flylocal.loader import encode_prompt
-from flylocal.verifiers.asd import Asd, AsdParams
-from flylocal.verifiers.strict import strict
 from test_fly_models import PROMPTS
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from flylocal import bench as b
-from flylocal.bench import METHODS, Prompt, humaneval_prompts, passes, stop_code
-from flylocal.sandbox import ADDRESS_SPACE, run_python
+from flylocal.front import bench as b
+from flylocal.front.bench import METHODS, Prompt, humaneval_prompts, passes, stop_code
+from flylocal.front.sandbox import ADDRESS_SPACE, run_python
 from conftest import SMOL, model_path
 from test_cli import assert_one_line_error
 
@@ -33,7 +33,7 @@ def bench(*args):
 def main_in_subprocess(*args):
     """Run flylocal's main(args) in a fresh interpreter; returns (completed process, whether
     llama_cpp had been imported by the time main returned)."""
-    code = ("import sys\nfrom flylocal.cli import main\nrc = main(sys.argv[1:])\n"
+    code = ("import sys\nfrom flylocal.front.cli import main\nrc = main(sys.argv[1:])\n"
             "print('LLAMA_CPP_LOADED' if 'llama_cpp' in sys.modules else 'LLAMA_CPP_NOT_LOADED')\nsys.exit(rc)\n")
     done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
     marker = done.stdout.strip().splitlines()[-1]
@@ -65,7 +65,7 @@ def results_doc(methods: list[dict]) -> dict:
 @pytest.fixture(scope="module")
 def smol():
     """The target in this process, on one thread (see bench())."""
-    from flylocal.runtime import Runtime, RuntimeConfig
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
 
     rt = Runtime(model_path(SMOL), RuntimeConfig(n_ctx=2048, n_threads=1))
     yield rt
@@ -220,7 +220,7 @@ class Failing:
         self.target, self.fail_on, self.calls = target, fail_on, []
 
     def generate(self, ids, max_tokens, sampling=None, reuse=False):
-        from flylocal.engine import generate_all
+        from flylocal.decoding.engine import generate_all
         from flylocal.loader import build_engine
         from flylocal.settings import Settings
 

@@ -230,8 +230,8 @@ def test_ctrl_c_right_after_a_decode_keeps_the_conversation_usable(smol, monkeyp
 
 def test_the_asd_ledger_carries_from_turn_to_turn_until_reset(smol, smol_draft):
     """In process, the ledger itself: the second turn starts from what the first spent."""
-    from flylocal.verifiers import VerifierConfig
-    from flylocal.verifiers.asd import AsdParams
+    from flylocal.decoding.verifiers import VerifierConfig
+    from flylocal.decoding.verifiers.asd import AsdParams
 
     conv = conversation(smol, smol_draft, verifier="asd", drafter="model", k=8, max_tokens=48, trace=True,
                         verifiers=VerifierConfig(asd=AsdParams(gate=1.0, cap=4, budget=50.0)))

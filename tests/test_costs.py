@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from flylocal.adaptive import ModelDraftLength
-from flylocal.costs import CostCurve, costs_dir
-from flylocal.drafters.pld import Corpus, PromptLookup, find_match
+from flylocal.decoding.adaptive import ModelDraftLength
+from flylocal.decoding.costs import CostCurve, costs_dir
+from flylocal.decoding.drafters.pld import Corpus, PromptLookup, find_match
 
 KEY = {"model": "/m.gguf", "size": 1, "threads": 2}
 
@@ -143,7 +143,7 @@ def test_the_model_drafter_weighs_the_model_against_lookup(smol, smol_draft):
     """The round's choice, on real models with fake cost curves: on a CPU-like curve the draft
     model is never asked and prompt lookup (or a plain step) drafts; on a GPU-like curve the
     model drafts, long."""
-    from flylocal.drafters.model import ModelDrafter
+    from flylocal.decoding.drafters.model import ModelDrafter
 
     ids = smol.tokenize_chat([{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}])
     saved = smol.costs, smol_draft.costs

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from fake_backend import FakeLM, FakeTarget, Machine, NoisyOracle
-from flylocal import costs as costs_module
-from flylocal.adaptive import DraftLength, ModelDraftLength, timed_decode
-from flylocal.costs import EXPLORE, CostCurve, read_record
-from flylocal.engine import Engine, EngineConfig, generate_all
-from flylocal.verifiers.strict import strict
+from flylocal.decoding import costs as costs_module
+from flylocal.decoding.adaptive import DraftLength, ModelDraftLength, timed_decode
+from flylocal.decoding.costs import EXPLORE, CostCurve, read_record
+from flylocal.decoding.engine import Engine, EngineConfig, generate_all
+from flylocal.decoding.verifiers.strict import strict
 
 LM = FakeLM(seed=7, n_vocab=48, eog=(), p_eog=0.0)
 KEY = {"model": "/sim.gguf", "threads": 2}

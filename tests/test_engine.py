@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import SMOL, SMOL_Q4_0, model_path
-from flylocal.engine import generate_all
+from flylocal.decoding.engine import generate_all
 from flylocal.loader import build_engine
 from flylocal.settings import Settings
 
@@ -22,7 +22,7 @@ TEXT = "one two three four five six seven eight nine ten " * 8   # prompt lookup
 
 @pytest.fixture(scope="module", params=[40, 57])
 def small_ctx(request):
-    from flylocal.runtime import Runtime, RuntimeConfig
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
 
     n_ctx = request.param
     target = Runtime(model_path(SMOL), RuntimeConfig(n_ctx=n_ctx))

@@ -1,4 +1,4 @@
-"""Properties of the round loop (flylocal/engine.py, docs/design.md "The round"), tested over
+"""Properties of the round loop (flylocal/decoding/engine.py, docs/design.md "The round"), tested over
 thousands of random cases on an in-memory fake target (tests/fake_backend.py), in seconds and
 without llama.cpp.
 
@@ -20,13 +20,13 @@ from pathlib import Path
 import numpy as np
 
 from fake_backend import FakeLM, FakeTarget, NoisyOracle, fixed_costs, greedy, mix, prefix_hash
-from flylocal.drafters import NoDraft
-from flylocal.drafters.pld import PromptLookup
-from flylocal.engine import ACCEPTED, LOOSE, TARGET, Engine, EngineConfig
-from flylocal.stats import Stats
-from flylocal.verifiers.asd import Asd, AsdParams
-from flylocal.verifiers.fly import Fly, FlyParams
-from flylocal.verifiers.strict import strict
+from flylocal.decoding.drafters import NoDraft
+from flylocal.decoding.drafters.pld import PromptLookup
+from flylocal.decoding.engine import ACCEPTED, LOOSE, TARGET, Engine, EngineConfig
+from flylocal.decoding.stats import Stats
+from flylocal.decoding.verifiers.asd import Asd, AsdParams
+from flylocal.decoding.verifiers.fly import Fly, FlyParams
+from flylocal.decoding.verifiers.strict import strict
 
 N_CASES = 1000
 
@@ -585,7 +585,7 @@ def test_fake_target_contract():
     else:
         raise AssertionError("decoding past n_ctx must raise")
     # both sides of FLy's entropy gate exist, and greedy sometimes ends at an EOG
-    from flylocal.verifiers.fly import topk_entropy
+    from flylocal.decoding.verifiers.fly import topk_entropy
     h = [topk_entropy(lm.table[s], 3) for s in range(200)]
     assert min(h) < 0.05 and max(h) > 0.3
     ends = sum(greedy(lm, tuple(rng.integers(lm.n_vocab, size=3).tolist()), 40, 64)[1] == "eog" for _ in range(50))
@@ -595,7 +595,7 @@ def test_fake_target_contract():
 def test_no_native_imports():
     """The fake backend and these tests never load llama.cpp or the runtime."""
     code = ("import sys; sys.path.insert(0, 'tests'); import test_engine_properties; "
-            "bad = [m for m in ('llama_cpp', 'flylocal.runtime', 'flylocal.loader') if m in sys.modules]; "
+            "bad = [m for m in ('llama_cpp', 'flylocal.llama.runtime', 'flylocal.loader') if m in sys.modules]; "
             "assert not bad, bad")
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
@@ -608,8 +608,8 @@ def test_seeded_sampling_is_plain_sampling_whatever_the_drafts():
     """At temperature > 0 with a seed, strict commits plain sampling's tokens (no drafter, the
     same seed) token for token, whatever is drafted and however long the drafts are, because a
     position's noise depends on the seed and the position only; another seed samples others."""
-    from flylocal.engine import generate_all
-    from flylocal.sampling import SamplingParams
+    from flylocal.decoding.engine import generate_all
+    from flylocal.decoding.sampling import SamplingParams
 
     failures, differs, n = [], 0, N_CASES // 4
     for seed in range(n):

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 
 from conftest import prompt
-from flylocal.drafters import make_drafter
-from flylocal.engine import Engine, EngineConfig, generate_all
+from flylocal.decoding.drafters import make_drafter
+from flylocal.decoding.engine import Engine, EngineConfig, generate_all
+from flylocal.decoding.verifiers.strict import strict
 from flylocal.loader import encode_prompt
-from flylocal.verifiers.strict import strict
 
 SMOL_PROMPTS = {
     # long copied spans: prompt lookup and MLA propose whole phrases

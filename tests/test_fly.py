@@ -5,9 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from flylocal.verifiers import emitted_tokens
-from flylocal.verifiers.fly import FlyParams, fly, topk_entropy
-from flylocal.verifiers.strict import strict
+from flylocal.decoding.verifiers import emitted_tokens
+from flylocal.decoding.verifiers.fly import FlyParams, fly, topk_entropy
+from flylocal.decoding.verifiers.strict import strict
 
 V = 16
 UNSURE, SURE = "unsure", "sure"

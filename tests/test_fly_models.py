@@ -7,11 +7,11 @@ import math
 import pytest
 
 from conftest import prompt
-from flylocal.drafters import make_drafter
-from flylocal.engine import Engine, EngineConfig, generate_all
+from flylocal.decoding.drafters import make_drafter
+from flylocal.decoding.engine import Engine, EngineConfig, generate_all
+from flylocal.decoding.verifiers.fly import Fly, FlyParams
+from flylocal.decoding.verifiers.strict import strict
 from flylocal.loader import encode_prompt
-from flylocal.verifiers.fly import Fly, FlyParams
-from flylocal.verifiers.strict import strict
 
 PROMPTS = {"summarise": prompt("summarise-report"), "reply": prompt("reply-email"), "chat": prompt("chat-focus")}
 

@@ -156,14 +156,14 @@ def tiny(tmp_path, isolated_cache, monkeypatch):
 def test_resolve_hashes_once_then_trusts_the_record(tiny, monkeypatch):
     hashed = []
     real = models.sha256_file
-    monkeypatch.setattr(models, "sha256_file", lambda p: hashed.append(p) or real(p))
+    monkeypatch.setattr(models.registry, "sha256_file", lambda p: hashed.append(p) or real(p))
     assert models.resolve("tiny") == tiny                  # no record yet: hashed once, recorded
     assert hashed == [tiny] and models.stamp_path(tiny).exists()
 
     def no_hashing(p):
         raise AssertionError(f"hashed {p}")
 
-    monkeypatch.setattr(models, "sha256_file", no_hashing)
+    monkeypatch.setattr(models.registry, "sha256_file", no_hashing)
     for _ in range(3):
         assert models.resolve("tiny") == tiny
 
@@ -228,7 +228,7 @@ def test_derived_file_unlike_the_registry_is_recorded_with_its_own_sha(smol_cach
     def no_hashing(p):
         raise AssertionError(f"hashed {p}")
 
-    monkeypatch.setattr(models, "sha256_file", no_hashing)
+    monkeypatch.setattr(models.registry, "sha256_file", no_hashing)
     assert models.resolve("smol-q4") == path
 
 

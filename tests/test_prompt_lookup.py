@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from flylocal.drafters import stop_at_eog
-from flylocal.drafters.pld import PromptLookup, confidence_level, find_match
+from flylocal.decoding.drafters import stop_at_eog
+from flylocal.decoding.drafters.pld import PromptLookup, confidence_level, find_match
 
 
 def prompt_lookup(tokens, max_ngram, max_tokens):

@@ -1,4 +1,4 @@
-"""Models on llama.cpp rpc servers (flylocal.rpc, flylocal.remote; docs/scale-out.md).
+"""Models on llama.cpp rpc servers (flylocal.llama.rpc, flylocal.llama.remote; docs/scale-out.md).
 
 Every server here is a real `flylocal rpc-server` on loopback, started by the test on a free
 port and ended by its pid. The servers and the clients run the batch-invariant build (the
@@ -22,8 +22,8 @@ import time
 import pytest
 
 from conftest import SMOL, SMOL_Q4_0, model_path, prompt
-from flylocal import rpc
 from flylocal.errors import FlylocalError
+from flylocal.llama import rpc
 from flylocal.loader import check
 from flylocal.settings import Settings
 
@@ -230,17 +230,17 @@ def wait_ready(proc, endpoint: str, log, limit: float = 60.0) -> None:
 
 
 def remote(endpoints, tensor_split=(), n_ctx=2048, rpc_timeout=60.0, output="here"):
+    from flylocal.llama.runtime import RuntimeConfig
     from flylocal.loader import open_model
-    from flylocal.runtime import RuntimeConfig
 
     return open_model(model_path(SMOL), RuntimeConfig(n_ctx=n_ctx, rpc=tuple(endpoints), tensor_split=tensor_split,
                                                       rpc_timeout=rpc_timeout, rpc_output=output))
 
 
 def strict_run(target, drafter, ids, k, draft=None, max_tokens=48):
-    from flylocal.drafters import make_drafter
-    from flylocal.engine import Engine, EngineConfig, generate_all
-    from flylocal.verifiers.strict import strict
+    from flylocal.decoding.drafters import make_drafter
+    from flylocal.decoding.engine import Engine, EngineConfig, generate_all
+    from flylocal.decoding.verifiers.strict import strict
 
     engine = Engine(target, make_drafter(drafter, target, draft), strict,
                     EngineConfig(max_tokens=max_tokens, k=8 if k is None else k, adaptive=k is None))
@@ -290,7 +290,7 @@ def test_a_lost_server_leaves_the_draft_consistent_and_reconnects(smol):
     """Killed mid-generation: one FlylocalError naming the server at once; the local draft is
     untouched; once a server answers on that address again, reconnect() gives the output a
     fresh run gives."""
-    from flylocal.engine import generate_all
+    from flylocal.decoding.engine import generate_all
     from flylocal.loader import encode_prompt, load
 
     ids, _ = encode_prompt(smol, PROMPTS["own-words"], raw=False)
@@ -475,7 +475,7 @@ def test_ctrl_c_ends_quietly_and_leaves_no_worker():
                                 "--max-tokens", "1500", "--ctx", "2048", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert gen.stdout.read(8)
-        workers = subprocess.run(["pgrep", "-f", "flylocal.remote"], capture_output=True, text=True).stdout.split()
+        workers = subprocess.run(["pgrep", "-f", "flylocal.llama.remote"], capture_output=True, text=True).stdout.split()
         assert workers
         gen.send_signal(signal.SIGINT)
         _, err = gen.communicate(timeout=60)
@@ -484,7 +484,7 @@ def test_ctrl_c_ends_quietly_and_leaves_no_worker():
         def worker_alive(pid):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    return b"flylocal.remote" in f.read()
+                    return b"flylocal.llama.remote" in f.read()
             except OSError:
                 return False
 
@@ -555,7 +555,7 @@ def test_with_the_output_layer_here_rows_come_back_as_hidden_states():
 def test_a_draft_on_a_server_drafts_for_a_local_target(smol):
     """--draft-rpc: the draft model's layers on a server, the target here; strict is still the
     target's greedy output, and the draft really drafted."""
-    from flylocal.engine import generate_all
+    from flylocal.decoding.engine import generate_all
     from flylocal.loader import encode_prompt, load
 
     ids, _ = encode_prompt(smol, PROMPTS["copy"], raw=False)

@@ -60,7 +60,7 @@ def test_logits_only_for_requested_rows_are_views(smol):
 def test_batched_rows_equal_single_rows(smol):
     """The CPU build is batch-invariant for this model, also past 256 cache cells: the premise
     of the exact strict tests."""
-    from flylocal.doctor import batch_invariance
+    from flylocal.front.doctor import batch_invariance
 
     delta, flips, rows = batch_invariance(smol)
     assert (delta, flips, rows) == (0.0, 0, 32)
@@ -69,8 +69,8 @@ def test_batched_rows_equal_single_rows(smol):
 def test_invariance_probe_detects_a_non_invariant_setting():
     """The probe can fail: with llama.cpp's CPU flash attention, batched logits differ."""
     from conftest import SMOL, model_path
-    from flylocal.doctor import batch_invariance
-    from flylocal.runtime import Runtime, RuntimeConfig
+    from flylocal.front.doctor import batch_invariance
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
 
     with Runtime(model_path(SMOL), RuntimeConfig(n_ctx=1024, flash_attn="on")) as rt:
         delta, _, _ = batch_invariance(rt)
@@ -121,7 +121,7 @@ def test_chat_template_and_special_tokens(smol, gemma_q8):
 
 
 def test_target_nll_equals_stepwise_log_softmax(smol):
-    from flylocal.quality import target_nll
+    from flylocal.decoding.quality import target_nll
 
     prompt = smol.tokenize("The capital of France is")
     output = smol.tokenize(" Paris, a city on the Seine.", add_special=False)
@@ -156,7 +156,7 @@ def test_user_text_never_becomes_control_tokens(smol):
 
 def test_closed_runtime_raises_instead_of_touching_freed_memory():
     from conftest import SMOL, model_path
-    from flylocal.runtime import Runtime, RuntimeConfig
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
 
     rt = Runtime(model_path(SMOL), RuntimeConfig(n_ctx=64))
     ids = rt.tokenize("Hello")
@@ -198,17 +198,17 @@ def test_interrupt_right_after_a_decode_leaves_a_consistent_cache(smol, monkeypa
 @pytest.mark.slow
 def test_llama_cpp_imported_first_cannot_pass_for_the_exact_build():
     """llama-cpp-python loads its library when first imported: an `import llama_cpp` before
-    flylocal.runtime would run the fast build under the name exact. It is refused instead,
+    flylocal.llama.runtime would run the fast build under the name exact. It is refused instead,
     and the right order loads the exact libraries."""
     import subprocess
     import sys
 
     env = dict(__import__("os").environ, FLYLOCAL_EXACT="1")
     env.pop("LLAMA_CPP_LIB_PATH", None)
-    early = subprocess.run([sys.executable, "-c", "import llama_cpp, flylocal.runtime"], env=env,
+    early = subprocess.run([sys.executable, "-c", "import llama_cpp, flylocal.llama.runtime"], env=env,
                            capture_output=True, text=True)
-    assert early.returncode != 0 and "imported before flylocal.runtime and loaded the fast build" in early.stderr
-    right = subprocess.run([sys.executable, "-c", "import flylocal.runtime as r, llama_cpp; "
+    assert early.returncode != 0 and "imported before flylocal.llama.runtime and loaded the fast build" in early.stderr
+    right = subprocess.run([sys.executable, "-c", "import flylocal.llama.runtime as r, llama_cpp; "
                             "print(r.KERNELS, llama_cpp.llama_cpp._lib._name)"], env=env, capture_output=True, text=True)
     kernels, lib = right.stdout.split()
     assert kernels == "exact" and "flylocal-exact" in lib

@@ -14,11 +14,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from flylocal.drafters import make_drafter
-from flylocal.engine import Engine, EngineConfig, generate_all
-from flylocal.sampling import SamplingParams, position_noise, processed_probs, sample_targets
-from flylocal.verifiers.base import Decision
-from flylocal.verifiers.strict import strict
+from flylocal.decoding.drafters import make_drafter
+from flylocal.decoding.engine import Engine, EngineConfig, generate_all
+from flylocal.decoding.sampling import SamplingParams, position_noise, processed_probs, sample_targets
+from flylocal.decoding.verifiers.base import Decision
+from flylocal.decoding.verifiers.strict import strict
 
 
 def critical(df: int, z: float = 3.09) -> float:
@@ -109,7 +109,7 @@ def plain_adjusted(lm, prompt, p: SamplingParams, n: int):
     """Plain greedy decoding, one token at a time, of the adjusted logits: (tokens, logprobs)."""
     from fake_backend import FakeTarget
 
-    from flylocal.sampling import adjust
+    from flylocal.decoding.sampling import adjust
 
     target = FakeTarget(lm, n_ctx=256)
     context = [int(t) for t in prompt]

@@ -340,7 +340,7 @@ def test_a_front_end_sending_do_nothing_values_gets_the_same_answer(client):
 def test_logprobs_are_the_plain_decodes_and_mark_how_each_token_came(client):
     """Strict at temperature 0 in exact mode: each token's logprob is the one a plain decode of
     the same text gives, its top_logprobs are sorted and start with it."""
-    from flylocal.runtime import Runtime, RuntimeConfig
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
 
     from conftest import model_path
 

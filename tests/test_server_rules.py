@@ -6,9 +6,9 @@ import pytest
 
 pytest.importorskip("fastapi", reason="the server extra: pip install -e '.[serve]'")
 
-from flylocal.serve.app import ApiError
-from flylocal.serve.openai import ChatRequest, CompletionRequest, parse, request_settings
-from flylocal.serve.worker import StopStrings
+from flylocal.front.serve.app import ApiError
+from flylocal.front.serve.openai import ChatRequest, CompletionRequest, parse, request_settings
+from flylocal.front.serve.worker import StopStrings
 from flylocal.settings import Settings
 
 
@@ -132,7 +132,7 @@ def app_loading(**kw):
     """The application while its models are still loading (they never finish here)."""
     import threading
 
-    from flylocal.serve import create_app
+    from flylocal.front.serve import create_app
 
     never = threading.Event()
 
@@ -221,7 +221,7 @@ def test_dns_rebinding_cannot_read_answers_and_the_servers_own_origin_works():
 
 
 def test_the_host_rule_follows_the_address_listened_on():
-    from flylocal.serve.guard import HostRule
+    from flylocal.front.serve.guard import HostRule
 
     loop = HostRule("127.0.0.1", 8080)
     assert all(loop(h) for h in ("127.0.0.1:8080", "localhost:8080", "[::1]:8080", "LOCALHOST", "127.0.0.1"))
@@ -245,7 +245,7 @@ def test_a_client_too_slow_to_send_its_request_is_closed():
     import httpx
     import uvicorn
 
-    from flylocal.serve.guard import BoundedH11
+    from flylocal.front.serve.guard import BoundedH11
 
     class Quick(BoundedH11):
         request_timeout = 1.5

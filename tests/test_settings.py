@@ -6,12 +6,12 @@ import dataclasses
 import click
 import pytest
 
-from flylocal import kernels
-from flylocal.cli import cli
+from flylocal.decoding.verifiers import VerifierConfig
+from flylocal.decoding.verifiers.asd import AsdParams
+from flylocal.decoding.verifiers.fly import FlyParams
+from flylocal.front.cli import cli
+from flylocal.llama import kernels
 from flylocal.settings import OPTIONS, Settings, settings_from
-from flylocal.verifiers import VerifierConfig
-from flylocal.verifiers.asd import AsdParams
-from flylocal.verifiers.fly import FlyParams
 
 COMMANDS = {name: cmd for name, cmd in cli.commands.items() if not isinstance(cmd, click.Group)}
 

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from flylocal.verifiers import make_verifier
-from flylocal.verifiers.strict import strict
+from flylocal.decoding.verifiers import make_verifier
+from flylocal.decoding.verifiers.strict import strict
 
 V = 10
 

@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from flylocal.drafters.text import MAX_SPAN, TextBridge, complete_utf8
+from flylocal.decoding.drafters.text import MAX_SPAN, TextBridge, complete_utf8
 
 
 class Table:

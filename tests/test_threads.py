@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from flylocal.threads import BUDGET, RECHECK, ThreadControl, candidates
+from flylocal.llama.threads import BUDGET, RECHECK, ThreadControl, candidates
 
 BASE = 0.02
 STALL = 5.0
@@ -136,7 +136,7 @@ def test_the_thread_count_changes_at_run_time_and_the_logits_do_not():
     import numpy as np
 
     from conftest import SMOL, model_path
-    from flylocal.runtime import Runtime, RuntimeConfig     # before llama_cpp: it chooses the build
+    from flylocal.llama.runtime import Runtime, RuntimeConfig     # before llama_cpp: it chooses the build
 
     import llama_cpp
 
@@ -168,11 +168,11 @@ def test_auto_moves_off_a_busy_core():
     import sys
 
     from conftest import SMOL, model_path, prompt
-    from flylocal.engine import generate_all
+    from flylocal.decoding.engine import generate_all
+    from flylocal.llama.runtime import Runtime, RuntimeConfig     # before llama_cpp: it chooses the build
+    from flylocal.llama.threads import usable_cores
     from flylocal.loader import build_engine, encode_prompt
-    from flylocal.runtime import Runtime, RuntimeConfig     # before llama_cpp: it chooses the build
     from flylocal.settings import Settings
-    from flylocal.threads import usable_cores
 
     import llama_cpp
 

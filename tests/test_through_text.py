@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from conftest import GEMMA_Q8_0, SMOL, prompt
-from flylocal.drafters.text import TextBridge
-from flylocal.engine import generate_all
+from flylocal.decoding.drafters.text import TextBridge
+from flylocal.decoding.engine import generate_all
 from flylocal.errors import FlylocalError
 from flylocal.loader import build_engine, encode_prompt, pair
 from flylocal.settings import Settings
@@ -80,8 +80,8 @@ def test_a_copy_heavy_prompt_is_accepted(pair_of, drafter):
 
 def test_loose_verifiers_decide_on_target_tokens(pair_of):
     """FLy and ASD run through text; with a budget of 0 ASD is strict."""
-    from flylocal.verifiers import VerifierConfig
-    from flylocal.verifiers.asd import AsdParams
+    from flylocal.decoding.verifiers import VerifierConfig
+    from flylocal.decoding.verifiers.asd import AsdParams
 
     target, draft = pair_of
     ids = prompt_ids(target, prompt("chat-focus"))

@@ -1,0 +1,283 @@
+"""The round loop: draft, score on the target in one decode, decide, commit, roll back
+(docs/design.md, "The round").
+
+    context -> drafter.propose -> target.decode([last, *draft], all k+1 rows)
+            -> verifier(draft, a, logits) -> target.truncate(n_past + m)
+
+The target's cache always holds the committed tokens but the last one (`last`), which is
+decoded at the head of the next round's batch. `Engine.generate` returns a Generation: an
+iterable of RoundEvents that owns the request's stats, its output tokens and its stop reason.
+The engine prints nothing.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from flylocal.decoding.adaptive import DraftLength, timed_decode
+from flylocal.decoding.sampling import SamplingParams, position_noise, sample_targets, target_argmax, token_logprobs
+from flylocal.decoding.stats import Stats
+from flylocal.decoding.verifiers import Decision, Verifier, emitted_tokens, regrets
+from flylocal.errors import FlylocalError
+
+# How each committed token came to be.
+ACCEPTED, LOOSE, TARGET = "accepted", "loose", "target"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_tokens: int = 256
+    k: int = 8                 # draft length (the most, when adaptive)
+    adaptive: bool = True      # let measured cost and acceptance shorten drafts (adaptive drafters only)
+    recalibrate: bool = False  # measure the target's cost curve again instead of reading the cache
+    trace: bool = False        # attach trace rows (docs/design.md) to round events
+    sampling: SamplingParams = field(default_factory=SamplingParams)   # temperature 0: greedy
+    pin_costs: bool = False    # decide draft lengths on calibrated costs only, never this run's timings
+    logprobs: int | None = None   # give each output token its log-probability and this many of the most
+                                  # likely ones at its position (None: none are computed)
+
+
+@dataclass(frozen=True)
+class RoundEvent:
+    index: int
+    tokens: tuple[int, ...]    # output committed this round, cut at max_tokens and the context's end;
+                               # an end-of-generation token is committed but is not output
+    kinds: tuple[str, ...]     # ACCEPTED, LOOSE or TARGET per token of `tokens`
+    trace: dict | None = None
+    logprobs: tuple | None = None   # per token of `tokens` (with EngineConfig.logprobs): (log-probability,
+                                    # ((id, log-probability), ...) most likely first), from the round's rows
+
+
+class Generation:
+    """One request. Iterating yields a RoundEvent per round. `stats` (with its `stop` reason)
+    and `tokens` (the output ids, end-of-generation excluded) belong to the request and are
+    final once iteration ends or `close()` is called, whether the request ran to its end, was
+    interrupted (Ctrl-C, a closed client) or failed. `on_end(generation)` is called once then."""
+
+    def __init__(self, engine: Engine, prompt: np.ndarray, on_end: Callable[[Generation], None] | None = None):
+        self.stats = Stats(prompt_tokens=len(prompt))
+        self.tokens: list[int] = []
+        self._on_end = on_end
+        self._ended = False
+        self._rounds = engine._rounds(prompt, self)
+
+    def __iter__(self) -> Iterator[RoundEvent]:
+        return self._rounds
+
+    def run(self) -> Generation:
+        """Run to the end (or until an error, which is raised)."""
+        for _ in self._rounds:
+            pass
+        return self
+
+    def close(self) -> None:
+        """Stop here; the caches stay consistent with what was yielded."""
+        self._rounds.close()
+        if not self.stats.stop:        # closed before it started
+            self.stats.stop = "interrupted"
+        self._end()
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            if self._on_end is not None:
+                self._on_end(self)
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Engine:
+    def __init__(self, target, drafter, verifier: Verifier, config: EngineConfig = EngineConfig(),
+                 clock: Callable[[], float] = time.perf_counter):
+        self.target = target          # Runtime, or anything with its decode/truncate/reuse_prefix interface
+        self.drafter = drafter
+        self.verifier = verifier
+        self.config = config
+        self.clock = clock            # seconds; tests give a simulated machine's
+        self.length = (DraftLength(config.k, drafter.level_prior, target.costs)
+                       if config.adaptive and drafter.adaptive else None)
+        # The target's cost curve is needed by the engine's draft-length control and by drafters
+        # that weigh a draft model against lookup (they hold a `plan`).
+        self.costs = target.costs if self.length is not None or getattr(drafter, "plan", None) else None
+        # Every cost curve a decision here reads: pinned for a run whose output must not depend
+        # on timings (a seeded run; docs/design.md, "Temperature > 0").
+        model = getattr(drafter, "model", None)
+        self.curves = [c for c in (target.costs, getattr(model, "costs", None)) if c is not None]
+        self.observe = getattr(drafter, "observe", None)
+        self.corpus = getattr(drafter, "corpus", None)     # lookup remembers what was generated
+
+    def generate(self, prompt: np.ndarray, on_end: Callable[[Generation], None] | None = None) -> Generation:
+        """Generate after `prompt` [n] int32. Checks the prompt at once (FlylocalError); the
+        work happens as the Generation is iterated."""
+        prompt = np.asarray(prompt, dtype=np.int32)
+        if len(prompt) == 0:
+            raise FlylocalError("the prompt is empty")
+        if len(prompt) >= self.target.n_ctx:
+            raise FlylocalError(
+                f"the prompt is {len(prompt)} tokens, longer than the context (--ctx {self.target.n_ctx})")
+        return Generation(self, prompt, on_end)
+
+    def _rounds(self, prompt: np.ndarray, gen: Generation) -> Iterator[RoundEvent]:
+        cfg, target, stats, out, clock = self.config, self.target, gen.stats, gen.tokens, self.clock
+        t_start = clock()
+        context = np.zeros(target.n_ctx, dtype=np.int32)    # [n_ctx] prompt + committed
+        n = len(prompt)
+        context[:n] = prompt
+        commit = getattr(self.verifier, "commit", None)
+        eog_mask = target.eog_mask
+        # The randomness of a position depends on the seed and the position only (no seed: a
+        # fresh one per request), so drafting cannot change what is sampled.
+        seed = cfg.sampling.seed if cfg.sampling.seed is not None else secrets.randbits(64)
+        for curve in self.curves:
+            curve.pin(cfg.pin_costs)
+        source = None                  # where the target's cost curve came from, once it is known
+        try:
+            reused = target.reuse_prefix(prompt)
+            target.decode(prompt[reused:-1])
+            if self.costs is not None:     # from the disk cache, or measured once per process
+                known = self.costs.source != "none"
+                self.costs.ensure(lambda rows: timed_decode(target, int(prompt[-1]), rows, clock), max_rows=cfg.k + 1,
+                                  limit=target.n_batch, recalibrate=cfg.recalibrate)
+                source = "reused" if known else self.costs.source
+            stats.prompt_reused, stats.prompt_evaluated = reused, len(prompt) - reused
+            stats.prefill_s = clock() - t_start
+            while True:
+                if len(out) >= cfg.max_tokens:
+                    stats.stop = "max_tokens"
+                    break
+                if n >= target.n_ctx:
+                    stats.stop = "context"
+                    break
+                # Room: the batch [last, *draft] needs k+1 cells, and drafting past max_tokens is waste.
+                k = max(0, min(cfg.k, target.n_ctx - n, cfg.max_tokens - len(out) - 1))
+                t0 = clock()
+                proposal = self.drafter.propose(context[:n], k) if k else None
+                draft = proposal.tokens[:k] if proposal is not None else context[:0]
+                if self.length is not None and len(draft):
+                    draft = draft[: self.length.choose(proposal.level, len(draft))]
+                t1 = clock()
+                batch = np.empty(len(draft) + 1, dtype=np.int32)
+                batch[0] = context[n - 1]
+                batch[1:] = draft
+                n_past = target.n_past
+                logits = target.decode(batch, logits_from=0)          # [k+1, n_vocab]
+                t2 = clock()
+                # a[0..k]: the target's token at each position, its argmax at temperature 0 and
+                # its speculative-sampling decision otherwise (docs/design.md, "Temperature > 0").
+                if cfg.sampling.greedy:
+                    a = target_argmax(draft, logits, context[:n], cfg.sampling)   # [k+1]
+                else:
+                    a = sample_targets(draft, logits, context[:n], cfg.sampling,
+                                       position_noise(seed, np.arange(n, n + len(draft) + 1)))
+                decision = self.verifier(draft, a, logits)
+                L = decision.accepted
+                emitted = emitted_tokens(draft, a, L)                    # [L+1]
+                t3 = clock()
+
+                # Cut at the first end-of-generation token, at max_tokens and at the context's end.
+                eog = np.flatnonzero(eog_mask[emitted])
+                m = int(eog[0]) + 1 if eog.size else len(emitted)
+                m = min(m, cfg.max_tokens - len(out), target.n_ctx - n)
+                committed = emitted[:m]
+                target.truncate(n_past + m)        # [last, *committed[:-1]] stay; committed[-1] is the new last
+                if commit is not None:             # a ledger pays only for what was committed
+                    decision = commit(decision, min(L, m))
+                t4 = clock()
+
+                context[n : n + m] = committed
+                n += m
+                ended = bool(eog.size) and int(eog[0]) < m
+                shown = m - ended                  # the end-of-generation token is not output
+                loose = set(decision.loose)
+                kinds = tuple(LOOSE if j in loose else ACCEPTED if j < L else TARGET for j in range(shown))
+                stats.rounds += 1
+                stats.drafted += len(draft)
+                stats.accepted += min(L, m)
+                committed_loose = sum(1 for j in loose if j < m)
+                stats.loose += committed_loose
+                stats.mismatches += committed_loose + (L < len(draft))
+                if decision.budget_spent is not None:
+                    stats.budget_spent, stats.budget_left = decision.budget_spent, decision.budget_left
+                stats.emitted += m
+                stats.draft_s += t1 - t0
+                stats.target_s += (t2 - t1) + (t4 - t3)
+                stats.verify_s += t3 - t2
+                if self.length is not None:
+                    self.length.update(proposal.level if proposal else 0, len(draft), L)
+                if self.observe is not None and proposal is not None:
+                    self.observe(proposal, min(L, m))     # drafts that choose their own length
+                if self.costs is not None:
+                    self.costs.update(len(draft) + 1, t4 - t1, emitted=m)
+                trace = self._trace_row(stats.rounds - 1, n_past, draft, a, logits, decision, emitted,
+                                        proposal) if cfg.trace else None
+                # Row j scored the position of committed[j] under the prefix committed before it.
+                logprobs = (tuple(token_logprobs(committed[:shown], logits, context[: n - m], cfg.sampling,
+                                                 cfg.logprobs)) if cfg.logprobs is not None else None)
+                tokens = tuple(int(t) for t in committed[:shown])
+                out.extend(tokens)
+                # The stop is known before the last event goes out: a consumer that closes
+                # the generation right after it gets the real reason.
+                if ended:
+                    stats.stop = "eog"
+                elif len(out) >= cfg.max_tokens:
+                    stats.stop = "max_tokens"
+                elif n >= target.n_ctx:
+                    stats.stop = "context"
+                yield RoundEvent(stats.rounds - 1, tokens, kinds, trace, logprobs)
+                if stats.stop:
+                    break
+        except GeneratorExit:
+            stats.stop = stats.stop or "interrupted"     # closed after its last event: it had ended
+            raise
+        except KeyboardInterrupt:
+            stats.stop = "interrupted"
+            raise
+        except BaseException:
+            stats.stop = "error"
+            raise
+        finally:
+            for curve in self.curves:
+                curve.pin(False)
+            if source is not None:
+                stats.cost_curve = self.costs.report() | {"source": source}
+            stats.wall_s = clock() - t_start
+            if self.corpus is not None:
+                self.corpus.add(out)
+            gen._end()
+
+    def _trace_row(self, index, n_past, draft, a, logits, decision: Decision, emitted, proposal) -> dict:
+        k = len(draft)
+        entropy = decision.entropy
+        row = {
+            "round": index,
+            "n_past": int(n_past),
+            "draft": [int(t) for t in draft],
+            "target_argmax": [int(t) for t in a],
+            "entropy": [None if entropy is None or np.isnan(e) else float(e) for e in
+                        (entropy if entropy is not None else [np.nan] * k)],
+            "regret": [float(r) for r in regrets(draft, a, logits)],
+            "accepted": int(decision.accepted),
+            "loose": [int(j) for j in decision.loose],
+            "emitted": [int(t) for t in emitted],
+        }
+        if decision.budget_spent is not None:
+            row["budget_spent"], row["budget_left"] = decision.budget_spent, decision.budget_left
+        if proposal is not None and proposal.text is not None:
+            row["draft_text"] = proposal.text       # a draft through text: the text it came from
+        return row
+
+
+def generate_all(engine: Engine, prompt: np.ndarray) -> tuple[list[int], Stats, list[dict]]:
+    """Run to completion: (output ids, stats, trace rows)."""
+    gen = engine.generate(prompt)
+    traces = [event.trace for event in gen if event.trace is not None]
+    return list(gen.tokens), gen.stats, traces

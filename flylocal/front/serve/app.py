@@ -1,0 +1,202 @@
+"""The application behind `flylocal serve`: the guards, the API key, request bodies, the
+per-request log line, /health and /metrics, and the two dialects' routes (flylocal.front.serve.openai,
+flylocal.front.serve.ollama), which translate requests onto the same calls here."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from flylocal.errors import FlylocalError
+from flylocal.front.serve.guard import Guard, HostRule
+from flylocal.front.serve.worker import Job, Metrics, Refused, Worker
+from flylocal.loader import check
+from flylocal.session import Session
+from flylocal.settings import Settings
+
+MAX_BODY = 4 << 20          # bytes of a request body
+
+
+class ApiError(Exception):
+    """A refused request: its status, message, the field it names and a machine-readable code.
+    Each dialect renders it in its own shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        """OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def failure_message(e: BaseException) -> str:
+    return str(e) if isinstance(e, FlylocalError) else f"internal error: {type(e).__name__}"
+
+
+class Server:
+    """What the dialects share: the settings, the worker and its metrics, the key, the log."""
+
+    def __init__(self, load: Callable[[], Session], settings: Settings, api_key: str | None, max_queue: int,
+                 on_failure: Callable[[BaseException], None], log: Callable[[str], None] | None):
+        self.settings = settings
+        self.api_key = api_key
+        self.metrics = Metrics()
+        self.worker = Worker(load, self.metrics, max_queue, on_failure)
+        self.log = log
+
+    # ----- checks, in the order a request meets them -----
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
+
+    async def body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY >> 20} MiB", code="body_too_large")
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY:
+                    raise ApiError(413, f"the request body is larger than {MAX_BODY >> 20} MiB",
+                                   code="body_too_large")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ApiError(400, "the client went away before its request was read") from None
+        return b"".join(chunks)
+
+    def session(self) -> Session:
+        if self.worker.session is None:
+            raise ApiError(503, "the models are still loading", type_="server_error", code="loading",
+                           headers={"Retry-After": "1"})
+        return self.worker.session
+
+    def names(self, session: Session) -> set[str]:
+        """The names a request may give the target by."""
+        return {self.settings.target, session.target.name, session.target.name.removesuffix(".gguf")}
+
+    def check_settings(self, settings: Settings, session: Session, param: str = "k") -> None:
+        try:
+            check(settings)              # a draft longer than a batch holds, for one
+        except FlylocalError as e:
+            raise ApiError(400, str(e).replace("--", ""), param=param) from None
+        if settings.drafter_name in ("model", "mla") and session.models.draft is None:
+            raise ApiError(400, f"drafter {settings.drafter_name} needs a draft model: start the server with --draft",
+                           param="drafter")
+
+    def check_fits(self, ids, session: Session, param: str) -> None:
+        if len(ids) >= session.target.n_ctx:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens; the context holds {session.target.n_ctx} "
+                                "(--ctx), with room for at least one generated token",
+                           param=param, code="context_length_exceeded")
+
+    # ----- running a job -----
+    def submit(self, settings: Settings, ids, stops: list[str], tokens: bool = False) -> tuple[Job, asyncio.Queue]:
+        """Queue a generation; its items (flylocal.front.serve.worker) arrive on the returned queue."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def emit(item):
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:         # the loop is gone (shutdown)
+                pass
+
+        job = Job(settings, ids, stops, emit, tokens=tokens)
+        try:
+            self.worker.submit(job)
+        except Refused as e:
+            raise ApiError(e.status, e.message, type_="server_error", code=e.code, headers=e.headers) from None
+        return job, queue
+
+    def answered(self, request: Request, endpoint: str, status: int, started: float, stats=None,
+                 prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        """Count a response, and log it: method, path, status, tokens, speed, time."""
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+        if self.log is None:
+            return
+        line = f"{request.method} {request.url.path} {status}"
+        if stats is not None:
+            line += (f" prompt {prompt_tokens} completion {completion_tokens} {stats.tokens_per_s:.1f} tok/s"
+                     f" mean accepted length {stats.mean_accepted_length:.2f}")
+        self.log(line + f" {time.perf_counter() - started:.2f} s")
+
+
+def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str | None = None,
+               max_queue: int = 16, cors_origins: tuple[str, ...] = (), host: str = "127.0.0.1", port: int = 8080,
+               allowed_hosts: tuple[str, ...] = (), on_failure: Callable[[BaseException], None] = lambda e: None,
+               log: Callable[[str], None] | None = None):
+    """The application. `load` builds the Session, on the worker thread, while the server
+    already answers /health ("loading"); `on_failure` hears if it fails. `host` and `port` are
+    where it listens (the Host rule), `log` takes a line per request (None: quiet)."""
+    from flylocal.front.serve import ollama, openai
+
+    server = Server(load, settings, api_key, max_queue, on_failure, log)
+    app = FastAPI(title="flylocal", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker = server.worker
+    app.state.server = server
+    if cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    # Outermost: nothing runs, not even CORS, for a request a web page could have made.
+    def refused(method: str, path: str, status: int, code: str) -> None:
+        server.metrics.requests.labels("refused", str(status)).inc()
+        if log is not None:
+            log(f"{method} {path} {status} refused ({code})")
+
+    app.add_middleware(Guard, hosts=HostRule(host, port, allowed_hosts), origins=cors_origins, refused=refused)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):      # 404, 405 ... in OpenAI's shape
+        if request.url.path.startswith("/api/"):
+            return JSONResponse({"error": str(e.detail)}, status_code=e.status_code)
+        return JSONResponse(ApiError(e.status_code, str(e.detail), code=None).body(), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):      # never a traceback on the wire
+        return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}", type_="server_error").body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if server.worker.session is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def metrics_page(request: Request):
+        try:
+            server.authorize(request)
+        except ApiError as e:
+            server.answered(request, "metrics", e.status, time.perf_counter())
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return PlainTextResponse(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    openai.routes(app, server)
+    ollama.routes(app, server)
+    return app
+
+
+def json_body(model: Any) -> PlainTextResponse:
+    """A pydantic model as JSON (pydantic writes a non-finite number, an infinite ASD budget, as
+    null: JSON has none)."""
+    return PlainTextResponse(model.model_dump_json(), media_type="application/json")

@@ -1,0 +1,270 @@
+"""The one generation at a time behind `flylocal serve`: a bounded FIFO queue of jobs, one
+worker thread that loads the models and then runs the jobs, stop strings cut across tokens,
+and the Prometheus metrics.
+
+A job's output goes to its request handler through `emit`, as items:
+- `("text", piece, tokens)`: text that may go out now, and the output tokens it completes, each
+  an `OutToken` (id, its text, how it came, its log-probability when asked for);
+- `("done", reason, stats, n_tokens)`: the reason ("eog", "max_tokens", "context",
+  "stop_string", "interrupted", ...), the request's Stats, the output tokens;
+- `("error", exception)`; then `END`.
+A request's handler sets the job's cancel flag when its client goes away; the worker reads it
+after every round, so the model is free within one round and the caches stay consistent.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from flylocal.session import Session, TextStream
+from flylocal.settings import Settings
+
+SEND_EVERY = 0.025          # seconds between a stream's text events after the first
+END = object()
+
+
+class Refused(Exception):
+    """A request the worker cannot take now (the queue is full): status, message, code, headers."""
+
+    def __init__(self, status: int, message: str, code: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.headers = status, message, code, headers or {}
+
+
+class StopStrings:
+    """Cuts text at the first occurrence of any stop string, even one that spans tokens. Text
+    that could still turn out to be the start of a stop string is held back, nothing more."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.held = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
+        """(text that may go out now, whether a stop string was found)."""
+        text = self.held + text
+        self.held = ""
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            return text[: min(hits)], True
+        if final:
+            return text, False
+        keep = 0
+        for n in range(min(len(text), max((len(s) for s in self.stops), default=1) - 1), 0, -1):
+            if any(s.startswith(text[-n:]) for s in self.stops):
+                keep = n
+                break
+        if keep:
+            self.held = text[-keep:]
+            text = text[:-keep]
+        return text, False
+
+
+@dataclass(frozen=True)
+class OutToken:
+    id: int
+    piece: bytes                  # its own bytes (a token may hold part of a character)
+    kind: str                     # "accepted", "loose" or "target" (flylocal.decoding.engine)
+    logprob: float | None = None  # under the target's distribution, when asked for
+    top: tuple = ()               # ((id, bytes, logprob), ...) most likely first, when asked for
+
+    @property
+    def text(self) -> str:
+        return self.piece.decode("utf-8", "replace")
+
+
+@dataclass
+class Job:
+    settings: Settings
+    ids: Any                                  # [n] int32 prompt ids
+    stops: list[str]
+    emit: Callable[[Any], None]               # thread-safe: puts an item on the handler's queue
+    cancel: threading.Event = field(default_factory=threading.Event)
+    queued_at: float = field(default_factory=time.perf_counter)
+    tokens: bool = False                      # emit OutTokens (logprobs, kinds) with the text
+
+
+class Worker:
+    """One thread loads the models, then runs the jobs, first come first served, one at a time."""
+
+    def __init__(self, load: Callable[[], Session], metrics: Metrics, max_queue: int,
+                 on_failure: Callable[[BaseException], None] = lambda e: None):
+        self.metrics, self.max_queue = metrics, max_queue
+        self.session: Session | None = None         # None while the models load
+        self.failed: BaseException | None = None
+        self.jobs: collections.deque[Job] = collections.deque()     # waiting, oldest first
+        self.busy = False                                           # a job is running
+        self.ready = threading.Condition()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, args=(load, on_failure), name="flylocal-worker",
+                                       daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self.ready:
+            if any(j.cancel.is_set() for j in self.jobs):       # their clients went away
+                self.jobs = collections.deque(j for j in self.jobs if not j.cancel.is_set())
+            if len(self.jobs) >= self.max_queue and (self.busy or self.jobs):
+                raise Refused(503, f"the server is busy: {len(self.jobs)} requests are waiting (--max-queue)",
+                              "queue_full", {"Retry-After": "1"})
+            self.jobs.append(job)
+            self.metrics.queue.set(len(self.jobs))
+            self.ready.notify()
+
+    def stop(self) -> None:
+        with self.ready:
+            self.stopping = True
+            self.ready.notify()
+
+    def _run(self, load, on_failure) -> None:
+        try:
+            self.session = load()
+        except BaseException as e:  # noqa: BLE001 - the server reports it and exits
+            self.failed = e
+            on_failure(e)
+            return
+        while True:
+            with self.ready:
+                while not self.jobs and not self.stopping:
+                    self.ready.wait()
+                if self.stopping and not self.jobs:
+                    break
+                job = self.jobs.popleft()
+                self.metrics.queue.set(len(self.jobs))
+                if job.cancel.is_set():
+                    continue
+                self.busy = True
+            try:
+                with self.session.lock:
+                    self._generate(job)
+            except BaseException as e:  # noqa: BLE001 - reported to its request; the server goes on
+                job.emit(("error", e))
+            finally:
+                with self.ready:
+                    self.busy = False
+                job.emit(END)
+        if self.session is not None:
+            with self.session.lock:      # the refined cost curves are saved as the models close
+                self.session.models.close()
+
+    def _generate(self, job: Job) -> None:
+        session = self.session
+        session.models.reconnect()       # a model whose rpc servers were lost: once they answer again
+        gen = session.request(job.ids, job.settings)
+        target = session.target
+        text = TextStream(target)
+        stops = StopStrings(job.stops)
+        tokens = Aligned() if job.tokens else None
+        stopped, first, sent, pending = False, None, 0.0, ""
+        try:
+            for event in gen:
+                piece = text.feed(event.tokens)
+                if tokens is not None:
+                    tokens.add(target, event, len(piece))
+                piece, stopped = stops.feed(piece)
+                pending += piece
+                now = time.perf_counter()
+                # Text goes out at once at first, then at most every SEND_EVERY seconds: each send
+                # wakes the event loop, which on a small machine takes a core from llama.cpp.
+                if pending and (first is None or now - sent >= SEND_EVERY):
+                    first = first or now
+                    job.emit(("text", pending, tokens.release(len(pending)) if tokens else ()))
+                    pending, sent = "", now
+                if stopped or job.cancel.is_set():
+                    break
+            else:
+                tail = text.flush()
+                if tokens is not None:
+                    tokens.grow(len(tail))
+                piece, stopped = stops.feed(tail, final=True)
+                pending += piece
+            if pending or (tokens is not None and tokens.waiting(len(pending))):
+                job.emit(("text", pending, tokens.release(len(pending), final=True) if tokens else ()))
+        finally:
+            gen.close()
+        stats = gen.stats
+        reason = "stop_string" if stopped else stats.stop
+        self.metrics.observe(stats, len(gen.tokens), first - job.queued_at if first is not None else None)
+        job.emit(("done", reason, stats, len(gen.tokens)))
+
+
+class Aligned:
+    """Output tokens, released as the text they make goes out: a token goes with the text piece
+    that completes it; tokens whose text a stop string cut are never released."""
+
+    def __init__(self):
+        self.queue: collections.deque[tuple[int, OutToken]] = collections.deque()   # (end in chars, token)
+        self.made = 0          # characters of text the tokens so far have made
+        self.sent = 0          # characters released
+
+    def add(self, target, event, chars: int) -> None:
+        logprobs = event.logprobs or [None] * len(event.tokens)
+        for i, (tid, kind) in enumerate(zip(event.tokens, event.kinds)):
+            lp = logprobs[i]
+            top = tuple((t, target.piece(t), v) for t, v in lp[1]) if lp else ()
+            token = OutToken(int(tid), target.piece(tid), kind, lp[0] if lp else None, top)
+            self.queue.append((self.made + chars if i == len(event.tokens) - 1 else self.made, token))
+        self.made += chars
+
+    def grow(self, chars: int) -> None:
+        """Text the decoder gave out at the end, without new tokens."""
+        if self.queue:
+            end, token = self.queue.pop()
+            self.queue.append((end + chars, token))
+        self.made += chars
+
+    def waiting(self, chars: int) -> bool:
+        return bool(self.queue) and self.queue[0][0] <= self.sent + chars
+
+    def release(self, chars: int, final: bool = False) -> tuple[OutToken, ...]:
+        self.sent += chars
+        out = []
+        while self.queue and self.queue[0][0] <= self.sent:
+            out.append(self.queue.popleft()[1])
+        if final:
+            self.queue.clear()
+        return tuple(out)
+
+
+class Metrics:
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("flylocal_requests", "Requests answered, by endpoint and status.",
+                                ["endpoint", "status"], registry=r)
+        self.generations = Counter("flylocal_generations", "Generations run by the worker.", registry=r)
+        self.tokens = Counter("flylocal_completion_tokens", "Tokens generated (usage.completion_tokens).", registry=r)
+        self.drafted = Counter("flylocal_drafted_tokens", "Draft tokens sent to the target.", registry=r)
+        self.accepted = Counter("flylocal_accepted_tokens", "Draft tokens committed, loose ones included.",
+                                registry=r)
+        self.loose = Counter("flylocal_loose_tokens", "Committed draft tokens that did not match natively.",
+                             registry=r)
+        self.rounds = Counter("flylocal_rounds", "Verification rounds.", registry=r)
+        self.mean_accepted = Gauge("flylocal_mean_accepted_length",
+                                   "Tokens committed per round, over every request so far.", registry=r)
+        self.queue = Gauge("flylocal_queue_depth", "Requests waiting for the model.", registry=r)
+        self.ttft = Histogram("flylocal_time_to_first_token_seconds", "From a request's arrival to its first text.",
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30), registry=r)
+        self.tps = Histogram("flylocal_tokens_per_second", "Decode tokens/s of a request.",
+                             buckets=(5, 10, 25, 50, 100, 150, 200, 300, 500, 1000), registry=r)
+        self._emitted = self._rounds = 0
+
+    def observe(self, stats, output_tokens: int, ttft: float | None) -> None:
+        self.generations.inc()
+        self.tokens.inc(output_tokens)
+        self.drafted.inc(stats.drafted)
+        self.accepted.inc(stats.accepted)
+        self.loose.inc(stats.loose)
+        self.rounds.inc(stats.rounds)
+        self._emitted += stats.emitted
+        self._rounds += stats.rounds
+        if self._rounds:
+            self.mean_accepted.set(self._emitted / self._rounds)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if stats.tokens_per_s > 0:
+            self.tps.observe(stats.tokens_per_s)
