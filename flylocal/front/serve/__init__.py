@@ -2,7 +2,7 @@
 
 One Session behind two dialects on one port: OpenAI's API (flylocal.front.serve.openai) and Ollama's
 (flylocal.front.serve.ollama). Each only translates requests onto the same calls of the application
-(flylocal.front.serve.app); nothing here imports llama.cpp. One generation runs at a time on the
+(flylocal.front.serve.app), assembled here with the guards; nothing here imports llama.cpp. One generation runs at a time on the
 loaded pair: a worker thread takes jobs from a bounded FIFO queue (flylocal.front.serve.worker). Web
 pages and slow clients are kept out before any work (flylocal.front.serve.guard).
 """
@@ -10,15 +10,80 @@ pages and slow clients are kept out before any work (flylocal.front.serve.guard)
 from __future__ import annotations
 
 import signal
+import time
 from typing import Callable
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from flylocal.errors import FlylocalError
-from flylocal.front.serve.app import create_app
+from flylocal.front.serve import ollama, openai
+from flylocal.front.serve.app import ApiError, Server
+from flylocal.front.serve.guard import Guard, HostRule
 from flylocal.llama.net import check_port, is_loopback
 from flylocal.session import Session
 from flylocal.settings import Settings
 
 __all__ = ["create_app", "serve"]
+
+
+def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str | None = None,
+               max_queue: int = 16, cors_origins: tuple[str, ...] = (), host: str = "127.0.0.1", port: int = 8080,
+               allowed_hosts: tuple[str, ...] = (), on_failure: Callable[[BaseException], None] = lambda e: None,
+               log: Callable[[str], None] | None = None):
+    """The application. `load` builds the Session, on the worker thread, while the server
+    already answers /health ("loading"); `on_failure` hears if it fails. `host` and `port` are
+    where it listens (the Host rule), `log` takes a line per request (None: quiet)."""
+    server = Server(load, settings, api_key, max_queue, on_failure, log)
+    app = FastAPI(title="flylocal", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker = server.worker
+    app.state.server = server
+    if cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    # Outermost: nothing runs, not even CORS, for a request a web page could have made.
+    def refused(method: str, path: str, status: int, code: str) -> None:
+        server.metrics.requests.labels("refused", str(status)).inc()
+        if log is not None:
+            log(f"{method} {path} {status} refused ({code})")
+
+    app.add_middleware(Guard, hosts=HostRule(host, port, allowed_hosts), origins=cors_origins, refused=refused)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):      # 404, 405 ... in OpenAI's shape
+        if request.url.path.startswith("/api/"):
+            return JSONResponse({"error": str(e.detail)}, status_code=e.status_code)
+        return JSONResponse(ApiError(e.status_code, str(e.detail), code=None).body(), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):      # never a traceback on the wire
+        return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}", type_="server_error").body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if server.worker.session is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def metrics_page(request: Request):
+        try:
+            server.authorize(request)
+        except ApiError as e:
+            server.answered(request, "metrics", e.status, time.perf_counter())
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return PlainTextResponse(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    openai.routes(app, server)
+    ollama.routes(app, server)
+    return app
 
 
 def serve(load: Callable[[], Session], settings: Settings, host: str, port: int, api_key: str | None,

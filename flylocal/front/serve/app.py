@@ -1,6 +1,7 @@
-"""The application behind `flylocal serve`: the guards, the API key, request bodies, the
-per-request log line, /health and /metrics, and the two dialects' routes (flylocal.front.serve.openai,
-flylocal.front.serve.ollama), which translate requests onto the same calls here."""
+"""What the two dialects of `flylocal serve` share (flylocal.front.serve.openai,
+flylocal.front.serve.ollama): the refused request (ApiError) and the Server, whose calls they
+translate requests onto: the API key, request bodies, the checks of settings and prompts,
+submitting a job to the worker and the per-request log line."""
 
 from __future__ import annotations
 
@@ -9,13 +10,11 @@ import hmac
 import time
 from typing import Any, Callable
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import Request
+from fastapi.responses import PlainTextResponse
 from starlette.requests import ClientDisconnect
 
 from flylocal.errors import FlylocalError
-from flylocal.front.serve.guard import Guard, HostRule
 from flylocal.front.serve.worker import Job, Metrics, Refused, Worker
 from flylocal.loader import check
 from flylocal.session import Session
@@ -134,66 +133,6 @@ class Server:
             line += (f" prompt {prompt_tokens} completion {completion_tokens} {stats.tokens_per_s:.1f} tok/s"
                      f" mean accepted length {stats.mean_accepted_length:.2f}")
         self.log(line + f" {time.perf_counter() - started:.2f} s")
-
-
-def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str | None = None,
-               max_queue: int = 16, cors_origins: tuple[str, ...] = (), host: str = "127.0.0.1", port: int = 8080,
-               allowed_hosts: tuple[str, ...] = (), on_failure: Callable[[BaseException], None] = lambda e: None,
-               log: Callable[[str], None] | None = None):
-    """The application. `load` builds the Session, on the worker thread, while the server
-    already answers /health ("loading"); `on_failure` hears if it fails. `host` and `port` are
-    where it listens (the Host rule), `log` takes a line per request (None: quiet)."""
-    from flylocal.front.serve import ollama, openai
-
-    server = Server(load, settings, api_key, max_queue, on_failure, log)
-    app = FastAPI(title="flylocal", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.worker = server.worker
-    app.state.server = server
-    if cors_origins:
-        from fastapi.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
-    # Outermost: nothing runs, not even CORS, for a request a web page could have made.
-    def refused(method: str, path: str, status: int, code: str) -> None:
-        server.metrics.requests.labels("refused", str(status)).inc()
-        if log is not None:
-            log(f"{method} {path} {status} refused ({code})")
-
-    app.add_middleware(Guard, hosts=HostRule(host, port, allowed_hosts), origins=cors_origins, refused=refused)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException):      # 404, 405 ... in OpenAI's shape
-        if request.url.path.startswith("/api/"):
-            return JSONResponse({"error": str(e.detail)}, status_code=e.status_code)
-        return JSONResponse(ApiError(e.status_code, str(e.detail), code=None).body(), status_code=e.status_code,
-                            headers=getattr(e, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, e: Exception):      # never a traceback on the wire
-        return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}", type_="server_error").body(),
-                            status_code=500)
-
-    @app.get("/health")
-    async def health():
-        if server.worker.session is None:
-            return JSONResponse({"status": "loading"}, status_code=503)
-        return {"status": "ready"}
-
-    @app.get("/metrics")
-    async def metrics_page(request: Request):
-        try:
-            server.authorize(request)
-        except ApiError as e:
-            server.answered(request, "metrics", e.status, time.perf_counter())
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        return PlainTextResponse(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    openai.routes(app, server)
-    ollama.routes(app, server)
-    return app
 
 
 def json_body(model: Any) -> PlainTextResponse:
