@@ -206,7 +206,8 @@ def test_special_token_text_in_a_prompt_is_plain_unless_asked(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ["generate", "Count from 1 to 1000", "--max-tokens", "48", "--ctx", "64", "--draft", "smollm2-135m-instruct-q4_0", "--k", "8"],
-    ["generate", "--raw", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, " * 4, "--ctx", "140", "--max-tokens", "48"],
+    # a fixed draft length: an adaptive one may spend the last round on a plain step it explores
+    ["generate", "--raw", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, " * 4, "--ctx", "140", "--max-tokens", "48", "--k", "8"],
 ])
 def test_accepted_drafts_that_reach_the_context_end_stop_cleanly(args, tmp_path):
     trace = tmp_path / "t.jsonl"

@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""Spec-Bench through servers: flylocal serve's modes against llama.cpp's own llama-server.
+
+One server per mode, each on a free loopback port with the same model, so that no mode reuses
+another's cached prompt. For each question (the first turn of the first N of each Spec-Bench
+group) every mode answers in turn, streaming, greedy, `--max-tokens` tokens; a pause between
+requests lets the last server's threads go idle. Per mode: end-to-end tokens/s (completion
+tokens over the wall time from the request to the last chunk) and decode tokens/s (the tokens
+after the first over the time after the first), medians over questions, and ratios to
+llama-server's plain mode (or flylocal's plain mode without llama-server).
+
+llama-server is built from the llama.cpp source that llama-cpp-python vendors (docs/benchmarks.md
+says how); give its path with --llama-server. Every server is stopped on the way out.
+
+    .venv/bin/python scripts/bench_servers.py [--llama-server PATH] [--per-category 4] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+FLYLOCAL_MODES = {"flylocal plain": ["--drafter", "none", "--verifier", "strict"],
+                  "flylocal strict-pld": ["--drafter", "pld", "--verifier", "strict"],
+                  "flylocal fly-pld": ["--drafter", "pld", "--verifier", "fly"]}
+LLAMA_MODES = {"llama-server plain": [], "llama-server ngram-mod": ["--spec-type", "ngram-mod"]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def questions(per_category: int) -> list[str]:
+    sys.path.insert(0, str(ROOT))
+    from flylocal.front.bench import load_prompts, per_group
+
+    return [p.text for p in per_group(load_prompts(str(ROOT / "data" / "spec_bench")), per_category)]
+
+
+@contextlib.contextmanager
+def servers(args, model_path: str):
+    procs, urls = [], {}
+    logs = []
+    try:
+        for name, extra in FLYLOCAL_MODES.items():
+            port = free_port()
+            log = tempfile.TemporaryFile()
+            procs.append(subprocess.Popen([sys.executable, "-m", "flylocal", "serve", "--port", str(port), "--quiet",
+                                           "--target", args.target, "--ctx", str(args.ctx), *extra],
+                                          stdout=log, stderr=log))
+            urls[name] = f"http://127.0.0.1:{port}"
+            logs.append(log)
+        if args.llama_server:
+            for name, extra in LLAMA_MODES.items():
+                port = free_port()
+                log = tempfile.TemporaryFile()
+                procs.append(subprocess.Popen([args.llama_server, "-m", model_path, "--port", str(port),
+                                               "--host", "127.0.0.1", "-c", str(args.ctx), "--no-webui", *extra],
+                                              stdout=log, stderr=log))
+                urls[name] = f"http://127.0.0.1:{port}"
+                logs.append(log)
+        deadline = time.monotonic() + 300
+        for (name, url), proc, log in zip(urls.items(), procs, logs):
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise SystemExit(f"{name} exited: {log.read()[-2000:].decode(errors='replace')}")
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{name} did not become ready")
+                time.sleep(0.25)
+        yield urls
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def ask(url: str, question: str, max_tokens: int) -> dict:
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    chunks, tokens = 0, None
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if data.get("usage"):
+                tokens = data["usage"]["completion_tokens"]
+            if data.get("choices") and data["choices"][0].get("delta", {}).get("content"):
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                chunks += 1
+    tokens = tokens if tokens is not None else chunks
+    wall = (last or time.perf_counter()) - t0
+    decode = (tokens - 1) / (last - first) if first is not None and last > first and tokens > 1 else float("nan")
+    return {"tokens": tokens, "e2e": tokens / wall if wall > 0 else float("nan"), "decode": decode}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server")
+    ap.add_argument("--per-category", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--pause", type=float, default=0.5, help="seconds between requests")
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    sys.path.insert(0, str(ROOT))
+    from flylocal import models
+
+    path = str(models.resolve(args.target))
+    qs = questions(args.per_category)
+    results: dict[str, list[dict]] = {}
+    with servers(args, path) as urls:
+        for url in urls.values():                # one warm-up request each, uncounted
+            ask(url, "Hello!", 8)
+        for q in qs:
+            for name, url in urls.items():
+                results.setdefault(name, []).append(ask(url, q, args.max_tokens))
+                time.sleep(args.pause)
+    base = "llama-server plain" if args.llama_server else "flylocal plain"
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in ("e2e", "decode")} for name, rs in results.items()}
+    print(f"{len(qs)} Spec-Bench questions (first turns, {args.per_category} per group), {args.target}, "
+          f"{args.max_tokens} tokens, greedy, streamed, one server per mode, {os.cpu_count()} cores; medians")
+    print(f"| mode | end-to-end tok/s | / {base} | decode tok/s | / {base} |")
+    print("|---|---|---|---|---|")
+    for name, m in med.items():
+        print(f"| {name} | {m['e2e']:.1f} | {m['e2e'] / med[base]['e2e']:.2f} | {m['decode']:.1f} | "
+              f"{m['decode'] / med[base]['decode']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
