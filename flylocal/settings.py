@@ -276,8 +276,8 @@ OPTIONS = {o.name: o for o in [
     Option("gpu_layers", ("--gpu-layers",), "Layers to offload to the GPU (-1: all), in a GPU build.",
            type=click.IntRange(min=-1)),
     Option("flash_attn", ("--flash-attn",),
-           "llama.cpp flash attention. auto: off in a CPU build (its CPU kernel is not batch-invariant), "
-           "llama.cpp's choice on a GPU.", type=click.Choice(["auto", "on", "off"])),
+           "llama.cpp flash attention. auto: off in the exact build (its CPU kernel is not batch-invariant), "
+           "llama.cpp's choice otherwise (on, on a CPU).", type=click.Choice(["auto", "on", "off"])),
     Option("threads", ("--threads",),
            "CPU threads per model. auto starts on every core and follows how fast decoding runs now: on a busy "
            "desktop fewer threads decode faster, since one descheduled thread stalls the others. N (at most the "

@@ -196,7 +196,7 @@ def model_report(spec: str, threads: int | None = None, flash_attn: str = "auto"
         delta, flips, rows = batch_invariance(rt)
         curve = cost_curve(rt, recalibrate)
         choice = thread_choice(rt)
-        off = " (off in a CPU build)" if not build_info()["gpu_offload"] else ""
+        off = " (off in the exact build)" if kernels.mode() == kernels.EXACT else ""
         if rpc:
             off = " (off on rpc servers)"
         lines = [f"model: {path} ({rt.description()}, vocab {rt.n_vocab}), flash attention {flash_attn}"
