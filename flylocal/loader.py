@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -29,15 +29,23 @@ class Models:
     draft: Runtime | None
     corpus: Corpus | None = None      # what lookup searches beyond the context, for the session
     through_text: bool = False        # the draft drafts in its own vocabulary (flylocal.decoding.drafters.text)
+    # What draft-length control has measured of acceptance, per method and drafting settings:
+    # numbers only, kept across requests and chat's /reset (flylocal.decoding.engine.Engine._share).
+    learned: dict = field(default_factory=dict)
 
     def engine(self, settings: Settings | None = None, verifier: Verifier | None = None,
                private: bool = False) -> Engine:
         """An engine over these models for `settings` (default: the ones they were loaded with).
         `verifier` passes a verifier object to keep, such as a conversation's ASD ledger. A
         `private` engine's lookup searches the --lookup-corpus file alone, never what other
-        requests generated (a server's clients must not draft from each other's text)."""
+        requests generated (a server's clients must not draft from each other's text); the
+        acceptance statistics of its draft-length control, numbers, are the method's own."""
+        settings = settings or self.settings
         corpus = self.corpus.copy() if private and self.corpus is not None else self.corpus
-        return build_engine(settings or self.settings, self.target, self.draft, corpus, verifier, self.through_text)
+        key = (settings.drafter_name, settings.verifier, settings.draft_length, settings.k is None,
+               settings.pld_ngram, settings.pld_tokens, settings.draft_p_min_value)
+        return build_engine(settings, self.target, self.draft, corpus, verifier, self.through_text,
+                            learned=self.learned.setdefault(key, {}))
 
     def reconnect(self) -> list[str]:
         """Start again the models whose rpc servers were lost (flylocal.llama.remote), once they
@@ -155,7 +163,7 @@ def read_corpus(path: str | None, target: Runtime) -> Corpus:
 
 
 def build_engine(settings: Settings, target: Runtime, draft: Runtime | None, corpus: Corpus | None = None,
-                 verifier: Verifier | None = None, through_text: bool = False) -> Engine:
+                 verifier: Verifier | None = None, through_text: bool = False, learned: dict | None = None) -> Engine:
     adaptive = settings.k is None
     p_min = settings.draft_p_min_value
     drafter = make_drafter(settings.drafter_name, target, draft, pld_ngram=settings.pld_ngram,
@@ -174,7 +182,8 @@ def build_engine(settings: Settings, target: Runtime, draft: Runtime | None, cor
         # output follows the drafts, and with the fast kernels so can strict's at a near-tie.
         pin_costs=settings.sampling.seed is not None,
     )
-    return Engine(target, drafter, verifier or make_verifier(settings.verifier, settings.verifiers), config)
+    return Engine(target, drafter, verifier or make_verifier(settings.verifier, settings.verifiers), config,
+                  learned=learned)
 
 
 def encode_prompt(target: Runtime, text: str, raw: bool, system: str | None = None,

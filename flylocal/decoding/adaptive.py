@@ -56,6 +56,14 @@ class DraftLength:
     def calibrated(self) -> bool:
         return self.curve.calibrated
 
+    def fits(self, other: DraftLength) -> bool:
+        """Whether `other`'s statistics are about the same choices (to be kept in its place)."""
+        return isinstance(other, DraftLength) and other.hits.shape == self.hits.shape and other.curve is self.curve
+
+    def begin(self) -> None:
+        """A new request: its first round follows no other."""
+        self.streak = False
+
     def calibrate(self, timed_decode) -> None:
         """Measure the cost curve now (see CostCurve.calibrate)."""
         self.curve.calibrate(timed_decode, self.k_max + 1)
@@ -157,6 +165,13 @@ class ModelDraftLength:
     @staticmethod
     def level(p: float) -> int:
         return int(np.searchsorted(P_EDGES, p))
+
+    def fits(self, other: ModelDraftLength) -> bool:
+        return (isinstance(other, ModelDraftLength) and other.k_max == self.k_max and other.p_min == self.p_min
+                and other.target is self.target and other.draft is self.draft)
+
+    def begin(self) -> None:
+        pass
 
     def step_s(self) -> float:
         """c: seconds per drafted token now. The draft's measured cost per token relative to

@@ -95,9 +95,14 @@ class Generation:
         self.close()
 
 
+# The draft-length controllers an engine and its drafter may hold: (role, where, attribute).
+CONTROLLERS = (("length", "engine", "length"), ("plan", "drafter", "plan"),
+               ("lookup", "drafter", "lookup_length"), ("inner", "drafter", "inner"))
+
+
 class Engine:
     def __init__(self, target, drafter, verifier: Verifier, config: EngineConfig = EngineConfig(),
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, learned: dict | None = None):
         self.target = target          # Runtime, or anything with its decode/truncate/reuse_prefix interface
         self.drafter = drafter
         self.verifier = verifier
@@ -114,6 +119,26 @@ class Engine:
         self.curves = [c for c in (target.costs, getattr(model, "costs", None)) if c is not None]
         self.observe = getattr(drafter, "observe", None)
         self.corpus = getattr(drafter, "corpus", None)     # lookup remembers what was generated
+        self.controllers = self._share(learned if learned is not None else {})
+
+    def _share(self, learned: dict) -> list:
+        """Take over the draft-length controllers `learned` holds from earlier engines with the
+        same models and settings (what they measured of acceptance: numbers, never text), and
+        put this engine's there where it holds none. The controllers in use."""
+        used = []
+        for role, where, attr in CONTROLLERS:
+            owner = self if where == "engine" else self.drafter
+            mine = getattr(owner, attr, None)
+            if mine is None:
+                continue
+            kept = learned.get(role)
+            if kept is not None and mine.fits(kept):
+                setattr(owner, attr, kept)
+                mine = kept
+            else:
+                learned[role] = mine
+            used.append(mine)
+        return used
 
     def generate(self, prompt: np.ndarray, on_end: Callable[[Generation], None] | None = None) -> Generation:
         """Generate after `prompt` [n] int32. Checks the prompt at once (FlylocalError); the
@@ -139,6 +164,8 @@ class Engine:
         seed = cfg.sampling.seed if cfg.sampling.seed is not None else secrets.randbits(64)
         for curve in self.curves:
             curve.pin(cfg.pin_costs)
+        for controller in self.controllers:
+            controller.begin()
         source = None                  # where the target's cost curve came from, once it is known
         try:
             reused = target.reuse_prefix(prompt)
