@@ -232,6 +232,47 @@ def test_a_calibration_that_never_settles_is_used_but_not_saved_and_is_tried_aga
     assert curve.state == "settled" and len(list(cache.glob("*.json"))) == 1
 
 
+def test_a_provisional_curve_is_measured_again_at_most_retries_times(cache, monkeypatch):
+    """Each retry keeps a request waiting for a calibration: under endless load they stop."""
+    probes = []
+
+    def noisy(rows):                      # each size slower every time: the passes never agree
+        probes.append(rows)
+        return 0.01 * (1 + 0.4 * (rows - 1)) * 1.5 ** probes.count(rows)
+
+    now = [0.0]
+    monkeypatch.setattr(costs_module.time, "monotonic", lambda: now[0])
+    curve = CostCurve(key=KEY)
+    curve.ensure(noisy, max_rows=9)
+    calibrations = [len(probes)]
+    for _ in range(costs_module.RETRIES + 3):
+        now[0] += 1e6                                                    # long past every wait
+        curve.ensure(noisy, max_rows=9)
+        calibrations.append(len(probes))
+    grew = sum(b > a for a, b in zip(calibrations, calibrations[1:]))
+    assert curve.state == "provisional" and grew == costs_module.RETRIES, calibrations
+
+
+def test_a_provisional_curve_takes_the_one_another_process_cached(cache, monkeypatch):
+    """A second server on the same model settled the curve meanwhile: read, not measured."""
+    rng = np.random.default_rng(2)
+    noisy = lambda rows: 0.01 * (1 + 0.4 * (rows - 1)) * rng.uniform(1, 3)    # noqa: E731
+    curve = CostCurve(key=KEY)
+    curve.ensure(noisy, max_rows=9)
+    assert curve.state == "provisional"
+    other = CostCurve(key=KEY)
+    other.ensure(lambda rows: 0.01 * (1 + 0.4 * (rows - 1)), max_rows=9)
+    assert other.state == "settled" and list(cache.glob("*.json"))
+    monkeypatch.setattr(costs_module.time, "monotonic", lambda: 1e12)
+
+    def never(rows):
+        raise AssertionError("measured again although a settled curve was cached")
+
+    curve.ensure(never, max_rows=9)
+    assert curve.state == "settled" and curve.source == "cache"
+    assert np.allclose(curve.shape_of(9), TRUE_SHAPE[:9])
+
+
 def test_a_calibration_while_other_work_keeps_the_cores_busy_is_provisional(cache):
     class Busy(Quiet):
         def stop(self):

@@ -49,7 +49,8 @@ ABS_AGREE = 2e-4
 QUIET = 0.25             # cores busy with other work during calibration above which it was loaded
 MIN_WALL = 0.1           # seconds a load measurement needs
 SLOWER = 1.5             # a calibrated single step this much slower than the rounds before it: loaded
-RETRY = 30.0             # wall seconds before a calibration taken under load is tried again (doubling)
+RETRY = 30.0             # wall seconds before a calibration taken under load is tried again (doubling),
+RETRIES = 3              # at most 3 times per process: each costs a request ~1-2 s of waiting
 
 # Physics: what a decode of n rows can cost, in single steps.
 PHYSICS = 1.5            # at most 1.5 * n: batching never makes a row dearer than a step of its own
@@ -181,6 +182,7 @@ class CostCurve:
         self._ensured = 0
         self._retry_at = 0.0
         self._retry_wait = RETRY
+        self._retries = 0
         # This process's observations: the clock is seconds of rounds observed.
         self.clock = 0.0
         self.recent: list[float] = []                        # the last rounds, in single steps
@@ -412,15 +414,23 @@ class CostCurve:
                meter=None) -> None:
         """Make the curve usable up to `max_rows`: from the disk cache when it holds this key
         (unless `recalibrate`), else measured now and cached once settled. Within a process a
-        curve is measured at most once for each larger `max_rows` asked for, and a provisional
-        one again once RETRY seconds have passed (then twice as long)."""
+        curve is measured at most once for each larger `max_rows` asked for. A provisional one
+        is replaced by one another process has cached meanwhile, or else measured again once
+        RETRY seconds have passed (then twice as long), at most RETRIES times."""
         if self.fixed:
             return
-        retry = self.state == "provisional" and time.monotonic() >= self._retry_at
+        retry = (self.state == "provisional" and self._retries < RETRIES
+                 and time.monotonic() >= self._retry_at)
         if max_rows <= self._ensured and not retry:
             return
-        if self.source == "none" and not recalibrate:
-            self.load()
+        if (self.source == "none" or retry) and not recalibrate:
+            before = self.state, self.problem
+            if self.load() and self.largest() >= min(max_rows, limit or max_rows):
+                self._ensured = max(max_rows, self._ensured)
+                return
+            if retry and self.state != "settled":       # nothing usable cached: still provisional
+                self.state, self.problem = before
+            retry = retry and self.state == "provisional"
         if retry or not (self.calibrated and self.largest() >= min(max_rows, limit or max_rows)):
             keep = self.calibrated and not recalibrate and self.state != "provisional"
             kept, kept_meta, repaired = self.base.copy(), self.meta, self.problem if self.state == "repaired" else None
@@ -438,6 +448,7 @@ class CostCurve:
                     self.state, self.problem = "repaired", repaired
                 self.save()
             else:
+                self._retries += retry
                 self._retry_at = time.monotonic() + self._retry_wait
                 self._retry_wait *= 2
         self._ensured = max(max_rows, self._ensured)

@@ -341,6 +341,7 @@ class Runtime:
         self.n_past = 0
         self._unsynced = False
         self._specials = None   # control-token texts, found lazily for chat templates
+        self._formatter = None  # the compiled chat template, made on first use
         # --threads auto: start on every core, then follow how fast decodes run (flylocal.llama.threads).
         self.thread_control = (ThreadControl(candidates(threads), threads)
                                if config.n_threads is None and threads_auto else None)
@@ -417,19 +418,20 @@ class Runtime:
     def format_chat(self, messages: list[dict]) -> str | None:
         """Render `messages` with the model's GGUF chat template (Jinja2, as llama-cpp-python
         does), ending with the assistant's turn; None when the model has no template."""
-        template = self.chat_template()
-        if template is None:
-            return None
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+        if self._formatter is None:          # compiling the template takes ~5 ms: once per model
+            template = self.chat_template()
+            if template is None:
+                return None
+            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-        formatter = Jinja2ChatFormatter(
-            template=template,
-            eos_token=self.piece(self.eos, special=True).decode("utf-8", "replace"),
-            bos_token=self.piece(self.bos, special=True).decode("utf-8", "replace"),
-            add_generation_prompt=True,
-        )
+            self._formatter = Jinja2ChatFormatter(
+                template=template,
+                eos_token=self.piece(self.eos, special=True).decode("utf-8", "replace"),
+                bos_token=self.piece(self.bos, special=True).decode("utf-8", "replace"),
+                add_generation_prompt=True,
+            )
         try:
-            return formatter(messages=messages).prompt
+            return self._formatter(messages=messages).prompt
         except Exception as e:  # a template may raise for unsupported roles or orderings
             raise FlylocalError(f"the chat template of {self.name} failed: {e}") from None
 
