@@ -3,11 +3,17 @@
 
 One server per mode, each on a free loopback port with the same model, so that no mode reuses
 another's cached prompt. For each question (the first turn of the first N of each Spec-Bench
-group) every mode answers in turn, streaming, greedy, `--max-tokens` tokens; a pause between
-requests lets the last server's threads go idle. Per mode: end-to-end tokens/s (completion
-tokens over the wall time from the request to the last chunk) and decode tokens/s (the tokens
-after the first over the time after the first), medians over questions, and ratios to
-llama-server's plain mode (or flylocal's plain mode without llama-server).
+group) every mode answers in turn, a different one first each time: streaming, greedy,
+`--max-tokens` tokens, with a pause between requests that lets the last server's threads go
+idle. Per mode: end-to-end tokens/s (completion tokens over the wall time from the request to
+the last chunk) and decode tokens/s (the tokens after the first over the time after the
+first), medians over questions; all tokens over all wall time; and ratios to llama-server's
+plain mode (or flylocal's plain mode without llama-server).
+
+The fast kernels are not batch-invariant, so two servers' greedy answers part at near-ties and
+then differ in length; a short answer's end-to-end speed is mostly its prefill. So by default
+the model's end-of-generation tokens get `logit_bias` -100 and every answer is `--max-tokens`
+long (`--natural` lets answers end where the model ends them).
 
 llama-server is built from the llama.cpp source that llama-cpp-python vendors (docs/benchmarks.md
 says how); give its path with --llama-server. Every server is stopped on the way out.
@@ -31,6 +37,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 FLYLOCAL_MODES = {"flylocal plain": ["--drafter", "none", "--verifier", "strict"],
@@ -99,9 +106,22 @@ def servers(args, model_path: str):
                 p.kill()
 
 
-def ask(url: str, question: str, max_tokens: int) -> dict:
+def end_tokens(model_path: str) -> list[int]:
+    """The model's end-of-generation token ids."""
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
+
+    rt = Runtime(model_path, RuntimeConfig(n_ctx=256))
+    try:
+        return [int(t) for t in np.flatnonzero(rt.eog_mask)]
+    finally:
+        rt.close()
+
+
+def ask(url: str, question: str, max_tokens: int, banned: list[int] = ()) -> dict:
     body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
+    if banned:
+        body["logit_bias"] = {str(t): -100 for t in banned}
     t0 = time.perf_counter()
     first = last = None
     chunks, tokens = 0, None
@@ -132,6 +152,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--pause", type=float, default=0.5, help="seconds between requests")
+    ap.add_argument("--natural", action="store_true",
+                    help="let answers end where the model ends them; by default its end-of-generation tokens "
+                         "get logit_bias -100, so every answer is --max-tokens long in every mode")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     sys.path.insert(0, str(ROOT))
@@ -139,26 +162,29 @@ def main() -> int:
 
     path = str(models.resolve(args.target))
     qs = questions(args.per_category)
+    banned = [] if args.natural else end_tokens(path)
     results: dict[str, list[dict]] = {}
     with servers(args, path) as urls:
         for url in urls.values():                # one warm-up request each, uncounted
             ask(url, "Hello!", 8)
-        for q in qs:
-            for name, url in urls.items():
-                results.setdefault(name, []).append(ask(url, q, args.max_tokens))
+        order = list(urls.items())
+        for i, q in enumerate(qs):               # the modes take turns going first
+            for name, url in order[i % len(order):] + order[: i % len(order)]:
+                results.setdefault(name, []).append(ask(url, q, args.max_tokens, banned))
                 time.sleep(args.pause)
     base = "llama-server plain" if args.llama_server else "flylocal plain"
     med = {name: {k: statistics.median(r[k] for r in rs) for k in ("e2e", "decode")} for name, rs in results.items()}
     for name, rs in results.items():             # all tokens over all the time: long answers weigh more
         med[name]["total"] = sum(r["tokens"] for r in rs) / sum(r["wall"] for r in rs)
     print(f"{len(qs)} Spec-Bench questions (first turns, {args.per_category} per group), {args.target}, "
-          f"{args.max_tokens} tokens, greedy, streamed, one server per mode, {os.cpu_count()} cores; "
+          f"{args.max_tokens} tokens{' or fewer' if args.natural else ' each'}, greedy, streamed, one server per mode, {os.cpu_count()} cores; "
           f"medians over questions, and all tokens over all wall time")
-    print(f"| mode | end-to-end tok/s | / {base} | decode tok/s | / {base} | all tokens / all time | / {base} |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| mode | tokens | end-to-end tok/s | / {base} | decode tok/s | / {base} | all tokens / all time | / {base} |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, m in med.items():
-        print(f"| {name} | {m['e2e']:.1f} | {m['e2e'] / med[base]['e2e']:.2f} | {m['decode']:.1f} | "
-              f"{m['decode'] / med[base]['decode']:.2f} | {m['total']:.1f} | {m['total'] / med[base]['total']:.2f} |")
+        print(f"| {name} | {sum(r['tokens'] for r in results[name])} | {m['e2e']:.1f} | {m['e2e'] / med[base]['e2e']:.2f} | "
+              f"{m['decode']:.1f} | {m['decode'] / med[base]['decode']:.2f} | {m['total']:.1f} | "
+              f"{m['total'] / med[base]['total']:.2f} |")
     return 0
 
 

@@ -206,7 +206,7 @@ def test_exploration_stays_within_its_budget_on_an_honest_curve(seed, monkeypatc
 def test_calibration_repeats_until_its_passes_agree_and_keeps_the_lowest():
     """Stalled probes are measured over; the lowest of agreeing samples counts."""
     calls = []
-    stalls = {3: 2, 9: 1}                         # the 3rd and 9th probe take 100x
+    stalls = {3: 2, 19: 1}                        # the 3rd and 19th probe (size 2 in passes 1, 2) take 100x
 
     def probe(rows):
         calls.append(rows)
@@ -219,9 +219,47 @@ def test_calibration_repeats_until_its_passes_agree_and_keeps_the_lowest():
     assert np.allclose(curve.shape_of(9), TRUE_SHAPE[:9])
 
 
+def test_calibration_measures_what_changing_the_row_count_back_costs():
+    """llama.cpp builds its graph again when the row count changes: the single step after a
+    draft's round costs more than a steady one, and a round's cost counts it to the draft."""
+    last = [1]
+
+    def probe(rows):
+        t = 0.01 * (1 + 0.4 * (rows - 1)) + (0.001 if rows != last[0] else 0.0)
+        last[0] = rows
+        return t
+
+    curve = CostCurve(key=None)
+    curve.calibrate(probe, max_rows=9, meter=Quiet())
+    assert curve.state == "settled"
+    assert curve.calibrated_step() == pytest.approx(0.01)                 # a steady single step
+    assert curve.switch() == pytest.approx(0.1)                           # 1 ms of a 10 ms step
+    cost = curve.cost(3)
+    assert cost[0] == pytest.approx(0.01)
+    assert cost[1:] == pytest.approx([0.014 + 0.001 + 0.001, 0.018 + 0.001 + 0.001])
+
+
+def test_a_draft_that_only_pays_without_the_switch_back_is_not_made():
+    """Two rows cost 1.75 single steps (changing to them included) and 0.1 more to change
+    back: a one-token draft accepted 85% of the time (1.85 tokens a round) pays against 1.75
+    steps and loses against 1.85."""
+    seconds = 0.01 * np.array([1.0, 1.75])                # t(2) as measured after a single step
+    with_switch = CostCurve(seconds=seconds)
+    with_switch.meta["switch"] = 0.001
+    with_switch.source = "cache"
+    without = CostCurve(seconds=seconds)
+    prior = np.array([0.85])
+    assert DraftLength(1, prior, curve=without).best(0, 1) == 1
+    assert DraftLength(1, prior, curve=with_switch).best(0, 1) == 0
+
+
 def test_a_calibration_that_never_settles_is_used_but_not_saved_and_is_tried_again(cache, monkeypatch):
-    rng = np.random.default_rng(0)
-    noisy = lambda rows: 0.01 * (1 + 0.4 * (rows - 1)) * rng.uniform(1, 3)    # noqa: E731
+    seen = []
+
+    def noisy(rows):                      # each size slower every time: the passes never agree
+        seen.append(rows)
+        return 0.01 * (1 + 0.4 * (rows - 1)) * 1.5 ** seen.count(rows)
+
     curve = CostCurve(key=KEY)
     curve.ensure(noisy, max_rows=9)
     assert curve.state == "provisional" and "disagree" in curve.problem
@@ -255,8 +293,12 @@ def test_a_provisional_curve_is_measured_again_at_most_retries_times(cache, monk
 
 def test_a_provisional_curve_takes_the_one_another_process_cached(cache, monkeypatch):
     """A second server on the same model settled the curve meanwhile: read, not measured."""
-    rng = np.random.default_rng(2)
-    noisy = lambda rows: 0.01 * (1 + 0.4 * (rows - 1)) * rng.uniform(1, 3)    # noqa: E731
+    seen = []
+
+    def noisy(rows):                      # each size slower every time: the passes never agree
+        seen.append(rows)
+        return 0.01 * (1 + 0.4 * (rows - 1)) * 1.5 ** seen.count(rows)
+
     curve = CostCurve(key=KEY)
     curve.ensure(noisy, max_rows=9)
     assert curve.state == "provisional"

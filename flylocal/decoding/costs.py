@@ -39,6 +39,9 @@ import numpy as np
 CALIBRATION_SIZES = (1, 2, 3, 5, 9, 17)
 COST_FORMAT = 2
 PRIOR_ROW_COST = 0.4     # extra cost of one more row relative to a single-row decode (CPU-like)
+SWITCH_PRIOR = 0.07      # single steps the round after a draft pays to go back to one row, where
+                         # a curve has no measurement of it: llama.cpp rebuilds its compute graph
+                         # when a decode's row count changes (0.6 ms of a 9.1 ms step, 2 cores)
 
 # Calibration: passes over every size until the two lowest times of each agree.
 MIN_PASSES, MAX_PASSES = 3, 8
@@ -288,11 +291,26 @@ class CostCurve:
             self._speed = median(self.recent) if use_rounds else self.calibrated_step()
         return self._speed
 
+    def switch(self) -> float:
+        """Single steps a single-row decode right after a larger one costs over a steady one:
+        llama.cpp builds its compute graph again whenever the row count changes (a larger
+        decode after single rows pays it too, and its calibration and samples include it)."""
+        if self.fixed or self.source == "given":
+            return 0.0
+        measured = self.meta.get("switch")
+        if isinstance(measured, (int, float)) and self.calibrated and measured >= 0:
+            return float(measured) / self.calibrated_step()
+        return SWITCH_PRIOR
+
     def cost(self, rows: int) -> np.ndarray:
-        """t(1..rows) in seconds: [rows] float64."""
+        """Seconds of a round of 1..rows rows: t(1..rows), with the single step back after a
+        draft counted to the draft (its rounds come between single-row ones): [rows] float64."""
         if self.pinned or self.fixed:
-            return self.calibrated_shape(rows) * self.calibrated_step()
-        return self.shape_of(rows) * self.speed()
+            out = self.calibrated_shape(rows) * self.calibrated_step()
+        else:
+            out = self.shape_of(rows) * self.speed()
+        out[1:] += self.switch() * (self.calibrated_step() if self.pinned or self.fixed else self.speed())
+        return out
 
     def evidence(self, rows: int) -> int:
         """How many fresh rounds of `rows` rows stand behind the shape there."""
@@ -374,12 +392,21 @@ class CostCurve:
         timed_decode(sizes[0])                  # the first decode pays for pages and buffers
         meter.start()
         samples: dict[int, list[float]] = {rows: [] for rows in sizes}
+        back: list[float] = []                  # single steps right after a larger decode
+        steady: list[float] = []                # single steps right after a single step
         passes = 0
         while passes < MAX_PASSES:
+            # 1, 2, 1, 1, 3, 1, 1, ...: each size after a single step, as a draft's round comes;
+            # after it a single step, which pays for changing the row count back, and another.
             for rows in sizes:
                 t = timed_decode(rows)
                 if t > 0 and math.isfinite(t):
                     samples[rows].append(t)
+                if rows > 1 and sizes[0] == 1:
+                    for kind in (back, steady):
+                        t = timed_decode(1)
+                        if t > 0 and math.isfinite(t):
+                            kind.append(t)
             passes += 1
             if passes >= MIN_PASSES and all(_agree(v) for v in samples.values()):
                 break
@@ -403,7 +430,10 @@ class CostCurve:
         self._set_base(values)
         self.refined = np.full(len(self.base), np.nan)
         self._changed()
+        # Medians of as many samples each: the lowest of many is lower than the lowest of few.
+        switch = max(median(back) - median(steady), 0.0) if back and steady else None
         self.meta = {"measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "passes": passes,
+                     **({"switch": switch} if switch is not None else {}),
                      "spread": round(float(spread), 4), "busy_cores": None if busy is None else round(busy, 3),
                      "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
         self.source = "measured"
@@ -552,7 +582,8 @@ class CostCurve:
         out = {"source": self.source, "state": self.state,
                "shape": {str(n): round(float(shape[n - 1]), 3) for n in CALIBRATION_SIZES if n <= rows},
                "calibrated_step_ms": round(1000 * self.calibrated_step(), 3) if self.calibrated else None,
-               "step_ms": round(1000 * self.speed(), 3) if self.calibrated else None}
+               "step_ms": round(1000 * self.speed(), 3) if self.calibrated else None,
+               "switch_steps": round(self.switch(), 3)}
         out.update({k: self.meta[k] for k in ("measured", "passes", "spread", "busy_cores") if k in self.meta})
         out.update(explored=self.explored, explore_share=round(self.spent / self.clock, 4) if self.clock else 0.0,
                    rejected=self.rejected)
