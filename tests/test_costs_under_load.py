@@ -44,6 +44,21 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "costs"
 
 
+class NeverAgreeing:
+    """A probe whose every size is slower each time it is measured: the passes never agree."""
+
+    def __init__(self):
+        self.seen: list[int] = []
+
+    @property
+    def calls(self) -> int:
+        return len(self.seen)
+
+    def __call__(self, rows: int) -> float:
+        self.seen.append(rows)
+        return 0.01 * (1 + 0.4 * (rows - 1)) * 1.5 ** self.seen.count(rows)
+
+
 def engine_on(machine: Machine, curve: CostCurve, p_corrupt: float = 0.0, seed: int = 0, k: int = 8,
               max_tokens: int = 300, n_ctx: int = 4096):
     target = FakeTarget(LM, n_ctx=n_ctx, costs=curve, machine=machine)
@@ -254,12 +269,7 @@ def test_a_draft_that_only_pays_without_the_switch_back_is_not_made():
 
 
 def test_a_calibration_that_never_settles_is_used_but_not_saved_and_is_tried_again(cache, monkeypatch):
-    seen = []
-
-    def noisy(rows):                      # each size slower every time: the passes never agree
-        seen.append(rows)
-        return 0.01 * (1 + 0.4 * (rows - 1)) * 1.5 ** seen.count(rows)
-
+    noisy = NeverAgreeing()
     curve = CostCurve(key=KEY)
     curve.ensure(noisy, max_rows=9)
     assert curve.state == "provisional" and "disagree" in curve.problem
@@ -272,33 +282,23 @@ def test_a_calibration_that_never_settles_is_used_but_not_saved_and_is_tried_aga
 
 def test_a_provisional_curve_is_measured_again_at_most_retries_times(cache, monkeypatch):
     """Each retry keeps a request waiting for a calibration: under endless load they stop."""
-    probes = []
-
-    def noisy(rows):                      # each size slower every time: the passes never agree
-        probes.append(rows)
-        return 0.01 * (1 + 0.4 * (rows - 1)) * 1.5 ** probes.count(rows)
-
+    noisy = NeverAgreeing()
     now = [0.0]
     monkeypatch.setattr(costs_module.time, "monotonic", lambda: now[0])
     curve = CostCurve(key=KEY)
     curve.ensure(noisy, max_rows=9)
-    calibrations = [len(probes)]
+    calibrations = [noisy.calls]
     for _ in range(costs_module.RETRIES + 3):
         now[0] += 1e6                                                    # long past every wait
         curve.ensure(noisy, max_rows=9)
-        calibrations.append(len(probes))
+        calibrations.append(noisy.calls)
     grew = sum(b > a for a, b in zip(calibrations, calibrations[1:]))
     assert curve.state == "provisional" and grew == costs_module.RETRIES, calibrations
 
 
 def test_a_provisional_curve_takes_the_one_another_process_cached(cache, monkeypatch):
     """A second server on the same model settled the curve meanwhile: read, not measured."""
-    seen = []
-
-    def noisy(rows):                      # each size slower every time: the passes never agree
-        seen.append(rows)
-        return 0.01 * (1 + 0.4 * (rows - 1)) * 1.5 ** seen.count(rows)
-
+    noisy = NeverAgreeing()
     curve = CostCurve(key=KEY)
     curve.ensure(noisy, max_rows=9)
     assert curve.state == "provisional"

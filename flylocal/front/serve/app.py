@@ -6,6 +6,7 @@ submitting a job to the worker and the per-request log line."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import time
 from typing import Any, Callable
@@ -15,7 +16,7 @@ from fastapi.responses import PlainTextResponse
 from starlette.requests import ClientDisconnect
 
 from flylocal.errors import FlylocalError
-from flylocal.front.serve.worker import Job, Metrics, Refused, Worker
+from flylocal.front.serve.worker import END, Job, Metrics, Refused, Worker
 from flylocal.loader import check
 from flylocal.session import Session
 from flylocal.settings import Settings
@@ -133,6 +134,40 @@ class Server:
             line += (f" prompt {prompt_tokens} completion {completion_tokens} {stats.tokens_per_s:.1f} tok/s"
                      f" mean accepted length {stats.mean_accepted_length:.2f}")
         self.log(line + f" {time.perf_counter() - started:.2f} s")
+
+
+@dataclasses.dataclass
+class Answer:
+    """A whole generation's items, collected for a response that is not streamed."""
+    parts: list[str] = dataclasses.field(default_factory=list)     # text pieces
+    tokens: list = dataclasses.field(default_factory=list)         # OutTokens, when asked for
+    done: tuple | None = None          # ("done", reason, stats, output tokens); None: shut down
+    failed: BaseException | None = None
+
+
+async def collect(request: Request, job: Job, queue: asyncio.Queue) -> Answer:
+    """Every item of `job` until its end; a client that goes away meanwhile frees the model
+    within a round."""
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        job.cancel.set()
+
+    watcher = asyncio.create_task(watch())
+    answer = Answer()
+    try:
+        while (item := await queue.get()) is not END:
+            if item[0] == "text":
+                answer.parts.append(item[1])
+                answer.tokens.extend(item[2])
+            elif item[0] == "done":
+                answer.done = item
+            elif item[0] == "error":
+                answer.failed = item[1]
+    finally:
+        watcher.cancel()
+        job.cancel.set()
+    return answer
 
 
 def json_body(model: Any) -> PlainTextResponse:

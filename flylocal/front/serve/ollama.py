@@ -11,7 +11,6 @@ pull, push, create, copy and delete say so.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import time
@@ -22,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from flylocal.errors import FlylocalError
-from flylocal.front.serve.app import ApiError, Server, failure_message
+from flylocal.front.serve.app import ApiError, Server, collect, failure_message
 from flylocal.front.serve.worker import END
 from flylocal.settings import OPTIONS, Settings
 
@@ -277,24 +276,8 @@ def routes(app, server: Server) -> None:
             return last
 
         if not stream:
-            async def watch() -> None:
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-                job.cancel.set()
-
-            watcher = asyncio.create_task(watch())
-            parts, done, failed = [], None, None
-            try:
-                while (item := await queue.get()) is not END:
-                    if item[0] == "text":
-                        parts.append(item[1])
-                    elif item[0] == "done":
-                        done = item
-                    elif item[0] == "error":
-                        failed = item[1]
-            finally:
-                watcher.cancel()
-                job.cancel.set()
+            answer = await collect(request, job, queue)
+            failed, done, parts = answer.failed, answer.done, answer.parts
             if failed is not None or done is None:
                 status = 500 if failed is not None else 503
                 server.answered(request, endpoint, status, started)

@@ -10,7 +10,6 @@ declarations.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import time
@@ -23,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError, field_serializer, field_validator, model_validator
 
 from flylocal.errors import FlylocalError
-from flylocal.front.serve.app import ApiError, Server, failure_message, json_body
+from flylocal.front.serve.app import ApiError, Server, collect, failure_message, json_body
 from flylocal.front.serve.worker import END
 from flylocal.settings import OPTIONS, Settings
 
@@ -469,34 +468,14 @@ def routes(app, server: Server) -> None:
             return out
 
         if not req.stream:
-            async def watch() -> None:        # a client that goes away frees the model within a round
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-                job.cancel.set()
-
-            watcher = asyncio.create_task(watch())
-            parts, tokens, done, failed = [], [], None, None
-            try:
-                while True:
-                    item = await queue.get()
-                    if item is END:
-                        break
-                    if item[0] == "text":
-                        parts.append(item[1])
-                        tokens.extend(item[2])
-                    elif item[0] == "done":
-                        done = item
-                    elif item[0] == "error":
-                        failed = item[1]
-            finally:
-                watcher.cancel()
-                job.cancel.set()
-            if failed is not None:
-                return error_response(ApiError(500, failure_message(failed), type_="server_error"), request,
+            answer = await collect(request, job, queue)
+            if answer.failed is not None:
+                return error_response(ApiError(500, failure_message(answer.failed), type_="server_error"), request,
                                       endpoint, started)
-            if done is None:
+            if answer.done is None:
                 return error_response(ApiError(503, "the server is shutting down", type_="server_error"), request,
                                       endpoint, started)
+            done, tokens, parts = answer.done, answer.tokens, answer.parts
             _, reason, stats, n_out = done
             finish = FINISH.get(reason, "stop")
             text = "".join(parts)
