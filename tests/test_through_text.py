@@ -141,3 +141,23 @@ def test_a_same_vocabulary_pair_can_go_through_text(smol, smol_draft):
     assert tokens == expected
     assert stats.accepted > 0
     assert any(row.get("draft_text") for row in trace)      # it did go through text
+
+
+@pytest.mark.parametrize("drafter", ["model", "mla"])
+def test_engines_through_text_keep_what_the_last_measured(smol, gemma_q8, drafter):
+    """What a request measured of acceptance is kept for the next one through text too: the
+    controllers the inner drafter decides with are the ones the last engine used."""
+    target, draft = gemma_q8, smol
+    target.reset()
+    draft.reset()
+    ids = prompt_ids(target, COPY)
+    settings = Settings(drafter=drafter, verifier="strict", max_tokens=24)
+    learned: dict = {}
+    first = build_engine(settings, target, draft, through_text=True, learned=learned)
+    generate_all(first, ids)
+    second = build_engine(settings, target, draft, through_text=True, learned=learned)
+    inner_first, inner_second = first.drafter.inner, second.drafter.inner
+    assert inner_second.plan is inner_first.plan and second.drafter.plan is inner_first.plan
+    if drafter == "mla":
+        assert inner_second.inner is inner_first.inner
+    assert second.controllers and all(c in first.controllers for c in second.controllers)

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from flylocal.decoding.adaptive import DraftLength, timed_decode
+from flylocal.decoding.adaptive import DraftLength, ModelDraftLength, timed_decode
 from flylocal.decoding.sampling import SamplingParams, position_noise, sample_targets, target_argmax, token_logprobs
 from flylocal.decoding.stats import Stats
 from flylocal.decoding.verifiers import Decision, Verifier, emitted_tokens, regrets
@@ -126,10 +126,13 @@ class Engine:
         same models and settings (what they measured of acceptance: numbers, never text), and
         put this engine's there where it holds none. The controllers in use."""
         used = []
+        drafter = self.drafter
+        while hasattr(getattr(drafter, "inner", None), "propose"):    # a drafter wrapping one (through text)
+            drafter = drafter.inner
         for role, where, attr in CONTROLLERS:
-            owner = self if where == "engine" else self.drafter
+            owner = self if where == "engine" else drafter
             mine = getattr(owner, attr, None)
-            if mine is None:
+            if not isinstance(mine, (DraftLength, ModelDraftLength)):   # none here
                 continue
             kept = learned.get(role)
             if kept is not None and mine.fits(kept):

@@ -287,8 +287,12 @@ class ThroughText:
         self.bridge = bridge
         self.name = inner.name
         self.model = inner.model
-        self.plan = inner.plan
         self._last: tuple[Draft, Proposal] | None = None
+
+    @property
+    def plan(self):
+        """The inner drafter's draft-length plan (the one that decides, and that engines share)."""
+        return self.inner.plan
 
     def propose(self, context: np.ndarray, k: int) -> Draft:
         self._last = None
