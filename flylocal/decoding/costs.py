@@ -305,11 +305,10 @@ class CostCurve:
     def cost(self, rows: int) -> np.ndarray:
         """Seconds of a round of 1..rows rows: t(1..rows), with the single step back after a
         draft counted to the draft (its rounds come between single-row ones): [rows] float64."""
-        if self.pinned or self.fixed:
-            out = self.calibrated_shape(rows) * self.calibrated_step()
-        else:
-            out = self.shape_of(rows) * self.speed()
-        out[1:] += self.switch() * (self.calibrated_step() if self.pinned or self.fixed else self.speed())
+        frozen = self.pinned or self.fixed
+        step = self.calibrated_step() if frozen else self.speed()
+        out = (self.calibrated_shape(rows) if frozen else self.shape_of(rows)) * step
+        out[1:] += self.switch() * step
         return out
 
     def evidence(self, rows: int) -> int:
