@@ -12,7 +12,7 @@ from flylocal.decoding.drafters import make_drafter
 from flylocal.decoding.drafters.pld import Corpus
 from flylocal.decoding.engine import Engine, EngineConfig
 from flylocal.decoding.verifiers import Verifier, make_verifier
-from flylocal.errors import FlylocalError
+from flylocal.errors import FlylocalError, OptionError
 from flylocal.settings import Settings
 
 if TYPE_CHECKING:      # llama.cpp is imported when models are loaded, not before (flylocal.llama.kernels)
@@ -61,11 +61,20 @@ class Models:
 
 def check(settings: Settings) -> None:
     """Refuse settings no engine can run, before any model is loaded."""
-    k = settings.draft_length
-    if k + 1 > settings.batch_size:
-        raise FlylocalError(f"--k {k} verifies {k + 1} rows per round; --batch-size must be at least {k + 1}")
     if settings.drafter_name in ("model", "mla") and not settings.draft:
-        raise FlylocalError(f"--drafter {settings.drafter_name} needs a draft model (--draft NAME|PATH)")
+        raise OptionError(f"--drafter {settings.drafter_name} needs a draft model (--draft NAME|PATH)", "drafter",
+                          f"drafter {settings.drafter_name} needs a draft model: start the server with --draft")
+    k, rows = settings.draft_length, settings.batch_size
+    if k + 1 > rows:
+        if settings.k is None:            # the length FLy's window asks for, not one given
+            w = settings.window
+            raise OptionError(f"--fly-window {w} needs drafts of {k} tokens, {k + 1} rows per round; --batch-size "
+                              f"is {rows}: give --fly-window at most {rows - 5}, or a larger --batch-size", "fly_window",
+                              f"fly_window {w} needs drafts of {k} tokens, {k + 1} rows per round; the server's "
+                              f"--batch-size is {rows}: at most {rows - 5}")
+        raise OptionError(f"--k {k} verifies {k + 1} rows per round; --batch-size must be at least {k + 1}", "k",
+                          f"k {k} verifies {k + 1} rows per round; the server's --batch-size is {rows}: at most "
+                          f"{rows - 1}")
     if settings.draft_rpc and not settings.draft:
         raise FlylocalError("--draft-rpc places a draft model: give --draft NAME|PATH")
     shared = set(settings.target_rpc) & set(settings.draft_rpc)

@@ -54,7 +54,10 @@ class TextStream:
         return self.decoder.decode(b"".join(self.target.piece(t) for t in tokens))
 
     def flush(self) -> str:
-        return self.decoder.decode(b"", final=True)
+        """The end of the text: an incomplete character left by the last token (an answer cut at
+        --max-tokens inside one) is held back, not shown as U+FFFD."""
+        self.decoder.reset()
+        return ""
 
 
 class Session:

@@ -11,7 +11,13 @@ compares, in decode time against plain decoding:
 - an oracle that knows how many proposed tokens will be accepted and drafts exactly those:
   a ceiling no controller that sees only the proposal can reach.
 
-    .venv/bin/python scripts/pld_ceiling.py [--per-category 16] [--max-tokens 128] [--exact]
+It also prints the acceptance each confidence level really had when every proposed token was
+verified (per position, and right after a fully accepted round), the evidence the drafter's
+priors (flylocal.decoding.drafters.pld.level_prior) are set from. `--skip N` leaves out the
+first N prompts of each group, the ones scripts/bench_servers.py answers, so that priors are
+measured on prompts held apart from the benchmark that judges them.
+
+    .venv/bin/python scripts/pld_ceiling.py [--per-category 16] [--skip 8] [--max-tokens 128] [--exact]
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=8, help="the controller's longest draft")
+    ap.add_argument("--skip", type=int, default=0, help="leave out the first N prompts of each group")
+    ap.add_argument("--answers", help="a .npz file the greedy answers are kept in (read when it exists)")
     ap.add_argument("--exact", action="store_true", help="the batch-invariant build")
     args = ap.parse_args()
 
@@ -48,13 +56,23 @@ def main() -> None:
     models = load(Settings(target=args.target, drafter="none", verifier="strict", max_tokens=args.max_tokens))
     target = models.target
     items = []
-    for p in per_group(load_prompts(args.prompts), args.per_category):
+    if args.answers and os.path.exists(args.answers):
+        kept = np.load(args.answers, allow_pickle=False)
+        items = [(str(g), kept[f"t{i}"], int(n)) for i, (g, n) in enumerate(zip(kept["groups"], kept["n0"]))]
+    prompts = load_prompts(args.prompts)
+    skipped = {id(p) for p in per_group(prompts, args.skip)} if args.skip else set()
+    for p in per_group(prompts, args.per_category + args.skip) if not items else ():
+        if id(p) in skipped:
+            continue
         ids, _ = encode_prompt(target, p.text, raw=False)
         target.reset()
         tokens, _, _ = generate_all(models.engine(), ids)
         items.append((p.group, np.concatenate([ids, np.asarray(tokens, dtype=np.int32)]), len(ids)))
         print(f"\r{len(items)} prompts", end="", file=sys.stderr)
     print(file=sys.stderr)
+    if args.answers and not os.path.exists(args.answers):
+        np.savez(args.answers, groups=np.array([g for g, _, _ in items]), n0=np.array([n for _, _, n in items]),
+                 **{f"t{i}": full for i, (_, full, _) in enumerate(items)})
     target.reset()
     probe = items[0][1]
     target.decode(probe[:-1][:256])
@@ -93,6 +111,30 @@ def main() -> None:
             state["dl"].update(prop.level if prop is not None else 0, kk, accepted)
 
     levels = range(len(lookup.level_prior))
+    print("acceptance when every proposed token is verified (positions 1..4; rounds):")
+    print("| level | prior | after a full accept | p1 | p2 | p3 | p4 | rounds |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    hits = np.zeros((2, len(levels), args.k))
+    tries = np.zeros((2, len(levels), args.k))
+    for _, full, n0 in items:
+        pos, streak = n0, 0
+        while pos < len(full) - 1:
+            prop = lookup.propose(full[:pos], min(args.k, len(full) - pos - 1))
+            if not len(prop.tokens):
+                pos, streak = pos + 1, 0
+                continue
+            truth = full[pos: pos + len(prop.tokens)]
+            agree = int(np.argmin(np.append(prop.tokens == truth, False)))
+            reached = min(agree + 1, len(prop.tokens))
+            tries[streak, prop.level, :reached] += 1
+            hits[streak, prop.level, :agree] += 1
+            streak = int(agree == len(prop.tokens))
+            pos += agree + 1
+    for level in levels:
+        for streak in (0, 1):
+            t, h = tries[streak, level], hits[streak, level]
+            cells = " | ".join(f"{h[i] / t[i]:.2f}" if t[i] else "-" for i in range(4))
+            print(f"| {level} | {lookup.level_prior[level]:.2f} | {'yes' if streak else 'no'} | {cells} | {int(t[0])} |")
     best: dict[int, int] = {}
     for level in levels:            # the best fixed length per level, one level at a time
         scores = {k: replay(lambda s, p, a, m={**best, level: k}: min(m.get(p.level, 0), len(p.tokens)))[1]

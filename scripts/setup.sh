@@ -3,8 +3,11 @@
 #   1. create .venv;
 #   2. build llama-cpp-python for this machine (HIP where ROCm is present, CUDA where nvcc and an
 #      NVIDIA GPU are, Metal on macOS, otherwise CPU flags that run here), with llama.cpp's fast
-#      default kernels, and a second, batch-invariant CPU build of the same source for --exact,
-#      whose libraries go to .venv/flylocal-exact.
+#      default kernels, and a batch-invariant CPU variant of the same source for --exact, whose
+#      libraries go to .venv/flylocal-exact. Where the fast build is a CPU one, the variant
+#      shares all of it but ggml's CPU backend, which alone is built again with the invariant
+#      kernels (about a minute, where a whole build takes about eight); beside a GPU build it
+#      is a second, CPU-only build.
 #      Both are built with llama.cpp's RPC backend (-DGGML_RPC=ON), so that a model's layers can
 #      live on other machines (flylocal rpc-server, --target-rpc; docs/scale-out.md);
 #   3. install flylocal with its test, plot, HumanEval and server extras;
@@ -121,23 +124,74 @@ else
   echo "$stamp" > .venv/flylocal-build.txt
 fi
 
-exact_args=$(with_rpc "$(choose_exact_cmake_args)")
-exact_stamp="llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION CMAKE_ARGS=$exact_args"
+cpu_only() {
+  # Whether these flags build llama.cpp with no backend but the CPU's (and RPC's).
+  [[ ! "$1" =~ GGML_(HIP|CUDA|METAL|VULKAN|SYCL|OPENCL|MUSA|CANN|KOMPUTE|BLAS)=(ON|On|on|1) ]]
+}
+
+cpu_backend_dir() {
+  # ggml's CPU backend alone, built from the same llama.cpp source with these flags and kept
+  # beside the wheels. Prints its directory.
+  local stamp="llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION ggml-cpu CMAKE_ARGS=$1" key dir src gen=()
+  key=$(printf '%s %s' "$stamp" "$pyver" | sha256sum | cut -c1-16)
+  dir="${XDG_CACHE_HOME:-$HOME/.cache}/flylocal/wheels/$key-ggml-cpu"
+  if ! ls "$dir"/libggml-cpu.so* >/dev/null 2>&1; then
+    say "building ggml's CPU backend alone with CMAKE_ARGS=\"$1\" for --exact (about a minute; the rest is shared with the fast build)"
+    command -v cmake >/dev/null 2>&1 || "${PIP[@]}" install cmake >&2
+    command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
+    src=$(mktemp -d)
+    "${PIP[@]}" download --no-deps --no-binary :all: -d "$src" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" >&2
+    tar xzf "$src"/llama_cpp_python-*.tar.gz -C "$src"
+    # shellcheck disable=SC2086 # the flags are words
+    if ! { PATH="$PWD/.venv/bin:$PATH" cmake "${gen[@]}" -S "$src"/llama_cpp_python-*/vendor/llama.cpp -B "$src/build" \
+             -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+             -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF $1 \
+           && PATH="$PWD/.venv/bin:$PATH" cmake --build "$src/build" --target ggml-cpu -j "$(nproc 2>/dev/null || echo 2)"
+         } > "$src/build.log" 2>&1; then
+      tail -30 "$src/build.log" >&2
+      say "building ggml's CPU backend failed (the lines above); FLYLOCAL_EXACT_CMAKE_ARGS=\"...\" makes --exact a build of its own"
+      exit 1
+    fi
+    rm -rf "$dir.tmp" && mkdir -p "$dir.tmp"
+    cp -a "$src"/build/bin/libggml-cpu.so* "$dir.tmp"/
+    rm -rf "$src" "$dir" && mv "$dir.tmp" "$dir"
+  else
+    say "using ggml's CPU backend built earlier with CMAKE_ARGS=\"$1\" ($dir)"
+  fi
+  echo "$dir"
+}
+
+if [ -z "${FLYLOCAL_EXACT_CMAKE_ARGS:-}" ] && cpu_only "$args"; then
+  exact_args="$args $invariant"             # the fast build's flags, with invariant CPU kernels
+  exact_stamp="llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION CMAKE_ARGS=$exact_args shared with the fast build"
+else
+  exact_args=$(with_rpc "$(choose_exact_cmake_args)")
+  exact_stamp="llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION CMAKE_ARGS=$exact_args"
+fi
 if [ "$(cat .venv/flylocal-exact/build.txt 2>/dev/null)" = "$exact_stamp" ]; then
   say "exact build already in place ($exact_stamp)"
 else
-  wheels=$(wheel_dir "$exact_args")
-  rm -rf .venv/flylocal-exact.tmp && mkdir -p .venv/flylocal-exact.tmp
-  .venv/bin/python - "$wheels" .venv/flylocal-exact.tmp <<'PY'
+  rm -rf .venv/flylocal-exact.tmp && mkdir -p .venv/flylocal-exact.tmp/lib
+  if [[ "$exact_stamp" == *"shared with the fast build" ]]; then
+    # The fast build's libraries, but for its CPU backend (they find each other through
+    # $ORIGIN, and only ggml-cpu's sources see the invariant flags).
+    fast_lib=$(.venv/bin/python -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("llama_cpp").origin), "lib"))')
+    cpu_dir=$(cpu_backend_dir "$exact_args")
+    cp -a "$fast_lib"/. .venv/flylocal-exact.tmp/lib/
+    rm -f .venv/flylocal-exact.tmp/lib/libggml-cpu.so*
+    cp -a "$cpu_dir"/libggml-cpu.so* .venv/flylocal-exact.tmp/lib/
+  else
+    wheels=$(wheel_dir "$exact_args")
+    .venv/bin/python - "$wheels" .venv/flylocal-exact.tmp <<'PY'
 import glob, os, sys, zipfile
 wheel, out = glob.glob(os.path.join(sys.argv[1], "llama_cpp_python-*.whl"))[0], sys.argv[2]
-os.makedirs(os.path.join(out, "lib"))
 with zipfile.ZipFile(wheel) as z:
     for name in z.namelist():
         if name.startswith("llama_cpp/lib/") and not name.endswith("/"):
             with z.open(name) as src, open(os.path.join(out, "lib", os.path.basename(name)), "wb") as dst:
                 dst.write(src.read())
 PY
+  fi
   echo "$exact_stamp" > .venv/flylocal-exact.tmp/build.txt
   rm -rf .venv/flylocal-exact && mv .venv/flylocal-exact.tmp .venv/flylocal-exact
 fi

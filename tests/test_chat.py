@@ -53,6 +53,20 @@ def test_reset_clears_the_conversation():
 
 
 @pytest.mark.slow
+def test_bare_system_shows_and_keeps_the_conversation():
+    """A bare /system shows the system prompt and keeps the conversation; clearing is explicit."""
+    done = chat_pipe(["Hello!", "/system", "And again?", "/system Be terse.", "/system", "/system --clear",
+                      "/system"])
+    assert done.returncode == 0
+    (_, _, reused1, evaluated1), (_, _, reused2, _) = turns(done.stderr)
+    assert reused2 >= reused1 + evaluated1              # the first turn is still the conversation's
+    assert "flylocal: no system prompt" in done.stderr
+    assert "flylocal: system prompt: Be terse." in done.stderr
+    assert "system prompt cleared; new conversation" in done.stderr
+    assert done.stderr.index("system prompt cleared") < done.stderr.rindex("no system prompt")
+
+
+@pytest.mark.slow
 def test_verifier_switch_and_asd_budget():
     done = chat_pipe(["Hi", "/verifier asd", "Hi again", "/verifier strict", "Bye"])
     names = [t[0] for t in turns(done.stderr)]

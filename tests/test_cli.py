@@ -136,12 +136,23 @@ def test_no_prompt():
     assert_one_line_error(flylocal("generate"), "no prompt")
 
 
-def test_models_commands():
+def test_models_commands_without_models(tmp_path):
+    """The fast suite needs no model: with an empty cache, the registry is listed as not fetched,
+    and asking for a model's path says how to fetch it."""
+    empty = {"FLYLOCAL_MODELS": str(tmp_path / "none"), "HOME": str(tmp_path), "FLYLOCAL_MODEL_PATH": ""}
+    listed = flylocal("models", "list", env=empty)
+    assert listed.returncode == 0, listed.stderr
+    assert SMOL in listed.stdout and "verified" not in listed.stdout
+    assert_one_line_error(flylocal("models", "path", SMOL, env=empty), f"flylocal models fetch {SMOL}")
+    assert_one_line_error(flylocal("models", "path", "nope", env=empty), "unknown model")
+
+
+@pytest.mark.slow
+def test_models_commands_on_the_fetched_models():
     listed = flylocal("models", "list")
     assert listed.returncode == 0 and SMOL in listed.stdout and "verified" in listed.stdout
     path = flylocal("models", "path", SMOL)
     assert path.stdout.strip() == str(model_path(SMOL))
-    assert_one_line_error(flylocal("models", "path", "nope"), "unknown model")
 
 
 @pytest.mark.slow

@@ -452,3 +452,36 @@ def test_hostile_places_do_not_break_a_listing(tmp_path, monkeypatch):
         gguf_info.read_info(huge)
     [result] = library.describe([huge])
     assert isinstance(result, ModelError) and str(huge) in str(result) and "\n" not in str(result)
+
+
+def test_control_characters_in_names_cannot_forge_rows(home, tmp_path, monkeypatch, capsys):
+    """A file named `new\\nline.gguf` (or with a terminal escape) is one escaped row of each
+    listing, and an error line about it stays one line."""
+    folder = tmp_path / "odd"
+    folder.mkdir()
+    write_gguf(folder / "new\nline.gguf")
+    write_gguf(folder / "red\x1b[31m.gguf")
+    monkeypatch.setenv("FLYLOCAL_MODEL_PATH", str(folder))
+    rc, out, err = run(capsys, "models", "list")
+    assert rc == 0, err
+    rows = out.split("LOCAL MODEL", 1)[1].splitlines()[1:]
+    assert [r.split()[0] for r in rows] == ["local:new\\nline.gguf", "local:red\\x1b[31m.gguf"]
+    assert "\x1b" not in out
+    rc, out, err = run(capsys, "models", "show", "local:new\nline.gguf")
+    assert rc == 0 and "local:new\\nline.gguf" in out and "\nline.gguf" not in out
+    rc, out, err = run(capsys, "models", "show", str(folder / "gone\nfile.gguf"))
+    assert rc == 1 and err.count("\n") == 1 and "gone\\nfile.gguf" in err
+
+
+def test_model_path_naming_a_file_uses_it_and_a_missing_one_is_one_warning(home, tmp_path, monkeypatch, capsys):
+    file = write_gguf(tmp_path / "mine.gguf")
+    missing = tmp_path / "not-here"
+    monkeypatch.setattr(library, "_warned", set())
+    monkeypatch.setenv("FLYLOCAL_MODEL_PATH", os.pathsep.join([str(file), str(missing)]))
+    rc, out, err = run(capsys, "models", "list")
+    assert rc == 0, err
+    assert list(listed(out)) == ["local:mine.gguf"]
+    assert err.splitlines() == [f"flylocal: FLYLOCAL_MODEL_PATH names {missing}, which does not exist"]
+    assert models.resolve("local:mine.gguf") == file
+    rc, out, err = run(capsys, "models", "path", "mine")
+    assert rc == 0 and out.strip() == str(file) and not err     # warned once a process

@@ -37,8 +37,12 @@ def test_registry_errors_name_the_line(tmp_path, monkeypatch):
         models.load_registry()
 
 
-def test_resolve_names_paths_and_unknowns(tmp_path):
+@pytest.mark.slow
+def test_resolve_takes_a_fetched_registry_name():
     assert models.resolve(SMOL) == models.local_path(SMOL)
+
+
+def test_resolve_names_paths_and_unknowns(tmp_path):
     path = tmp_path / "x.gguf"
     with pytest.raises(FlylocalError, match="model file not found"):
         models.resolve(str(path))

@@ -371,8 +371,19 @@ def test_a_stopped_server_is_bounded_by_rpc_timeout():
         waited = time.monotonic() - t0
     err = err.decode()
     assert gen.returncode == 1 and "Traceback" not in err
-    assert waited < 2 + 1 + 3, waited           # --rpc-timeout, the 1 s check of the server, slack
+    # Bounded: --rpc-timeout 2 and the 1 s check of the server, with room for a busy machine to
+    # end the process (without the bound it would wait forever, here until the 60 s limit).
+    assert waited < 30, waited
     assert f"lost rpc server {endpoint} (no answer within 1 s)" in err
+
+
+@pytest.mark.slow
+def test_sigterm_stops_an_rpc_server_with_exit_0():
+    """SIGTERM is how a service manager stops a server: exit 0, one line, no traceback."""
+    with rpc_servers(1) as servers:
+        (proc, endpoint), = servers
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
 
 
 @pytest.mark.slow

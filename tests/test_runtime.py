@@ -104,6 +104,14 @@ def test_tokenize_detokenize_multibyte(smol):
     pieces = [stream.feed([t]) for t in ids] + [stream.flush()]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)   # no broken characters on the way
+    # Cut after any token (--max-tokens), the text ends at the last whole character.
+    cut_inside = 0
+    for j in range(1, len(ids) + 1):
+        stream = TextStream(smol)
+        shown = "".join(stream.feed([t]) for t in ids[:j]) + stream.flush()
+        assert "\ufffd" not in shown and text.startswith(shown)
+        cut_inside += "\ufffd" in smol.detokenize(ids[:j])
+    assert cut_inside                                # some cut fell inside a character
 
 
 def test_chat_template_and_special_tokens(smol, gemma_q8):
@@ -193,6 +201,43 @@ def test_interrupt_right_after_a_decode_leaves_a_consistent_cache(smol, monkeypa
         smol.truncate(keep)                                       # nothing to roll back, it believes
         got = smol.decode(ids[keep:], logits_from=len(ids) - keep - 1)[0]
         assert np.array_equal(got, expected)
+
+
+def test_interrupt_inside_a_callback_during_a_decode_is_not_lost(smol, monkeypatch):
+    """llama.cpp writes its log from inside a decode now and then, through a Python callback. A
+    Ctrl-C whose handler runs there must still stop the caller once the decode returns: raised
+    inside a ctypes callback, a KeyboardInterrupt is dropped (chat's answer would run on)."""
+    import ctypes
+    import os
+    import signal
+
+    import llama_cpp
+
+    real = llama_cpp.llama_decode
+    ran = []
+
+    @ctypes.CFUNCTYPE(None)
+    def log_line():
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10000):              # the Python handler runs here, inside the callback
+            pass
+        ran.append(True)
+
+    def decode_that_logs(ctx, batch):
+        rc = real(ctx, batch)
+        log_line()
+        return rc
+
+    ids = smol.tokenize(TEXT)
+    smol.reset()
+    monkeypatch.setattr(llama_cpp, "llama_decode", decode_that_logs)
+    with pytest.raises(KeyboardInterrupt):
+        smol.decode(ids, logits_from=len(ids) - 1)
+    monkeypatch.setattr(llama_cpp, "llama_decode", real)
+    assert ran == [True]                    # the callback ran to its end
+    expected = fresh_logits(smol, ids)      # and the runtime goes on as if fresh
+    smol.truncate(0)
+    assert np.array_equal(smol.decode(ids, logits_from=len(ids) - 1)[0], expected)
 
 
 @pytest.mark.slow

@@ -239,8 +239,12 @@ def test_errors_have_their_status_and_openai_shape(server):
     error(httpx.post(url, json={"messages": msg, "asd_budget": "nan"}, headers=auth), 400, "asd_budget")
     error(httpx.post(url, content=b"{not json", headers={**auth, "Content-Type": "application/json"}), 400, "JSON")
     error(httpx.post(url, content=b"{not json", headers=auth), 415, "application/json")
-    error(httpx.post(url, json={"messages": msg, "k": 100000}, headers=auth), 400, "batch-size")
-    error(httpx.post(url, json={"messages": msg, "fly_window": 10**9}, headers=auth), 400)
+    e = error(httpx.post(url, json={"messages": msg, "k": 100000}, headers=auth), 400, "batch-size")
+    assert e["param"] == "k" and e["message"].count("k 100000") == 1
+    e = error(httpx.post(url, json={"messages": msg, "fly_window": 10**9}, headers=auth), 400, "batch-size")
+    assert e["param"] == "fly_window" and e["message"].startswith("fly_window 1000000000 needs")
+    e = error(httpx.post(url, json={"messages": msg, "stop": 5}, headers=auth), 400)
+    assert e["param"] == "stop" and e["message"].count("stop") == 1
     inf = httpx.post(url, content=b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, '
                                   b'"verifier": "asd", "asd_budget": Infinity}',
                      headers={**auth, "Content-Type": "application/json"}, timeout=120)

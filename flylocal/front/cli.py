@@ -18,8 +18,26 @@ from flylocal.settings import (DRAFTING, GENERATION, LLAMA, MODEL, SAMPLING, VER
 from flylocal.decoding.verifiers import VERIFIERS
 
 
+def shown(text: str) -> str:
+    """`text` safe to print as one line: control characters, line and paragraph separators and
+    bidirectional overrides (a file named `new\nline.gguf`) written as escapes."""
+    return "".join(_escape(c) if (c < " " or "\x7f" <= c <= "\x9f" or c in UNSAFE) else c for c in text)
+
+
+UNSAFE = frozenset("\u2028\u2029\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def _escape(c: str) -> str:
+    return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
+def row(text: str) -> None:
+    """One line of a listing on stdout."""
+    click.echo(shown(text))
+
+
 def note(message: str) -> None:
-    click.echo(f"flylocal: {message}", err=True)
+    click.echo(f"flylocal: {shown(message)}", err=True)
 
 
 def check_text(text: str, what: str) -> str:
@@ -155,7 +173,8 @@ CHAT_HELP = f"""commands:
                       whose rpc servers were lost reconnects
   /verifier NAME      switch verifier: {', '.join(VERIFIERS)}
   /drafter NAME       switch drafter: {', '.join(DRAFTERS)} (model and mla need --draft)
-  /system TEXT        set the system prompt (starts a new conversation)
+  /system             show the system prompt
+  /system TEXT        set it (starts a new conversation); /system --clear removes it
   /stats              totals for this session
   /help               this list
   /quit               leave (Ctrl-D works too)
@@ -306,9 +325,13 @@ def chat_command(session, line: str) -> bool:
                 session.switch(**{what: arg})
                 note(f"{what} {arg}")
         elif name == "/system":
-            session.system = arg or None
-            session.reset()
-            note("system prompt set; new conversation" if arg else "system prompt cleared; new conversation")
+            if not arg:          # shows; clearing is asked for by name, so nothing is lost by a slip
+                note(f"system prompt: {session.system}" if session.system else "no system prompt")
+                note("/system TEXT sets it, /system --clear removes it (either starts a new conversation)")
+            else:
+                session.system = None if arg == "--clear" else arg
+                session.reset()
+                note("system prompt cleared; new conversation" if arg == "--clear" else "system prompt set; new conversation")
         elif name == "/stats":
             t = session.totals
             tps = t.tokens / t.decode_s if t.decode_s > 0 else 0.0
@@ -495,20 +518,22 @@ def models_list():
 
     for entry in registry.load_registry().values():
         state = registry.status(entry.name)
-        click.echo(f"{entry.name:30} {entry.kind:8} {state:24} {entry.note}")
+        row(f"{entry.name:30} {entry.kind:8} {state:24} {entry.note}")
+    for warning in library.model_path_warnings():
+        note(warning)
     found = library.discover()
     if not found:
         note("no local GGUF files in " + ", ".join(str(root) for _, root in library.places()))
         return
     width = max(len("LOCAL MODEL"), *(len(m.name) for m in found))
-    click.echo(f"{'LOCAL MODEL':{width}}  " + columns(title for title, _ in LOCAL_COLUMNS))
+    row(f"{'LOCAL MODEL':{width}}  " + columns(title for title, _ in LOCAL_COLUMNS))
     infos = iter(library.describe([m.path for m in found if not m.problem]))
     for m in found:
         info = m.problem or next(infos)
         if isinstance(info, (str, FlylocalError)):
-            click.echo(f"{m.name:{width}}  unreadable: {info}")
+            row(f"{m.name:{width}}  unreadable: {info}")
         else:
-            click.echo(f"{m.name:{width}}  " + columns(local_row(info)))
+            row(f"{m.name:{width}}  " + columns(local_row(info)))
 
 
 def describe_one(path):
@@ -539,7 +564,7 @@ def models_show(name):
         ("tokenizer", info.fingerprint or "none"), ("chat template", "yes" if info.chat_template else "no"),
     ]
     for label, value in rows:
-        click.echo(f"{label + ':':16}{value}")
+        row(f"{label + ':':16}{value}")
 
 
 @models.command("pairs")
@@ -557,18 +582,18 @@ def models_pairs(target):
     path = registry.resolve(target, note)
     me = library.Candidate(target, path, describe_one(path))
     pairs = library.draft_pairs(me, library.candidates())
-    click.echo(f"drafts for {target} ({', '.join(local_row(me.info)[:4])}):")
+    row(f"drafts for {target} ({', '.join(local_row(me.info)[:4])}):")
     width = max([len(p.draft.name) for p in pairs] + [20])
     for same, title in ((True, "same vocabulary"), (False, "through text (another vocabulary)")):
         group = [p for p in pairs if p.same_vocab == same]
-        click.echo(f"{title}:")
+        row(f"{title}:")
         for p in group:
-            click.echo(f"  {p.draft.name:{width}}  {p.ratio:5.2f}x  " + columns(local_row(p.draft.info)[:4]))
+            row(f"  {p.draft.name:{width}}  {p.ratio:5.2f}x  " + columns(local_row(p.draft.info)[:4]))
         if not group:
-            click.echo("  none")
+            row("  none")
     hint = library.requantize_hint(me, pairs)
     if hint:
-        click.echo(f"requantized: {hint}")
+        row(f"requantized: {hint}")
 
 
 @models.command("fetch")
@@ -581,7 +606,7 @@ def models_fetch(names, force):
     entries = registry.load_registry()
     for name in names or [e.name for e in entries.values() if e.kind != "url"]:
         path = registry.fetch(name, force=force, log=note)
-        click.echo(f"{name}: {path}")
+        row(f"{name}: {path}")
 
 
 @models.command("path")
@@ -590,7 +615,7 @@ def models_path(name):
     """Print the local path of model NAME (a registry name or a local model's name)."""
     from flylocal import models as registry
 
-    click.echo(str(registry.resolve(name)))
+    row(str(registry.resolve(name)))
 
 
 @cli.command()
@@ -632,10 +657,10 @@ def main(argv=None) -> int:
             say("")
             return 130
         except click.ClickException as e:
-            say(f"flylocal: error: {e.format_message()}")
+            say(f"flylocal: error: {shown(e.format_message())}")
             return e.exit_code
         except FlylocalError as e:
-            say(f"flylocal: error: {e}")
+            say(f"flylocal: error: {shown(str(e))}")
             return 1
     except BrokenPipeError:
         # Later writes, and the interpreter's last flush, go nowhere instead of failing again.
@@ -643,8 +668,8 @@ def main(argv=None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 1
     except OSError as e:
-        say(f"flylocal: error: {e.filename + ': ' if e.filename else 'cannot write the output: '}"
-            f"{e.strerror or e}")
+        say("flylocal: error: " + shown(f"{str(e.filename) + ': ' if e.filename else 'cannot write the output: '}"
+                                        f"{e.strerror or e}"))
         return 1
     return 0
 

@@ -144,6 +144,7 @@ def serve(host: str, port: int, threads: int | None, cache_dir: str | None, log)
     HOST:PORT (an IPv4 address) with ggml's rpc server until the process is stopped. `log`
     gets one line once the server answers."""
     import os
+    import signal
     import threading
 
     from flylocal.llama.runtime import local_devices, serve_rpc
@@ -181,6 +182,12 @@ def serve(host: str, port: int, threads: int | None, cache_dir: str | None, log)
     log(f"rpc server on {endpoint} (protocol {'.'.join(map(str, version))}, {n} threads"
         f"{', tensor cache ' + cache_dir if cache_dir else ''}): {what}. It has no authentication: only trusted "
         "machines should reach it. Ctrl-C stops it.")
+    # SIGTERM (a service manager, `kill`) is the normal way to stop it: exit 0, as serve does.
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopped.set())
     while server.is_alive():
+        if stopped.is_set():
+            log(f"rpc server on {endpoint} stopped")
+            return
         server.join(0.5)
     raise FlylocalError(f"the rpc server on {endpoint} stopped")

@@ -90,23 +90,51 @@ def _last_log_error() -> str:
     return lines[-1] if lines else "llama.cpp gave no reason"
 
 
-@contextlib.contextmanager
-def interrupts_deferred():
-    """Hold Ctrl-C back until the block ends, then raise KeyboardInterrupt: for long llama.cpp
-    calls that call back into Python (its log). A KeyboardInterrupt raised inside a ctypes
-    callback is printed as a traceback and dropped, and the interrupt would be lost."""
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield                 # not the main thread, or Ctrl-C handled (or ignored) elsewhere
-        return
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught:
+class _Deferral:
+    """Hold Ctrl-C back until the block ends, then raise KeyboardInterrupt: for llama.cpp calls
+    that call back into Python (its log, which a decode writes to now and then). A
+    KeyboardInterrupt raised inside a ctypes callback is printed as a traceback and dropped,
+    and the interrupt would be lost.
+
+    Cheap enough for every decode (a counter): the first use in the main thread, while Ctrl-C
+    has Python's default handler, puts in one that raises KeyboardInterrupt just as the default
+    does, except inside a deferred block, where it only notes the interrupt. Elsewhere (another
+    thread, or Ctrl-C handled or ignored by someone else) a block defers nothing."""
+
+    def __init__(self):
+        self.depth = 0
+        self.pending = False
+        self.installed = False
+
+    def _handler(self, signum, frame):  # noqa: ARG002 - signal handler signature
+        if self.depth:
+            self.pending = True
+            return
         raise KeyboardInterrupt
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            if not self.installed and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                signal.signal(signal.SIGINT, self._handler)
+                self.installed = True
+            self.depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        if threading.current_thread() is threading.main_thread():
+            self.depth -= 1
+            if not self.depth and self.pending:
+                self.pending = False
+                if exc[0] is None:
+                    raise KeyboardInterrupt
+        return False
+
+
+_deferral = _Deferral()
+
+
+def interrupts_deferred() -> _Deferral:
+    return _deferral
 
 
 @dataclass(frozen=True)
@@ -621,7 +649,8 @@ class Runtime:
         self._batch.n_tokens = m
         self._tokens[p0 : p0 + m] = chunk      # past n_past: not yet claimed as cached
         self._unsynced = True                  # the cache may hold more than n_past from here ...
-        rc = llama_cpp.llama_decode(self._ctx, self._batch)
+        with interrupts_deferred():            # llama.cpp logs from inside a decode now and then
+            rc = llama_cpp.llama_decode(self._ctx, self._batch)
         if rc != 0:
             # llama.cpp keeps the cells it wrote for earlier ubatches; _sync drops them.
             self._sync()

@@ -69,6 +69,8 @@ def resolve(spec: str, log: Callable[[str], None] = lambda s: None) -> Path:
 def _local_model(spec: str, log: Callable[[str], None]) -> Path | None:
     """The file of the model another tool keeps under name `spec` (flylocal.models.library), an `hf:`
     file fetched from the hub when the Hugging Face cache lacks it, or None."""
+    for warning in library.model_path_warnings():
+        log(warning)
     found = library.find(spec)
     if found is None:
         return library.fetch_from_hub(spec, log) if spec.startswith("hf:") else None

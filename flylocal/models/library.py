@@ -11,7 +11,8 @@ Every file gets a name, SOURCE:NAME:
 - `hf:ORG/REPO/FILE.gguf`: the Hugging Face hub cache, `$HF_HUB_CACHE` (or `$HF_HOME/hub`) or
   ~/.cache/huggingface/hub, whose snapshots link into blobs/;
 - `llama.cpp:FILE.gguf`: llama.cpp's download cache, `$LLAMA_CACHE` or ~/.cache/llama.cpp;
-- `local:FILE.gguf`: the folders in `$FLYLOCAL_MODEL_PATH` (os.pathsep-separated).
+- `local:FILE.gguf`: the folders in `$FLYLOCAL_MODEL_PATH` (os.pathsep-separated), and the
+  GGUF files it names directly.
 
 `find` matches a name, or a short form of one (the name without its source, the file name, the
 file stem) when only one file answers to it. Finding files reads no GGUF header; `describe`
@@ -94,15 +95,52 @@ def llama_cache() -> Path:
     return Path(os.environ.get("LLAMA_CACHE") or _home() / ".cache" / "llama.cpp")
 
 
+def model_path_entries() -> tuple[list[Path], list[Path], list[str]]:
+    """$FLYLOCAL_MODEL_PATH's entries: (folders, GGUF files named directly, entries that name
+    nothing there). A folder that does not exist yet counts as missing, but stays a folder a
+    download may go to (model_path_dirs)."""
+    folders, files, missing = [], [], []
+    for d in os.environ.get("FLYLOCAL_MODEL_PATH", "").split(os.pathsep):
+        if not d:
+            continue
+        try:
+            path = Path(d).expanduser()
+        except RuntimeError:       # ~user of no user: nothing is there
+            missing.append(d)
+            continue
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            folders.append(path)
+        else:
+            missing.append(d)
+    return folders, files, missing
+
+
 def model_path_dirs() -> list[Path]:
+    """The folders in $FLYLOCAL_MODEL_PATH, existing or not (not the files it names)."""
     dirs = []
     for d in os.environ.get("FLYLOCAL_MODEL_PATH", "").split(os.pathsep):
         try:
-            if d:
+            if d and not Path(d).expanduser().is_file():
                 dirs.append(Path(d).expanduser())
-        except RuntimeError:       # ~user of no user: nothing is there
+        except RuntimeError:
             continue
     return dirs
+
+
+_warned: set[str] = set()
+
+
+def model_path_warnings() -> list[str]:
+    """One line for each $FLYLOCAL_MODEL_PATH entry that names nothing, the first time it is
+    seen in this process."""
+    lines = []
+    for d in model_path_entries()[2]:
+        if d not in _warned:
+            _warned.add(d)
+            lines.append(f"FLYLOCAL_MODEL_PATH names {d}, which does not exist")
+    return lines
 
 
 # ---- finding files
@@ -121,6 +159,8 @@ def discover() -> list[LocalModel]:
         scan = {"ollama": _ollama, "hf": _hub}.get(source)
         for model in scan(root) if scan else _in_folder(root, source):
             found.setdefault(model.name, model)
+    for path in model_path_entries()[1]:          # files FLYLOCAL_MODEL_PATH names directly
+        found.setdefault(f"local:{path.name}", LocalModel(f"local:{path.name}", path))
     return list(found.values())
 
 

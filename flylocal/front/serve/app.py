@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import PlainTextResponse
 from starlette.requests import ClientDisconnect
 
-from flylocal.errors import FlylocalError
+from flylocal.errors import FlylocalError, OptionError
 from flylocal.front.serve.worker import END, Job, Metrics, Refused, Worker
 from flylocal.loader import check
 from flylocal.session import Session
@@ -89,14 +89,13 @@ class Server:
         """The names a request may give the target by."""
         return {self.settings.target, session.target.name, session.target.name.removesuffix(".gguf")}
 
-    def check_settings(self, settings: Settings, session: Session, param: str = "k") -> None:
+    def check_settings(self, settings: Settings, session: Session, param: str | None = None) -> None:
+        """Settings a request asked for that no engine can run: a 400 naming the field at fault
+        (`param`: the object it sits in, for the Ollama dialect's options)."""
         try:
-            check(settings)              # a draft longer than a batch holds, for one
-        except FlylocalError as e:
-            raise ApiError(400, str(e).replace("--", ""), param=param) from None
-        if settings.drafter_name in ("model", "mla") and session.models.draft is None:
-            raise ApiError(400, f"drafter {settings.drafter_name} needs a draft model: start the server with --draft",
-                           param="drafter")
+            check(settings)              # a draft longer than a batch holds, a drafter with no model
+        except OptionError as e:
+            raise ApiError(400, e.api, param=param or e.option) from None
 
     def check_fits(self, ids, session: Session, param: str) -> None:
         if len(ids) >= session.target.n_ctx:

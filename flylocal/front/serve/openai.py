@@ -118,12 +118,12 @@ class Common(BaseModel):
             refuse(v, "flylocal generates one choice per request: n must be 1")
         return v
 
-    @field_validator("stop")
+    @field_validator("stop", mode="before")
     @classmethod
     def stops(cls, v):
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("at most 4 non-empty strings")
+        stops = [v] if isinstance(v, str) else v if isinstance(v, list) else None
+        if v is not None and (stops is None or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops)):
+            raise ValueError(f"{json.dumps(v)[:80]}; a string, or a list of at most 4 non-empty strings")
         return v
 
     @field_validator("logit_bias")
@@ -245,6 +245,9 @@ class CompletionRequest(Common):
         return v
 
 
+TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
 def parse(model: type[BaseModel], raw: bytes) -> Any:
     """A request body as `model`, or ApiError 400 naming the first bad field (and its value)."""
     try:
@@ -257,7 +260,8 @@ def parse(model: type[BaseModel], raw: bytes) -> Any:
         req = model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(x) for x in err["loc"]) or None
+        # A union's branch shows in the location as its type (`stop.str`); the field is named alone.
+        param = ".".join(str(x) for x in err["loc"] if not (isinstance(x, str) and (x in TYPE_TAGS or "[" in x))) or None
         if err["type"] == "extra_forbidden":
             raise ApiError(400, f"flylocal does not support the field {param!r}", param=param,
                            code="unsupported_field") from None
