@@ -95,11 +95,13 @@ def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Mod
     if settings.gpu_layers and not gpu_offload() and not settings.target_rpc:
         log("this llama.cpp build has no GPU backend: --gpu-layers is ignored")
     target = open_model(target_path, runtime_config(settings, settings.target_rpc, settings.tensor_split))
+    past_training(target, settings.ctx, log)
     draft = None
     through_text = False
     try:
         if draft_path is not None:     # loaded even for pld/none, so chat can switch to it
             draft = open_model(draft_path, runtime_config(settings, settings.draft_rpc))
+            past_training(draft, settings.ctx, log)
             through_text = pair(target, draft, settings.draft_vocab, log)
         corpus = read_corpus(settings.lookup_corpus, target)
     except BaseException:
@@ -108,6 +110,13 @@ def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Mod
         target.close()
         raise
     return Models(settings, target, draft, corpus, through_text)
+
+
+def past_training(rt: Runtime, n_ctx: int, log: Callable[[str], None]) -> None:
+    trained = getattr(rt, "n_ctx_train", 0)
+    if 0 < trained < n_ctx:
+        log(f"--ctx {n_ctx} is past the {trained} tokens {rt.name} was trained on: past them its answers may "
+            "fall apart")
 
 
 def pair(target: Runtime, draft: Runtime, mode: str, log: Callable[[str], None]) -> bool:

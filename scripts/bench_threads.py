@@ -13,7 +13,14 @@ then generates every prompt: one process per mode, since llama.cpp contexts in o
 share one OpenMP runtime, and a mode's threads would disturb the next one's. The modes take
 turns within each repetition.
 
+With --whole, each measurement is instead one `flylocal generate` process, with no warm-up,
+timed as a whole from its start to its exit (model load and prompt included): tokens over those
+seconds. Its cost curves and --threads auto's kept count live in this run's own folder, shared
+by the processes as a user's would be, so each auto process starts from what the last one
+learnt; one uncounted run per fixed count calibrates the curves first.
+
     .venv/bin/python scripts/bench_threads.py [--target NAME] [--drafter pld] [--max-tokens 64] [--repeat 3]
+    .venv/bin/python scripts/bench_threads.py --whole [--max-tokens 96] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -62,10 +69,13 @@ def main() -> int:
     ap.add_argument("--drafter", default="pld", choices=["none", "pld"])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--whole", action="store_true", help="time whole `flylocal generate` processes")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args)
+    if args.whole:
+        return whole(args)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))      # the load is stopped on the way out
     # Cost curves of this run's own, calibrated in the idle condition: a run under load never
     # touches the user's cache.
@@ -97,6 +107,55 @@ def main() -> int:
         print(f"| {condition} | " + " | ".join(f"{med[m]:.1f}" for m in modes)
               + f" | {med['auto'] / med[f'all {n}']:.2f} | {med['auto'] / best:.2f} | "
               + ", ".join(map(str, final)) + " |", flush=True)
+    return 0
+
+
+def generate(args, threads: str) -> tuple[float, float, int]:
+    """One `flylocal generate` process: (tokens / its whole wall time, decode tokens/s, the
+    threads it ended on (auto) or was given)."""
+    import time
+
+    from flylocal.front.bench import load_prompts
+
+    text = next(p.text for p in load_prompts(str(ROOT / "data" / "prompts.jsonl")) if p.id == PROMPT_IDS[0])
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "flylocal", "generate", "--target", args.target, "--drafter",
+                          args.drafter, "--max-tokens", str(args.max_tokens), "--threads", threads, "--json", text],
+                         capture_output=True, text=True, check=True, timeout=LOAD_LIMIT_S)
+    wall = time.perf_counter() - t0
+    result = json.loads(out.stdout)
+    stats = result["stats"]
+    return stats["emitted"] / wall, stats["tokens_per_s"], result["threads"]
+
+
+def whole(args) -> int:
+    sys.path.insert(0, str(ROOT))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    os.environ["FLYLOCAL_COSTS"] = tempfile.mkdtemp(prefix="flylocal-bench-threads-costs-")
+    os.environ["FLYLOCAL_EXACT"] = "0"
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+    n = len(cores)
+    modes = {f"{n} threads": str(n), "1 thread": "1", "auto": "auto"}
+    for value in modes.values():
+        if value != "auto":
+            generate(args, value)                    # calibrates the cost curve of that count, uncounted
+    conditions = {"idle": [], "one core busy": cores[:1], "all cores busy": cores}
+    print(f"target {args.target}, drafter {args.drafter}, {args.max_tokens} tokens, {n} cores, repeat {args.repeat}: "
+          "one `flylocal generate` process per run, tokens / its whole wall time (decode tokens/s in brackets), "
+          "medians")
+    print(f"| condition | {' | '.join(modes)} | auto / best fixed | auto's threads at the end |")
+    print("|---" * (len(modes) + 3) + "|", flush=True)
+    for condition, loaded in conditions.items():
+        runs = {mode: [] for mode in modes}
+        with busy(loaded):
+            for _ in range(args.repeat):
+                for mode, value in modes.items():
+                    runs[mode].append(generate(args, value))
+        med = {mode: statistics.median(r[0] for r in v) for mode, v in runs.items()}
+        dec = {mode: statistics.median(r[1] for r in v) for mode, v in runs.items()}
+        best = max(med[m] for m in modes if m != "auto")
+        print(f"| {condition} | " + " | ".join(f"{med[m]:.1f} ({dec[m]:.1f})" for m in modes)
+              + f" | {med['auto'] / best:.2f} | " + ", ".join(str(r[2]) for r in runs["auto"]) + " |", flush=True)
     return 0
 
 

@@ -346,7 +346,8 @@ def test_a_calibration_beside_busy_loops_is_used_but_never_saved(tmp_path):
     assert done.returncode == 0, done.stderr
     curve = json.loads(done.stdout)["stats"]["cost_curve"]
     assert curve["state"] == "provisional" and curve["busy_cores"] > 0.25, curve
-    assert not list((tmp_path / "costs").glob("*.json"))
+    # no curve saved (the thread count --threads auto settled on is kept, for 10 minutes)
+    assert [p.name for p in (tmp_path / "costs").glob("*.json")] in ([], ["threads.json"])
 
 
 @pytest.mark.slow

@@ -230,10 +230,29 @@ def test_interrupt_inside_a_callback_during_a_decode_is_not_lost(smol, monkeypat
 
     ids = smol.tokenize(TEXT)
     smol.reset()
-    monkeypatch.setattr(llama_cpp, "llama_decode", decode_that_logs)
-    with pytest.raises(KeyboardInterrupt):
-        smol.decode(ids, logits_from=len(ids) - 1)
-    monkeypatch.setattr(llama_cpp, "llama_decode", real)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)   # as a fresh process has it
+    try:
+        monkeypatch.setattr(llama_cpp, "llama_decode", decode_that_logs)
+        with pytest.raises(KeyboardInterrupt):
+            smol.decode(ids, logits_from=len(ids) - 1)
+        monkeypatch.setattr(llama_cpp, "llama_decode", real)
+        # the log callback itself, called outside any llama.cpp call flylocal defers around: the
+        # interrupt is noted, and raised as the next such call begins
+        from flylocal.llama import runtime
+
+        smol.reset()
+        runtime._deferral.in_callback += 1
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(10000):
+                pass
+        finally:
+            runtime._deferral.in_callback -= 1
+        with pytest.raises(KeyboardInterrupt):
+            smol.decode(ids[:1])
+        assert smol.n_past == 0                      # raised before the decode began
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert ran == [True]                    # the callback ran to its end
     expected = fresh_logits(smol, ids)      # and the runtime goes on as if fresh
     smol.truncate(0)

@@ -196,3 +196,76 @@ def test_auto_on_a_real_busy_machine_measures_and_runs_its_choice():
         for p in spin:
             p.kill()
             p.wait()
+
+
+# ---- from the first token: what the last process learnt, and a probe before the first prompt
+
+def test_a_settled_count_is_kept_for_the_next_process_for_a_while(tmp_path, monkeypatch):
+    from flylocal.llama import threads
+
+    monkeypatch.setenv("FLYLOCAL_COSTS", str(tmp_path / "costs"))
+    assert threads.known_count([1, 2]) is None                       # nothing kept yet
+    threads.keep_count(1, clock=lambda: 1000.0)
+    assert threads.known_count([1, 2], clock=lambda: 1000.0 + threads.KEEP - 1) == 1
+    assert threads.known_count([1, 2], clock=lambda: 1000.0 + threads.KEEP + 1) is None   # too old
+    assert threads.known_count([2, 4], clock=lambda: 1000.0) is None                      # not a candidate
+    assert threads.known_count([1, 2], clock=lambda: 999.0) is None                       # from the future
+    (tmp_path / "costs" / "threads.json").write_text("{not json")
+    assert threads.known_count([1, 2]) is None                       # unreadable: measure afresh
+    threads.keep_count(2)                                           # and it is written whole again
+    assert threads.known_count([1, 2]) == 2
+
+
+def test_a_busy_spell_s_count_is_left_within_the_first_decodes_once_the_load_is_gone():
+    """The last process settled on 1 thread under load; this one starts there on an idle
+    machine, and is back on every core within its first dozen decodes, which it reports."""
+    settled = []
+    control = ThreadControl(candidates(2), start=1, on_settle=settled.append)
+    used = run(control, cores=2, busy=0, steps=12, rng=random.Random(0))
+    assert used[0] == 1 and control.home == 2 and used[-1] == 2
+    assert settled and settled[-1] == 2
+
+
+def test_a_probe_starts_on_the_fastest_count_and_the_usual_check_follows():
+    rng = random.Random(1)
+    control = ThreadControl(candidates(2), on_settle=lambda home: None)
+    home = control.seed({c: step_time(c, 2, 1, rng, 0.0) for c in control.counts})    # one core busy
+    assert home == control.home == control.current == 1
+    used = run(control, cores=2, busy=1, steps=40, rng=rng)
+    assert 2 in used[:12]                        # re-checked within the first decodes
+    assert control.home == 1 and used.count(1) > 30
+    assert control.seed({}) == 1 and control.seed({3: 0.1, 2: float("nan")}) == 1     # nothing usable
+
+
+@pytest.mark.slow
+def test_a_fresh_process_measures_before_its_first_prompt_and_the_next_starts_there(tmp_path, monkeypatch):
+    """No kept count: every candidate is timed once before the first prompt runs, the prompt
+    runs on the fastest, and a second model opened afterwards starts on the count kept."""
+    import numpy as np
+
+    from conftest import SMOL, model_path
+    from flylocal.llama import threads
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: nothing to choose")
+    monkeypatch.setenv("FLYLOCAL_COSTS", str(tmp_path / "costs"))
+    with Runtime(model_path(SMOL), RuntimeConfig(n_ctx=512)) as rt:
+        control = rt.thread_control
+        ids = rt.tokenize("The quick brown fox jumps over the lazy dog. " * 4)
+        expected = None
+        rt.decode(ids[:-1])
+        assert set(control.speed) == set(control.counts)         # each count timed, before the prompt
+        assert rt.n_threads == control.home == min(control.speed, key=control.speed.get)
+        assert rt.n_past == len(ids) - 1                          # the probe left nothing behind
+        got = rt.decode(ids[-1:], logits_from=0)[0].copy()
+        rt.reset()
+        rt.decode(ids[:-1])
+        expected = rt.decode(ids[-1:], logits_from=0)[0]
+        assert np.array_equal(got, expected)
+        kept = threads.known_count(control.counts)
+        assert kept == control.home
+    with Runtime(model_path(SMOL), RuntimeConfig(n_ctx=512)) as again:
+        assert again.thread_control.home == kept and not again.thread_control.speed    # no probe needed
+        again.decode(ids[:-1])
+        assert again.n_threads == kept and not again.thread_control.speed

@@ -110,6 +110,7 @@ def open_output(path: str, what: str):
 def generate(prompt, prompt_file, raw, special, as_json, trace_file, **opts):
     """Generate a reply to PROMPT, streaming text to stdout and a stats line to stderr."""
     from flylocal.loader import check, encode_prompt, load
+    from flylocal.session import TextStream
 
     text = read_prompt(prompt, prompt_file)
     if not text.strip():
@@ -126,7 +127,9 @@ def generate(prompt, prompt_file, raw, special, as_json, trace_file, **opts):
             with models.engine().generate(ids) as generation:
                 stream_generation(generation, models.target, trace_out, trace_file, as_json)
             stats, tokens = generation.stats, generation.tokens
-            answer = models.target.detokenize(tokens)
+            whole = TextStream(models.target)          # an incomplete last character held back
+            answer = whole.feed(tokens) + whole.flush()
+            threads = models.target.n_threads
         finally:
             models.close()
     finally:
@@ -140,7 +143,7 @@ def generate(prompt, prompt_file, raw, special, as_json, trace_file, **opts):
         from flylocal.llama import kernels
 
         out.write(json.dumps({"text": answer, "tokens": list(tokens), "prompt_tokens": len(ids),
-                              "build": kernels.mode(), "stats": stats.to_dict()}) + "\n")
+                              "build": kernels.mode(), "threads": threads, "stats": stats.to_dict()}) + "\n")
     out.flush()
     if not as_json:
         note(stats.summary())

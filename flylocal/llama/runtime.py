@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import math
 import os
 import re
 import signal
@@ -32,8 +33,8 @@ import numpy as np
 from flylocal.decoding.cache import reusable_prefix
 from flylocal.decoding.costs import CostCurve
 from flylocal.errors import FlylocalError, ModelError
-from flylocal.llama import kernels
-from flylocal.llama.threads import ThreadControl, candidates, usable_cores
+from flylocal.llama import kernels, memory
+from flylocal.llama.threads import ThreadControl, candidates, keep_count, known_count, usable_cores
 from flylocal.models.files import check_gguf_file
 
 KERNELS = kernels.activate()     # fast or exact: which llama.cpp library is loaded just below
@@ -51,18 +52,75 @@ except (OSError, RuntimeError) as _e:
 # llama.cpp logs to stderr by default. flylocal keeps its stderr for its own one-line
 # messages, so llama.cpp's log goes to a small ring; load errors quote its last error.
 _LOG_LOCK = threading.Lock()
+
+
+class _Deferral:
+    """Hold Ctrl-C back until the block ends, then raise KeyboardInterrupt: for llama.cpp calls
+    that call back into Python (its log, which a decode or a change of thread count writes to).
+    A KeyboardInterrupt raised inside a ctypes callback is printed as a traceback and dropped,
+    and the interrupt would be lost.
+
+    Cheap enough for every decode: in the main thread, while Ctrl-C has Python's default
+    handler, one that raises KeyboardInterrupt just as the default does is put in its place,
+    except that inside a deferred block or inside the log callback it only notes the interrupt,
+    which is raised when the block ends (or, after a callback outside any block, when the next
+    block begins). Elsewhere (another thread, or Ctrl-C handled or ignored by someone else) a
+    block defers nothing."""
+
+    def __init__(self):
+        self.depth = 0          # deferred blocks open in the main thread
+        self.in_callback = 0    # the log callback running in the main thread
+        self.pending = False
+
+    def _handler(self, signum, frame):  # noqa: ARG002 - signal handler signature
+        if self.depth or self.in_callback:
+            self.pending = True
+            return
+        raise KeyboardInterrupt
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            handler = signal.getsignal(signal.SIGINT)
+            if handler is signal.default_int_handler:
+                signal.signal(signal.SIGINT, self._handler)
+            elif handler != self._handler:
+                return self     # someone else's: nothing deferred, nothing counted
+            if self.pending and not self.depth:
+                self.pending = False
+                raise KeyboardInterrupt     # noted inside a callback outside any block
+            self.depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        if self.depth and threading.current_thread() is threading.main_thread():
+            self.depth -= 1
+            if not self.depth and self.pending:
+                self.pending = False
+                if exc[0] is None:
+                    raise KeyboardInterrupt
+        return False
+
+
+_deferral = _Deferral()
 _LOG_TAIL: list[str] = []
 _VERBOSE = bool(os.environ.get("FLYLOCAL_VERBOSE"))
 
 
 @llama_cpp.llama_log_callback
 def _log_callback(level, text, user_data):  # noqa: ARG001 - ctypes signature
-    message = text.decode("utf-8", "replace") if text else ""
-    if _VERBOSE:
-        os.write(2, message.encode())
-    with _LOG_LOCK:
-        _LOG_TAIL.append(message)
-        del _LOG_TAIL[:-64]
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        _deferral.in_callback += 1           # a Ctrl-C landing here is noted, not dropped
+    try:
+        message = text.decode("utf-8", "replace") if text else ""
+        if _VERBOSE:
+            os.write(2, message.encode())
+        with _LOG_LOCK:
+            _LOG_TAIL.append(message)
+            del _LOG_TAIL[:-64]
+    finally:
+        if main:
+            _deferral.in_callback -= 1
 
 
 llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
@@ -88,49 +146,6 @@ def _last_log_error() -> str:
             if word in line:
                 return re.sub(r"^(?:\w+: )*(?:error loading model: )?", "", line) or line
     return lines[-1] if lines else "llama.cpp gave no reason"
-
-
-class _Deferral:
-    """Hold Ctrl-C back until the block ends, then raise KeyboardInterrupt: for llama.cpp calls
-    that call back into Python (its log, which a decode writes to now and then). A
-    KeyboardInterrupt raised inside a ctypes callback is printed as a traceback and dropped,
-    and the interrupt would be lost.
-
-    Cheap enough for every decode (a counter): the first use in the main thread, while Ctrl-C
-    has Python's default handler, puts in one that raises KeyboardInterrupt just as the default
-    does, except inside a deferred block, where it only notes the interrupt. Elsewhere (another
-    thread, or Ctrl-C handled or ignored by someone else) a block defers nothing."""
-
-    def __init__(self):
-        self.depth = 0
-        self.pending = False
-        self.installed = False
-
-    def _handler(self, signum, frame):  # noqa: ARG002 - signal handler signature
-        if self.depth:
-            self.pending = True
-            return
-        raise KeyboardInterrupt
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            if not self.installed and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-                signal.signal(signal.SIGINT, self._handler)
-                self.installed = True
-            self.depth += 1
-        return self
-
-    def __exit__(self, *exc):
-        if threading.current_thread() is threading.main_thread():
-            self.depth -= 1
-            if not self.depth and self.pending:
-                self.pending = False
-                if exc[0] is None:
-                    raise KeyboardInterrupt
-        return False
-
-
-_deferral = _Deferral()
 
 
 def interrupts_deferred() -> _Deferral:
@@ -322,6 +337,44 @@ class Runtime:
             raise ModelError(f"cannot load {self.path}: {_last_log_error()}")
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        self.n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self._model))
+
+    def _meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    def _shape(self) -> memory.Shape:
+        model = self._model
+        n_head = max(llama_cpp.llama_model_n_head(model), 1)
+        arch = self._meta("general.architecture") or ""
+        default = llama_cpp.llama_model_n_embd(model) // n_head
+
+        def width(key):
+            value = self._meta(f"{arch}.attention.{key}")
+            return int(value) if value and value.isdigit() else default
+
+        return memory.Shape(n_layer=llama_cpp.llama_model_n_layer(model), n_head=n_head,
+                            n_head_kv=llama_cpp.llama_model_n_head_kv(model), key_width=width("key_length"),
+                            value_width=width("value_length"), n_vocab=self.n_vocab,
+                            model_bytes=int(llama_cpp.llama_model_size(model)))
+
+    def _check_memory(self, flash: bool) -> None:
+        """Refuse, in one line, a context this machine has no memory for (flylocal.llama.memory),
+        before llama.cpp allocates it."""
+        shape = self._shape()
+        share, free = 0.0, None
+        if self.config.n_gpu_layers and gpu_offload():
+            gpus = [d for d in local_devices() if d.name != "CPU"]
+            if gpus:
+                share = min(self.config.n_gpu_layers, shape.n_layer) / max(shape.n_layer, 1)
+                free = sum(d.free for d in gpus)
+        problem = memory.check(shape, self.config.n_ctx, self.config.n_batch, flash, self.name, gpu_share=share,
+                               gpu_free=free)
+        if problem:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+            raise FlylocalError(problem)
 
     def _create_context(self) -> None:
         config = self.config
@@ -338,6 +391,8 @@ class Runtime:
         cparams.swa_full = True
         cparams.no_perf = True
         cparams.flash_attn_type = _flash_attn_type(config.flash_attn, remote=bool(config.rpc))
+        if not config.rpc:                  # the servers' memory is theirs to judge
+            self._check_memory(cparams.flash_attn_type != llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         with interrupts_deferred():
             self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
         if not self._ctx:
@@ -371,8 +426,15 @@ class Runtime:
         self._specials = None   # control-token texts, found lazily for chat templates
         self._formatter = None  # the compiled chat template, made on first use
         # --threads auto: start on every core, then follow how fast decodes run (flylocal.llama.threads).
-        self.thread_control = (ThreadControl(candidates(threads), threads)
-                               if config.n_threads is None and threads_auto else None)
+        # A process starts from the count the last one settled on, when that was recent, and
+        # otherwise measures each count once before its first prompt (_probe_threads).
+        self.thread_control = None
+        self._probed = True    # --threads auto: each count measured before a first prompt, or no need
+        if config.n_threads is None and threads_auto:
+            counts = candidates(threads)
+            known = known_count(counts)
+            self.thread_control = ThreadControl(counts, known or threads, on_settle=keep_count)
+            self._probed = known is not None or len(counts) < 2
         self._steady = 0       # > 0: thread count held (calibration measures one count)
         self.calibration_threads = threads
         # What a decode of n rows costs here, shared by everything that drafts for this model;
@@ -611,6 +673,8 @@ class Runtime:
         n = len(tokens)
         steer = self.thread_control is not None and not self._steady and 0 < rows <= CONTROL_ROWS
         if start and self.thread_control is not None and not self._steady:
+            if not self._probed:
+                self._probe_threads(int(tokens[0]))
             self._use_threads(self.thread_control.home)     # a prompt never runs on a count on trial
         i = 0
         while i < start:
@@ -659,6 +723,32 @@ class Runtime:
         self.n_past = p0 + m
         self._unsynced = False                 # ... until here
 
+    def _probe_threads(self, token: int, passes: int = 2) -> None:
+        """--threads auto in a process that knows nothing yet: time a single-row decode at each
+        candidate count (after one warm-up, `passes` times each, the least counting; rolled back)
+        and start on the fastest, so that the first prompt already runs on it. Tens of
+        milliseconds on an idle machine, against seconds a prompt on every core of a busy one
+        can lose."""
+        self._probed = True
+        control, n_past = self.thread_control, self.n_past
+        if n_past + 1 > self.n_ctx:
+            return
+        one = np.array([token], dtype=np.int32)
+        best: dict[int, float] = {}
+        try:
+            for i in range(passes + 1):
+                for count in control.counts if i else control.counts[-1:]:
+                    self._use_threads(count)
+                    t0 = time.perf_counter()
+                    self._decode_chunk(one, want_logits=False)
+                    seconds = time.perf_counter() - t0
+                    self.truncate(n_past)
+                    if i:                                  # the first decode is a warm-up
+                        best[count] = min(best.get(count, math.inf), seconds)
+        finally:
+            self.truncate(n_past)
+        control.seed(best)
+
     def _steer(self, rows: int, seconds: float) -> None:
         """--threads auto: feed the decode's time to the controller, relative to the cost
         curve's shape for `rows`, and take the thread count it chooses."""
@@ -672,7 +762,8 @@ class Runtime:
     def set_threads(self, n: int) -> None:
         """Decode on `n` CPU threads from the next decode on (llama_set_n_threads)."""
         self._check_open()
-        llama_cpp.llama_set_n_threads(self._ctx, n, n)
+        with interrupts_deferred():          # llama.cpp logs the change
+            llama_cpp.llama_set_n_threads(self._ctx, n, n)
         self.n_threads = n
         self.costs.on_key = n == self.calibration_threads     # rounds at another count refine, unsaved
 

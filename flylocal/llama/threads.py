@@ -22,8 +22,11 @@ timings (tests feed it made-up ones).
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import time
+from pathlib import Path
 
 PROBES = 5              # decodes measured at a count being tried: their median counts
 ABORT = 1.5             # a trial decode this much slower than the current count's median ends the trial
@@ -36,6 +39,8 @@ BUDGET = 0.015          # share of decoding time re-checks may lose: after one t
                         # more than the current count would have, the next waits c / BUDGET
                         # (a trial decode on a loaded core can cost ten ordinary ones)
 RECENT = 5              # the current count's last decodes, compared with a trial's
+KEEP = 600.0            # seconds a count settled on is worth starting the next process from:
+                        # load outlives a process, not a long pause (and the next process checks)
 
 
 def usable_cores() -> int:
@@ -62,7 +67,10 @@ def median(values) -> float:
 
 
 class ThreadControl:
-    def __init__(self, counts: list[int], start: int | None = None):
+    def __init__(self, counts: list[int], start: int | None = None, on_settle=None):
+        """`start`: the count to begin on (default: the most); `on_settle(home)` is called each
+        time a re-check ends (the count kept, moved to or not)."""
+        self.on_settle = on_settle
         self.counts = sorted(set(counts))
         self.home = start if start in self.counts else self.counts[-1]   # the count in use
         self.current = self.home               # the count of the next decode (home, or one on trial)
@@ -121,7 +129,68 @@ class ThreadControl:
             self.reference = self.speed[self.home]
             self.next_check = self.clock + min(max(self.lost / BUDGET, RECHECK[0]), RECHECK[1])
         self.current = self.home
+        if self.on_settle is not None:
+            self.on_settle(self.home)
+
+    def seed(self, speeds: dict[int, float]) -> int:
+        """Start from a quick measurement of single steps at each count (before any prompt, in a
+        process that knows nothing yet): the fastest becomes the count in use, and the usual
+        re-check still follows within the first decodes. Returns it."""
+        speeds = {c: s for c, s in speeds.items() if c in self.counts and s > 0 and math.isfinite(s)}
+        if not speeds:
+            return self.current
+        self.speed.update(speeds)
+        self.home = self.current = min(speeds, key=speeds.get)
+        self.recent, self.reference, self.next_check = [], None, self.clock
+        if self.on_settle is not None:
+            self.on_settle(self.home)
+        return self.home
 
     def rates(self) -> dict[int, float]:
         """Single-row steps per second last measured at each count tried."""
         return {c: 1.0 / s for c, s in sorted(self.speed.items()) if s > 0}
+
+
+# ---- what the last process settled on, kept on disk (the cost curves' folder)
+
+def _known_path() -> Path:
+    from flylocal.decoding.costs import costs_dir
+
+    return costs_dir() / "threads.json"
+
+
+def _cores_key() -> str:
+    try:
+        return ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    except (AttributeError, OSError):
+        return str(os.cpu_count() or 1)
+
+
+def known_count(counts: list[int], clock=time.time) -> int | None:
+    """The count the last process on these cores settled on, if that was within KEEP seconds
+    and it is one of `counts`; None otherwise (nothing kept, too old, unreadable)."""
+    try:
+        record = json.loads(_known_path().read_text()).get(_cores_key())
+        count, at = int(record["count"]), float(record["at"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return count if count in counts and 0 <= clock() - at <= KEEP else None
+
+
+def keep_count(count: int, clock=time.time) -> None:
+    """Record the count settled on now, for the next process (written whole, then renamed:
+    concurrent processes never leave a torn file; the last one wins)."""
+    path = _known_path()
+    try:
+        try:
+            records = json.loads(path.read_text())
+            records = records if isinstance(records, dict) else {}
+        except (OSError, ValueError):
+            records = {}
+        records[_cores_key()] = {"count": int(count), "at": clock()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(records))
+        os.replace(tmp, path)
+    except OSError:
+        pass                      # a read-only cache: the next process measures for itself
