@@ -217,7 +217,7 @@ RAW = "one two three four five six seven. one two three four five six seven. one
 CASES = {"T=1": (RAW, SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1234)),
          "T=0.7": ("I like the red car. She likes the",
                    SamplingParams(temperature=0.7, top_k=40, top_p=0.95, min_p=0.02, seed=1234))}
-N = 700
+N = 350
 
 
 def accept_all(draft, target_argmax, logits):
