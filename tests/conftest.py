@@ -20,6 +20,14 @@ os.environ.setdefault("FLYLOCAL_EXACT", "1")
 _COSTS = tempfile.mkdtemp(prefix="flylocal-test-costs-")
 os.environ["FLYLOCAL_COSTS"] = _COSTS
 atexit.register(shutil.rmtree, _COSTS, True)
+# Tests send Ctrl-C to the processes they start. A shell without job control starts a
+# background job with SIGINT ignored, and an ignored signal stays ignored across exec, in every
+# process the tests start: given back its default here, so that a suite run in the background
+# tests what a terminal would.
+import signal  # noqa: E402
+
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # No network in tests: litellm fetches a price list at import unless told to use its own copy.
 os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
 
