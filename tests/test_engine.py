@@ -46,10 +46,13 @@ def test_every_drafter_stops_at_the_context_end(small_ctx, drafter):
     n_ctx, target, draft = small_ctx
     ids = target.tokenize(TEXT)
     assert len(ids) > n_ctx
-    for length in (n_ctx - 1, n_ctx - 2, n_ctx - 7, n_ctx - 16):
+    # The fast suite checks the context end over thousands of prompt and draft lengths on an
+    # in-memory target (tests/test_engine_properties.py); here the real caches meet it: room
+    # for one token, for fewer than a draft, and for more.
+    for length in (n_ctx - 1, n_ctx - 7, n_ctx - 16):
         prompt = ids[:length]
         expected, _, _ = run(target, draft, prompt, "none", 0)
-        for k in (1, 3, 10):
+        for k in (1, 10):
             tokens, stats, _ = run(target, draft, prompt, drafter, k)
             assert (stats.stop, length + len(tokens)) == ("context", n_ctx), (length, k)
             assert tokens == expected, (length, k)
