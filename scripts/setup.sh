@@ -109,8 +109,13 @@ wheel_dir() {
 }
 
 with_rpc() {
-  # Every build carries the RPC backend, unless the given flags already say otherwise.
-  if [[ "$1" == *GGML_RPC* ]]; then echo "$1"; else echo "${1:+$1 }-DGGML_RPC=ON"; fi
+  # Every build carries the RPC backend, and leaves out llama-cpp-python's multimodal library
+  # (mtmd: a quarter of the build's sources; flylocal reads text only), unless the given flags
+  # already say otherwise.
+  local a="$1"
+  if [[ "$a" != *GGML_RPC* ]]; then a="${a:+$a }-DGGML_RPC=ON"; fi
+  if [[ "$a" != *LLAVA_BUILD* ]]; then a="$a -DLLAVA_BUILD=OFF"; fi
+  echo "$a"
 }
 
 args=$(with_rpc "$(choose_cmake_args)")
