@@ -42,6 +42,27 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 
+# flylocal's other dependencies install while llama.cpp compiles (the build is CPU-bound and
+# runs in pip's own build environment, the install mostly I/O into .venv); it is waited for
+# before anything else goes into .venv.
+deps_log=$(mktemp)
+.venv/bin/python - > "$deps_log.list" <<'PY'
+try:
+    import tomllib
+except ImportError:          # Python 3.10: installed with flylocal instead, after the build
+    raise SystemExit(0)
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = project["optional-dependencies"]
+for req in project["dependencies"] + [r for e in ("test", "plot", "humaneval", "serve") for r in extras[e]]:
+    if not req.startswith("llama-cpp-python"):
+        print(req)
+PY
+deps_pid=
+if [ -s "$deps_log.list" ]; then
+  "${PIP[@]}" install -r "$deps_log.list" > "$deps_log" 2>&1 &
+  deps_pid=$!
+fi
+
 # ---- 2. llama-cpp-python
 cpu_flags() {
   # x86-64: name every SIMD extension this CPU has, never GGML_NATIVE. A native build also
@@ -118,6 +139,14 @@ with_rpc() {
   echo "$a"
 }
 
+wait_deps() {
+  if [ -n "${deps_pid:-}" ]; then
+    wait "$deps_pid" || { cat "$deps_log" >&2; say "installing flylocal's dependencies failed"; exit 1; }
+    deps_pid=
+    rm -f "$deps_log" "$deps_log.list"
+  fi
+}
+
 args=$(with_rpc "$(choose_cmake_args)")
 stamp="llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION CMAKE_ARGS=$args"
 if [ "$(cat .venv/flylocal-build.txt 2>/dev/null)" = "$stamp" ] \
@@ -125,6 +154,7 @@ if [ "$(cat .venv/flylocal-build.txt 2>/dev/null)" = "$stamp" ] \
   say "llama-cpp-python already built ($stamp)"
 else
   wheels=$(wheel_dir "$args")
+  wait_deps
   "${PIP[@]}" install --force-reinstall --no-deps "$wheels"/llama_cpp_python-*.whl
   echo "$stamp" > .venv/flylocal-build.txt
 fi
@@ -202,6 +232,7 @@ PY
 fi
 
 # ---- 3. flylocal
+wait_deps
 say "installing flylocal"
 "${PIP[@]}" install -e ".[test,plot,humaneval,serve]"
 .venv/bin/python -c "import flylocal.llama.runtime, llama_cpp" \
