@@ -143,8 +143,8 @@ wait_deps() {
   if [ -n "${deps_pid:-}" ]; then
     wait "$deps_pid" || { cat "$deps_log" >&2; say "installing flylocal's dependencies failed"; exit 1; }
     deps_pid=
-    rm -f "$deps_log" "$deps_log.list"
   fi
+  rm -f "$deps_log" "$deps_log.list"
 }
 
 args=$(with_rpc "$(choose_cmake_args)")

@@ -191,6 +191,7 @@ def test_auto_on_a_real_busy_machine_measures_and_runs_its_choice():
             rates = control.rates()
             assert len(rates) >= 2, rates                      # it tried another count
             assert control.home in rates
+            assert control.next_check > 0                       # and a re-check ran within the generation
             assert llama_cpp.llama_n_threads(rt._ctx) == rt.n_threads == control.current
     finally:
         for p in spin:
@@ -253,7 +254,6 @@ def test_a_fresh_process_measures_before_its_first_prompt_and_the_next_starts_th
     with Runtime(model_path(SMOL), RuntimeConfig(n_ctx=512)) as rt:
         control = rt.thread_control
         ids = rt.tokenize("The quick brown fox jumps over the lazy dog. " * 4)
-        expected = None
         rt.decode(ids[:-1])
         assert set(control.speed) == set(control.counts)         # each count timed, before the prompt
         assert rt.n_threads == control.home == min(control.speed, key=control.speed.get)

@@ -95,22 +95,27 @@ def llama_cache() -> Path:
     return Path(os.environ.get("LLAMA_CACHE") or _home() / ".cache" / "llama.cpp")
 
 
+def _model_path() -> list[tuple[str, Path | None]]:
+    """$FLYLOCAL_MODEL_PATH's entries in order: (the text, its path; None for ~user of no user)."""
+    entries = []
+    for d in os.environ.get("FLYLOCAL_MODEL_PATH", "").split(os.pathsep):
+        if d:
+            try:
+                entries.append((d, Path(d).expanduser()))
+            except RuntimeError:       # ~user of no user: nothing is there
+                entries.append((d, None))
+    return entries
+
+
 def model_path_entries() -> tuple[list[Path], list[Path], list[str]]:
     """$FLYLOCAL_MODEL_PATH's entries: (folders, GGUF files named directly, entries that name
     nothing there). A folder that does not exist yet counts as missing, but stays a folder a
     download may go to (model_path_dirs)."""
     folders, files, missing = [], [], []
-    for d in os.environ.get("FLYLOCAL_MODEL_PATH", "").split(os.pathsep):
-        if not d:
-            continue
-        try:
-            path = Path(d).expanduser()
-        except RuntimeError:       # ~user of no user: nothing is there
-            missing.append(d)
-            continue
-        if path.is_file():
+    for d, path in _model_path():
+        if path is not None and path.is_file():
             files.append(path)
-        elif path.is_dir():
+        elif path is not None and path.is_dir():
             folders.append(path)
         else:
             missing.append(d)
@@ -119,14 +124,7 @@ def model_path_entries() -> tuple[list[Path], list[Path], list[str]]:
 
 def model_path_dirs() -> list[Path]:
     """The folders in $FLYLOCAL_MODEL_PATH, existing or not (not the files it names)."""
-    dirs = []
-    for d in os.environ.get("FLYLOCAL_MODEL_PATH", "").split(os.pathsep):
-        try:
-            if d and not Path(d).expanduser().is_file():
-                dirs.append(Path(d).expanduser())
-        except RuntimeError:
-            continue
-    return dirs
+    return [path for _, path in _model_path() if path is not None and not path.is_file()]
 
 
 _warned: set[str] = set()
