@@ -306,14 +306,23 @@ def test_seeded_strict_is_plain_sampling_for_every_drafter_and_draft_length(smol
     for drafter, ks in (("pld", (2, 8)), ("model", (1, 4)), ("mla", (3, 8))):
         for k in ks:
             assert run(drafter, k) == plain, (drafter, k)
-    for drafter in ("pld", "model", "mla"):          # draft lengths chosen from measured costs
-        smol.reset()
-        smol_draft.reset()
-        engine = build_engine(Settings(drafter=drafter, verifier="strict", max_tokens=40, sampling=SEEDED),
-                              smol, smol_draft)
-        tokens, stats, _ = generate_all(engine, ids)
-        assert tokens == plain, drafter
-        assert stats.drafted > 0 or drafter != "pld"     # a draft model as dear as the target may never pay
+    # Draft lengths chosen by the controller, on a given GPU-like cost model: on this machine's
+    # own timings drafting may never pay, and then the comparison would prove nothing.
+    from test_costs import gpu_like
+
+    saved = smol.costs, smol_draft.costs
+    try:
+        smol.costs, smol_draft.costs = gpu_like()
+        for drafter in ("pld", "model", "mla"):
+            smol.reset()
+            smol_draft.reset()
+            engine = build_engine(Settings(drafter=drafter, verifier="strict", max_tokens=40, sampling=SEEDED),
+                                  smol, smol_draft)
+            tokens, stats, _ = generate_all(engine, ids)
+            assert tokens == plain, drafter
+            assert stats.drafted > 0, drafter
+    finally:
+        smol.costs, smol_draft.costs = saved
     assert run("none", 0, dataclasses.replace(SEEDED, seed=8)) != plain
 
 
