@@ -93,20 +93,50 @@ def token_logprobs(tokens: np.ndarray, logits: np.ndarray, committed: np.ndarray
     return out
 
 
+TOP_P_FIRST = 1024      # without top-k, top-p's set is looked for among this many first
+
+
+def _top(z: np.ndarray, m: int) -> np.ndarray:
+    """The ids of the m largest of z, in id order (whichever of a tie at the m-th value are
+    the lowest ids, as a stable sort of the whole would take them)."""
+    n = len(z)
+    if m >= n:
+        return np.arange(n)
+    cut = np.partition(z, n - m)[n - m]                   # the m-th largest value
+    above = np.flatnonzero(z > cut)
+    tied = np.flatnonzero(z == cut)[: m - len(above)]
+    return np.sort(np.concatenate([above, tied]))
+
+
 def processed_probs(z: np.ndarray, history: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     """(candidate ids [c] int64, their probabilities [c] float64), most likely first, after
     logit bias -> penalties -> top-k -> top-p -> min-p -> temperature (llama.cpp's order).
     z [n_vocab] float32: raw logits of one position; history: the committed ids before it."""
     z = adjust(z, history, p) if p.adjusts else z.astype(np.float64)
-    if 0 < p.top_k < len(z):
-        ids = np.argpartition(z, len(z) - p.top_k)[len(z) - p.top_k:]
+    n = len(z)
+    mass = None                                           # sum of exp(z - max) over top-k's set
+    if 0 < p.top_k < n:
+        ids = np.argpartition(z, n - p.top_k)[n - p.top_k:]
+    elif p.min_p > 0.0 or p.top_p < 1.0:
+        # No top-k: sorting the whole vocabulary costs milliseconds a row (tens on 262,144
+        # tokens). What min-p keeps, and top-p's share of the whole mass, are both a prefix of
+        # the sorted order: only that prefix is sorted.
+        peak = z.max()
+        weights = np.exp(z - peak)
+        mass = weights.sum()
+        m = int(np.count_nonzero(z >= peak + np.log(p.min_p))) if p.min_p > 0.0 else n
+        if p.top_p < 1.0 and TOP_P_FIRST < m:             # one try, then the whole sort
+            top = _top(z, TOP_P_FIRST)
+            if weights[top].sum() >= p.top_p * mass * (1 + 1e-9):      # clear of rounding
+                m = TOP_P_FIRST
+        ids = _top(z, m)
     else:
-        ids = np.arange(len(z))
+        ids = np.arange(n)
     ids = ids[np.argsort(-z[ids], kind="stable")]
     logits = z[ids]                                       # [c] untempered, descending
     if p.top_p < 1.0:
         probs = np.exp(logits - logits[0])
-        probs /= probs.sum()
+        probs /= probs.sum() if mass is None else mass
         keep = min(int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1, len(ids))
         ids, logits = ids[:keep], logits[:keep]
     if p.min_p > 0.0:
