@@ -339,7 +339,10 @@ def test_a_calibration_beside_busy_loops_is_used_but_never_saved(tmp_path):
     env = {"FLYLOCAL_COSTS": str(tmp_path / "costs")}
     spin = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in os.sched_getaffinity(0)]
     try:
-        done = flylocal("generate", PROMPT, "--max-tokens", "8", "--json", "--drafter", "pld", env=env)
+        # one thread: llama.cpp's threads wait for each other by spinning, which beside busy
+        # loops on every core turns a calibration of seconds into one of minutes
+        done = flylocal("generate", PROMPT, "--max-tokens", "8", "--json", "--drafter", "pld", "--threads", "1",
+                        env=env)
     finally:
         for p in spin:
             p.kill()

@@ -237,6 +237,9 @@ def remote(endpoints, tensor_split=(), n_ctx=2048, rpc_timeout=60.0, output="her
                                                       rpc_timeout=rpc_timeout, rpc_output=output))
 
 
+# A fixed --k where a test is not about draft lengths: an adaptive length measures the decode's
+# cost curve first, and beside an rpc-server on this same machine the server's work is load,
+# so the curve stays provisional and every process measures it again.
 def strict_run(target, drafter, ids, k, draft=None, max_tokens=48):
     from flylocal.decoding.drafters import make_drafter
     from flylocal.decoding.engine import Engine, EngineConfig, generate_all
@@ -260,7 +263,10 @@ def test_strict_on_one_server_equals_local_greedy(smol, smol_draft, output):
             assert list(target.tokenize_chat([{"role": "user", "content": text}])) == list(ids)
             expected, _ = strict_run(smol, "none", ids, 0)
             assert strict_run(target, "none", ids, 0)[0] == expected, name
-            for drafter, k in [("pld", 8), ("pld", None), ("model", 6), ("mla", 8)]:
+            # every drafter's own path is tested on a local target (test_exact.py); here the
+            # remote cache meets drafts, rollbacks and an adaptive length (mla drafts with the
+            # draft model, and with lookup)
+            for drafter, k in [("pld", None), ("mla", 8)]:
                 tokens, stats = strict_run(target, drafter, ids, k, draft=smol_draft)
                 assert tokens == expected, (name, drafter, k)
                 if k is not None:
@@ -282,7 +288,7 @@ def test_strict_split_across_two_servers_equals_local_greedy(smol, smol_draft):
             with remote(endpoints, tensor_split=split, output=output) as target:
                 assert len(target.devices) == 2
                 assert strict_run(target, "mla", ids, 8, draft=smol_draft)[0] == expected, split
-                assert strict_run(target, "pld", ids, None)[0] == expected, split
+                assert strict_run(target, "pld", ids, None if output == "here" else 8)[0] == expected, split
 
 
 @pytest.mark.slow
@@ -338,7 +344,7 @@ def test_killed_server_mid_generation_is_one_line_in_bounded_time():
     with rpc_servers(1) as servers:
         (proc, endpoint), = servers
         gen = subprocess.Popen([sys.executable, "-m", "flylocal", "generate", "--target-rpc", endpoint, "--raw",
-                                "--verifier", "strict", "--max-tokens", "1500", "--ctx", "2048",
+                                "--verifier", "strict", "--max-tokens", "1500", "--ctx", "2048", "--k", "4",
                                 "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         first = gen.stdout.read(8)        # generating: text is coming out
@@ -362,7 +368,7 @@ def test_a_stopped_server_is_bounded_by_rpc_timeout():
         (proc, endpoint), = servers
         gen = subprocess.Popen([sys.executable, "-m", "flylocal", "generate", "--target-rpc", endpoint, "--raw",
                                 "--rpc-timeout", "2", "--verifier", "strict", "--max-tokens", "1500", "--ctx", "2048",
-                                "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"],
+                                "--k", "4", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert gen.stdout.read(8)
         os.kill(proc.pid, signal.SIGSTOP)          # alive, listening, silent
@@ -399,7 +405,7 @@ def test_chat_goes_on_with_reset_once_the_server_is_back():
     endpoint = f"127.0.0.1:{free_port()}"
     server = start_server(endpoint)
     chat = subprocess.Popen([sys.executable, "-m", "flylocal", "chat", "--target-rpc", endpoint, "--max-tokens", "12",
-                             "--verifier", "strict"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             "--verifier", "strict", "--k", "4"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         def send(line):
@@ -483,7 +489,8 @@ def test_ctrl_c_ends_quietly_and_leaves_no_worker():
     with rpc_servers(1) as servers:
         (_, endpoint), = servers
         gen = subprocess.Popen([sys.executable, "-m", "flylocal", "generate", "--target-rpc", endpoint, "--raw",
-                                "--max-tokens", "1500", "--ctx", "2048", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"],
+                                "--max-tokens", "1500", "--ctx", "2048", "--k", "4",
+                                "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert gen.stdout.read(8)
         workers = subprocess.run(["pgrep", "-f", "flylocal.llama.remote"], capture_output=True, text=True).stdout.split()
@@ -592,7 +599,7 @@ def test_serve_answers_again_once_its_server_is_back():
     endpoint, api = f"127.0.0.1:{free_port()}", free_port()
     server = start_server(endpoint)
     serve = subprocess.Popen([sys.executable, "-m", "flylocal", "serve", "--port", str(api), "--threads", "1",
-                              "--target-rpc", endpoint, "--verifier", "strict", "--ctx", "1024"],
+                              "--target-rpc", endpoint, "--verifier", "strict", "--ctx", "1024", "--k", "4"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{api}"
     body = {"prompt": "The sky is", "max_tokens": 12}
