@@ -34,6 +34,9 @@ for arg in "$@"; do
 done
 
 say() { echo "setup: $*" >&2; }
+# Work started in the background (dependencies, models) ends with setup, however setup ends.
+deps_pid= models_pid=
+trap 'for p in $deps_pid $models_pid; do kill "$p" 2>/dev/null || true; done' EXIT
 
 # ---- 1. virtual environment
 if [ ! -x .venv/bin/python ]; then
@@ -57,9 +60,10 @@ for req in project["dependencies"] + [r for e in ("test", "plot", "humaneval", "
     if not req.startswith("llama-cpp-python"):
         print(req)
 PY
-deps_pid=
 if [ -s "$deps_log.list" ]; then
-  "${PIP[@]}" install -r "$deps_log.list" > "$deps_log" 2>&1 &
+  # --no-compile: Python compiles what it imports when it first does, instead of pip compiling
+  # every module of every package now, on the cores the build needs.
+  "${PIP[@]}" install --no-compile -r "$deps_log.list" > "$deps_log" 2>&1 &
   deps_pid=$!
 fi
 
@@ -120,7 +124,10 @@ wheel_dir() {
   if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     say "building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION with CMAKE_ARGS=\"$1\" (several minutes)"
     rm -rf "$wheels.tmp" && mkdir -p "$wheels.tmp"
-    CMAKE_ARGS="$1" "${PIP[@]}" wheel --no-deps --no-cache-dir -w "$wheels.tmp" \
+    # Only the libraries the wheel ships are built (build.targets: llama and the ggml backends
+    # it links); llama-cpp-python would also build llama.cpp's common library, its chat parsers
+    # and HTTP client, which nothing in the wheel uses.
+    CMAKE_ARGS="$1" "${PIP[@]}" wheel --no-deps --no-cache-dir -w "$wheels.tmp" -C build.targets=llama \
       "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" >&2
     rm -rf "$wheels" && mv "$wheels.tmp" "$wheels"
   else
@@ -157,6 +164,17 @@ else
   wait_deps
   "${PIP[@]}" install --force-reinstall --no-deps "$wheels"/llama_cpp_python-*.whl
   echo "$stamp" > .venv/flylocal-build.txt
+fi
+
+# ---- 3. flylocal, and the models (mostly downloads: they go on while the exact build compiles)
+wait_deps
+say "installing flylocal"
+"${PIP[@]}" install -e ".[test,plot,humaneval,serve]"
+.venv/bin/python -c "import flylocal.llama.runtime, llama_cpp" \
+  || { say "llama-cpp-python does not load; rebuild with another CMAKE_ARGS"; exit 1; }
+if [ "$fetch_models" = 1 ]; then
+  .venv/bin/flylocal models fetch "${models[@]}" &
+  models_pid=$!
 fi
 
 cpu_only() {
@@ -231,15 +249,9 @@ PY
   rm -rf .venv/flylocal-exact && mv .venv/flylocal-exact.tmp .venv/flylocal-exact
 fi
 
-# ---- 3. flylocal
-wait_deps
-say "installing flylocal"
-"${PIP[@]}" install -e ".[test,plot,humaneval,serve]"
-.venv/bin/python -c "import flylocal.llama.runtime, llama_cpp" \
-  || { say "llama-cpp-python does not load; rebuild with another CMAKE_ARGS"; exit 1; }
-
-# ---- 4. models
-if [ "$fetch_models" = 1 ]; then
-  .venv/bin/flylocal models fetch "${models[@]}"
+# ---- 4. models, fetched while the exact build compiles (started above)
+if [ -n "$models_pid" ]; then
+  wait "$models_pid" || { models_pid=; say "fetching the models failed (the lines above)"; exit 1; }
+  models_pid=
 fi
 say "done. Try: .venv/bin/flylocal chat"
