@@ -36,7 +36,8 @@ done
 say() { echo "setup: $*" >&2; }
 # Work started in the background (dependencies, models) ends with setup, however setup ends.
 deps_pid= models_pid=
-trap 'for p in $deps_pid $models_pid; do kill "$p" 2>/dev/null || true; done' EXIT
+source_dir=$(mktemp -d)      # llama-cpp-python's source, when something is built (llama_source)
+trap 'for p in $deps_pid $models_pid; do kill "$p" 2>/dev/null || true; done; rm -rf "$source_dir"' EXIT
 
 # ---- 1. virtual environment
 if [ ! -x .venv/bin/python ]; then
@@ -116,6 +117,25 @@ choose_exact_cmake_args() {
 
 pyver=$(.venv/bin/python -c 'import sys; print(sys.version_info[:2])')
 
+llama_source() {
+  # llama-cpp-python's source (the sdist, from the package index), unpacked once per setup run
+  # (into a folder the main shell made: this runs inside command substitutions).
+  # llama-cpp-python turns llama.cpp's common library on for its multimodal tool alone; where
+  # these flags leave that tool out (LLAVA_BUILD=OFF), it is turned off too: its chat parsers,
+  # templates and HTTP client are two of the build's six minutes here, and nothing flylocal
+  # loads uses them. Prints the source folder.
+  if ! ls "$source_dir"/llama_cpp_python-*.tar.gz >/dev/null 2>&1; then
+    "${PIP[@]}" download --no-deps --no-binary :all: -d "$source_dir" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" >&2
+    tar xzf "$source_dir"/llama_cpp_python-*.tar.gz -C "$source_dir"
+  fi
+  local dir common='set(LLAMA_BUILD_COMMON ON CACHE BOOL "Build llama.cpp common library" FORCE)'
+  dir=$(echo "$source_dir"/llama_cpp_python-*/)
+  if [[ "$1" == *-DLLAVA_BUILD=OFF* ]] && grep -qF "$common" "$dir/CMakeLists.txt"; then
+    sed -i "s/$common/${common/ ON / OFF }/" "$dir/CMakeLists.txt"
+  fi
+  echo "${dir%/}"
+}
+
 wheel_dir() {
   # The cached wheel for these flags, built first if need be. Prints its directory.
   local stamp="llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION CMAKE_ARGS=$1" key wheels
@@ -124,11 +144,7 @@ wheel_dir() {
   if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     say "building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION with CMAKE_ARGS=\"$1\" (several minutes)"
     rm -rf "$wheels.tmp" && mkdir -p "$wheels.tmp"
-    # Only the libraries the wheel ships are built (build.targets: llama and the ggml backends
-    # it links); llama-cpp-python would also build llama.cpp's common library, its chat parsers
-    # and HTTP client, which nothing in the wheel uses.
-    CMAKE_ARGS="$1" "${PIP[@]}" wheel --no-deps --no-cache-dir -w "$wheels.tmp" -C build.targets=llama \
-      "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" >&2
+    CMAKE_ARGS="$1" "${PIP[@]}" wheel --no-deps --no-cache-dir -w "$wheels.tmp" "$(llama_source "$1")" >&2
     rm -rf "$wheels" && mv "$wheels.tmp" "$wheels"
   else
     say "using the llama-cpp-python wheel built earlier with CMAKE_ARGS=\"$1\" ($wheels)"
@@ -193,10 +209,8 @@ cpu_backend_dir() {
     command -v cmake >/dev/null 2>&1 || "${PIP[@]}" install cmake >&2
     command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
     src=$(mktemp -d)
-    "${PIP[@]}" download --no-deps --no-binary :all: -d "$src" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" >&2
-    tar xzf "$src"/llama_cpp_python-*.tar.gz -C "$src"
     # shellcheck disable=SC2086 # the flags are words
-    if ! { PATH="$PWD/.venv/bin:$PATH" cmake "${gen[@]}" -S "$src"/llama_cpp_python-*/vendor/llama.cpp -B "$src/build" \
+    if ! { PATH="$PWD/.venv/bin:$PATH" cmake "${gen[@]}" -S "$(llama_source "$1")/vendor/llama.cpp" -B "$src/build" \
              -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
              -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF $1 \
            && PATH="$PWD/.venv/bin:$PATH" cmake --build "$src/build" --target ggml-cpu -j "$(nproc 2>/dev/null || echo 2)"
