@@ -35,9 +35,9 @@ done
 
 say() { echo "setup: $*" >&2; }
 # Work started in the background (dependencies, models) ends with setup, however setup ends.
-deps_pid= models_pid=
+deps_pid= models_pid= compile_pid=
 source_dir=$(mktemp -d)      # llama-cpp-python's source, when something is built (llama_source)
-trap 'for p in $deps_pid $models_pid; do kill "$p" 2>/dev/null || true; done; rm -rf "$source_dir"' EXIT
+trap 'for p in $deps_pid $models_pid $compile_pid; do kill "$p" 2>/dev/null || true; done; rm -rf "$source_dir"' EXIT
 
 # ---- 1. virtual environment
 if [ ! -x .venv/bin/python ]; then
@@ -62,8 +62,8 @@ for req in project["dependencies"] + [r for e in ("test", "plot", "humaneval", "
         print(req)
 PY
 if [ -s "$deps_log.list" ]; then
-  # --no-compile: Python compiles what it imports when it first does, instead of pip compiling
-  # every module of every package now, on the cores the build needs.
+  # --no-compile: byte-compiling every module of every package now would take the cores the
+  # build needs; it is done after the build (below).
   "${PIP[@]}" install --no-compile -r "$deps_log.list" > "$deps_log" 2>&1 &
   deps_pid=$!
 fi
@@ -122,7 +122,7 @@ llama_source() {
   # (into a folder the main shell made: this runs inside command substitutions).
   # llama-cpp-python turns llama.cpp's common library on for its multimodal tool alone; where
   # these flags leave that tool out (LLAVA_BUILD=OFF), it is turned off too: its chat parsers,
-  # templates and HTTP client are two of the build's six minutes here, and nothing flylocal
+  # templates and HTTP client were over a third of the build here, and nothing flylocal
   # loads uses them. Prints the source folder.
   if ! ls "$source_dir"/llama_cpp_python-*.tar.gz >/dev/null 2>&1; then
     "${PIP[@]}" download --no-deps --no-binary :all: -d "$source_dir" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" >&2
@@ -192,6 +192,11 @@ if [ "$fetch_models" = 1 ]; then
   .venv/bin/flylocal models fetch "${models[@]}" &
   models_pid=$!
 fi
+# The dependencies were installed without byte-compiling (above); they are compiled now, beside
+# the downloads, so that the first test run does not pay for it process by process.
+.venv/bin/python -m compileall -q "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+  > /dev/null 2>&1 &
+compile_pid=$!
 
 cpu_only() {
   # Whether these flags build llama.cpp with no backend but the CPU's (and RPC's).
@@ -268,4 +273,6 @@ if [ -n "$models_pid" ]; then
   wait "$models_pid" || { models_pid=; say "fetching the models failed (the lines above)"; exit 1; }
   models_pid=
 fi
+wait "$compile_pid" || true                # a module that does not compile is compiled, or not, at import
+compile_pid=
 say "done. Try: .venv/bin/flylocal chat"

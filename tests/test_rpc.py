@@ -240,7 +240,7 @@ def remote(endpoints, tensor_split=(), n_ctx=2048, rpc_timeout=60.0, output="her
 # A fixed --k where a test is not about draft lengths: an adaptive length measures the decode's
 # cost curve first, and beside an rpc-server on this same machine the server's work is load,
 # so the curve stays provisional and every process measures it again.
-def strict_run(target, drafter, ids, k, draft=None, max_tokens=48):
+def strict_run(target, drafter, ids, k, draft=None, max_tokens=32):
     from flylocal.decoding.drafters import make_drafter
     from flylocal.decoding.engine import Engine, EngineConfig, generate_all
     from flylocal.decoding.verifiers.strict import strict
@@ -581,7 +581,7 @@ def test_a_draft_on_a_server_drafts_for_a_local_target(smol):
     with rpc_servers(1) as servers:
         (_, endpoint), = servers
         models = load(Settings(target=str(model_path(SMOL)), draft=str(model_path(SMOL_Q4_0)), draft_rpc=(endpoint,),
-                               verifier="strict", drafter="model", k=6, max_tokens=48, ctx=2048))
+                               verifier="strict", drafter="model", k=6, max_tokens=len(expected), ctx=2048))
         try:
             assert models.draft.devices and not getattr(models.target, "devices", None)
             tokens, stats, _ = generate_all(models.engine(), ids)
