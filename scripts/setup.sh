@@ -37,19 +37,25 @@ say() { echo "setup: $*" >&2; }
 # Work started in the background (dependencies, models) ends with setup, however setup ends.
 deps_pid= models_pid= compile_pid=
 source_dir=$(mktemp -d)      # llama-cpp-python's source, when something is built (llama_source)
-trap 'for p in $deps_pid $models_pid $compile_pid; do kill "$p" 2>/dev/null || true; done; rm -rf "$source_dir"' EXIT
+deps_log=$(mktemp)            # the dependencies' list and install log (step 1)
+trap 'for p in $deps_pid $models_pid $compile_pid; do kill "$p" 2>/dev/null || true; done
+      rm -rf "$source_dir" "$deps_log" "$deps_log.list"' EXIT
+trap 'exit 130' INT                # bash runs the EXIT trap on a signal only through exit
+trap 'exit 143' TERM
 
 # ---- 1. virtual environment
-if [ ! -x .venv/bin/python ]; then
+if ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  # Also when a Ctrl-C stopped its making half-way (no pip yet): made again from scratch. On
+  # Ctrl-C Python dies of the signal, without a traceback.
   say "creating .venv with $($PYTHON --version 2>&1)"
-  "$PYTHON" -m venv .venv
+  "$PYTHON" -c 'import signal, sys, venv; signal.signal(signal.SIGINT, signal.SIG_DFL); venv.main(sys.argv[1:])' \
+    --clear .venv
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 
 # flylocal's other dependencies install while llama.cpp compiles (the build is CPU-bound and
 # runs in pip's own build environment, the install mostly I/O into .venv); it is waited for
 # before anything else goes into .venv.
-deps_log=$(mktemp)
 .venv/bin/python - > "$deps_log.list" <<'PY'
 try:
     import tomllib

@@ -114,7 +114,7 @@ def processed_probs(z: np.ndarray, history: np.ndarray, p: SamplingParams) -> tu
     z [n_vocab] float32: raw logits of one position; history: the committed ids before it."""
     z = adjust(z, history, p) if p.adjusts else z.astype(np.float64)
     n = len(z)
-    mass = None                                           # sum of exp(z - max) over top-k's set
+    mass = None                     # top-p's normaliser: all of the vocabulary's (None: the candidates')
     if 0 < p.top_k < n:
         ids = np.argpartition(z, n - p.top_k)[n - p.top_k:]
     elif p.min_p > 0.0 or p.top_p < 1.0:
@@ -122,14 +122,14 @@ def processed_probs(z: np.ndarray, history: np.ndarray, p: SamplingParams) -> tu
         # tokens). What min-p keeps, and top-p's share of the whole mass, are both a prefix of
         # the sorted order: only that prefix is sorted.
         peak = z.max()
-        weights = np.exp(z - peak)
-        mass = weights.sum()
-        m = int(np.count_nonzero(z >= peak + np.log(p.min_p))) if p.min_p > 0.0 else n
-        if p.top_p < 1.0 and TOP_P_FIRST < m:             # one try, then the whole sort
-            top = _top(z, TOP_P_FIRST)
-            if weights[top].sum() >= p.top_p * mass * (1 + 1e-9):      # clear of rounding
-                m = TOP_P_FIRST
-        ids = _top(z, m)
+        ids = np.flatnonzero(z >= peak + np.log(p.min_p)) if p.min_p > 0.0 else np.arange(n)
+        if p.top_p < 1.0:
+            weights = np.exp(z - peak)
+            mass = weights.sum()
+            if len(ids) > TOP_P_FIRST:                    # one try, then the whole sort
+                top = _top(z, TOP_P_FIRST)
+                if weights[top].sum() >= p.top_p * mass * (1 + 1e-9):  # clear of rounding
+                    ids = top
     else:
         ids = np.arange(n)
     ids = ids[np.argsort(-z[ids], kind="stable")]
