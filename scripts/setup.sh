@@ -128,8 +128,8 @@ llama_source() {
   # (into a folder the main shell made: this runs inside command substitutions).
   # llama-cpp-python turns llama.cpp's common library on for its multimodal tool alone; where
   # these flags leave that tool out (LLAVA_BUILD=OFF), it is turned off too: its chat parsers,
-  # templates and HTTP client were over a third of the build here, and nothing flylocal
-  # loads uses them. Prints the source folder.
+  # templates and HTTP client are a large part of the build, and nothing flylocal loads
+  # uses them. Prints the source folder.
   if ! ls "$source_dir"/llama_cpp_python-*.tar.gz >/dev/null 2>&1; then
     "${PIP[@]}" download --no-deps --no-binary :all: -d "$source_dir" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" >&2
     tar xzf "$source_dir"/llama_cpp_python-*.tar.gz -C "$source_dir"
