@@ -16,7 +16,8 @@ import pytest
 
 from flylocal.decoding.drafters import make_drafter
 from flylocal.decoding.engine import Engine, EngineConfig, generate_all
-from flylocal.decoding.sampling import SamplingParams, position_noise, processed_probs, sample_targets
+from flylocal.decoding.sampling import (SamplingParams, _sample_among_top, adjust, position_noise, processed_probs,
+                                       sample_targets)
 from flylocal.decoding.verifiers.base import Decision
 from flylocal.decoding.verifiers.strict import strict
 
@@ -96,6 +97,41 @@ def test_without_top_k_only_the_kept_prefix_is_sorted_and_the_result_is_the_full
                 ref_ids, ref_probs = reference_probs(z, p)
                 assert np.array_equal(ids, ref_ids), (n, sharp, top_p, min_p)
                 assert np.allclose(probs, ref_probs, rtol=1e-9, atol=0)
+
+
+def full_sort_sample(z: np.ndarray, history: np.ndarray, p: SamplingParams, u: float) -> int:
+    """The inverse-CDF sample over processed_probs' candidates, all of them sorted."""
+    ids, probs = reference_probs(adjust(z, history, p) if p.adjusts else z, p)
+    cdf = np.cumsum(probs)
+    return int(ids[min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(ids) - 1)])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sampling_the_whole_vocabulary_looks_among_the_most_likely_and_gives_the_full_sorts_token(seed):
+    """Without top-k, top-p or min-p, q is the whole vocabulary: the token at each noise is the
+    one the full sort gives, on flat distributions (where u often falls past the most likely
+    ids, and the full sort decides) as on peaked ones, with ties and with penalties."""
+    rng = np.random.default_rng(seed)
+    history = rng.integers(0, 300, 40).astype(np.int32)
+    found = Counter()                                # rows the most likely ids decided, and not
+    for n in (300, 5000, 49152):
+        for sharp in (0.5, 3.0, 12.0):
+            z = (rng.standard_normal((6, n)) * sharp).astype(np.float32)
+            z[:, : n // 3] = np.round(z[:, : n // 3] * 2) / 2
+            for p in (SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+                      SamplingParams(temperature=0.6, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.2,
+                                     presence_penalty=0.5, logit_bias=((7, 3.0),))):
+                noise = rng.random(6)
+                noise[0] = 0.999999                          # past the most likely ids on any of these
+                a = sample_targets(np.zeros(5, dtype=np.int32), z, history, p, noise)
+                for j in range(6):
+                    h = np.concatenate([history, np.zeros(j, dtype=np.int32)])
+                    want = full_sort_sample(z[j], h, p, noise[j])
+                    assert a[j] == want, (n, sharp, p, j)
+                    fast = _sample_among_top(adjust(z[j], h, p), p.temperature, noise[j])
+                    assert fast in (None, want)
+                    found[fast is not None] += 1
+    assert found[True] > 0 and found[False] > 0       # both ways were taken
 
 
 @pytest.mark.parametrize("draft_token", [0, 2, 4])

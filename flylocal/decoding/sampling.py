@@ -178,8 +178,40 @@ def sample_targets(draft: np.ndarray, logits: np.ndarray, committed: np.ndarray,
     sampling's, token for token, whatever was drafted."""
     k = len(draft)
     out = np.empty(k + 1, dtype=np.int32)
+    unfiltered = not 0 < p.top_k < logits.shape[1] and p.top_p >= 1.0 and p.min_p <= 0.0
     for j in range(k + 1):
-        ids, probs = processed_probs(logits[j], np.concatenate([committed, draft[:j]]), p)
+        history = np.concatenate([committed, draft[:j]])
+        if unfiltered:        # q is the whole vocabulary: look among its most likely first
+            token = _sample_among_top(adjust(logits[j], history, p) if p.adjusts else logits[j].astype(np.float64),
+                                      p.temperature, float(noise[j]))
+            if token is not None:
+                out[j] = token
+                continue
+        ids, probs = processed_probs(logits[j], history, p)
         cdf = np.cumsum(probs)                                          # [c], cdf[-1] == 1 up to rounding
         out[j] = ids[min(int(np.searchsorted(cdf, noise[j] * cdf[-1], side="right")), len(ids) - 1)]
     return out
+
+
+CLEAR = 1e-9            # of the whole mass: how far u must lie from a boundary of the CDF
+
+
+def _sample_among_top(z: np.ndarray, temperature: float, u: float) -> int | None:
+    """The inverse-CDF sample at u of softmax(z / temperature) over the whole vocabulary, most
+    likely first (ties by id), found among the TOP_P_FIRST most likely ids without sorting the
+    rest: the same token as the whole sort gives, or None where u falls past those ids or
+    within CLEAR of a boundary (where the two sums' rounding could part)."""
+    if len(z) <= TOP_P_FIRST:
+        return None
+    t = z / temperature
+    weights = np.exp(t - t.max())
+    mass = weights.sum()
+    target = u * mass
+    top = _top(z, TOP_P_FIRST)
+    top = top[np.argsort(-z[top], kind="stable")]
+    cum = np.cumsum(weights[top])
+    i = int(np.searchsorted(cum, target, side="right"))
+    clear = CLEAR * mass
+    if i >= len(top) or cum[i] - target <= clear or (i > 0 and target - cum[i - 1] <= clear):
+        return None
+    return int(top[i])
