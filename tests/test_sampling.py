@@ -17,7 +17,7 @@ import pytest
 from flylocal.decoding.drafters import make_drafter
 from flylocal.decoding.engine import Engine, EngineConfig, generate_all
 from flylocal.decoding.sampling import (SamplingParams, _sample_among_top, adjust, position_noise, processed_probs,
-                                       sample_targets)
+                                       sample_targets, target_argmax)
 from flylocal.decoding.verifiers.base import Decision
 from flylocal.decoding.verifiers.strict import strict
 
@@ -132,6 +132,22 @@ def test_sampling_the_whole_vocabulary_looks_among_the_most_likely_and_gives_the
                     assert fast in (None, want)
                     found[fast is not None] += 1
     assert found[True] > 0 and found[False] > 0       # both ways were taken
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_with_a_bias_is_each_rows_adjusted_argmax(seed):
+    """A bias that only lowers tokens no row chose is skipped; any other bias, a row that chose a
+    lowered token, a tie with one, and penalties each give the argmax of the adjusted row."""
+    rng = np.random.default_rng(seed)
+    history = rng.integers(0, 50, 30).astype(np.int32)
+    draft = rng.integers(0, 50, 4).astype(np.int32)
+    z = np.round(rng.standard_normal((5, 300)) * 4).astype(np.float32)      # ties
+    chosen = int(z[2].argmax())
+    for bias in (((7, -100.0), (9, -1.0)), ((chosen, -100.0),), ((chosen, -0.0),), ((11, 2.5),),
+                 ((int(np.flatnonzero(z[0] == z[0].max())[-1]), -3.0),)):
+        for p in (SamplingParams(logit_bias=bias), SamplingParams(logit_bias=bias, presence_penalty=0.5)):
+            want = [int(adjust(z[j], np.concatenate([history, draft[:j]]), p).argmax()) for j in range(5)]
+            assert target_argmax(draft, z, history, p).tolist() == want, (bias, p)
 
 
 @pytest.mark.parametrize("draft_token", [0, 2, 4])

@@ -40,10 +40,14 @@ class SamplingParams:
         return self.temperature <= 0.0
 
     @property
+    def penalizes(self) -> bool:
+        """Whether a penalty changes the logits of the ids seen before a position."""
+        return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
     def adjusts(self) -> bool:
         """Whether logit bias or a penalty changes the logits before anything is chosen."""
-        return bool(self.logit_bias) or self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 \
-            or self.presence_penalty != 0.0
+        return bool(self.logit_bias) or self.penalizes
 
 
 def adjust(z: np.ndarray, history: np.ndarray, p: SamplingParams) -> np.ndarray:
@@ -66,8 +70,12 @@ def adjust(z: np.ndarray, history: np.ndarray, p: SamplingParams) -> np.ndarray:
 def target_argmax(draft: np.ndarray, logits: np.ndarray, committed: np.ndarray, p: SamplingParams) -> np.ndarray:
     """a [k+1] int32 at temperature 0: each row's argmax, of its adjusted logits when a bias or a
     penalty applies (row j's history is the committed ids and the draft before it)."""
+    a = logits.argmax(axis=1).astype(np.int32)
     if not p.adjusts:
-        return logits.argmax(axis=1).astype(np.int32)
+        return a
+    if not p.penalizes and all(bias <= 0 for _, bias in p.logit_bias) \
+            and not np.isin(a, [token for token, _ in p.logit_bias]).any():
+        return a           # a bias that only lowers tokens none of the rows chose changes no argmax
     return np.array([int(adjust(logits[j], np.concatenate([committed, draft[:j]]), p).argmax())
                      for j in range(len(draft) + 1)], dtype=np.int32)
 
