@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -16,6 +17,7 @@ from flylocal.errors import FlylocalError, OptionError
 from flylocal.settings import Settings
 
 if TYPE_CHECKING:      # llama.cpp is imported when models are loaded, not before (flylocal.llama.kernels)
+    from flylocal.llama.placement import Placement
     from flylocal.llama.runtime import Runtime, RuntimeConfig
 
 
@@ -94,13 +96,17 @@ def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Mod
 
     if settings.gpu_layers and not gpu_offload() and not settings.target_rpc:
         log("this llama.cpp build has no GPU backend: --gpu-layers is ignored")
-    target = open_model(target_path, runtime_config(settings, settings.target_rpc, settings.tensor_split))
+    layers = gpu_layers(settings, target_path, draft_path)
+    if layers.line:
+        log(layers.line)
+    target = open_model(target_path, runtime_config(settings, settings.target_rpc, settings.tensor_split,
+                                                    layers.target))
     past_training(target, settings.ctx, log)
     draft = None
     through_text = False
     try:
         if draft_path is not None:     # loaded even for pld/none, so chat can switch to it
-            draft = open_model(draft_path, runtime_config(settings, settings.draft_rpc))
+            draft = open_model(draft_path, runtime_config(settings, settings.draft_rpc, gpu_layers=layers.draft))
             past_training(draft, settings.ctx, log)
             through_text = pair(target, draft, settings.draft_vocab, log)
         corpus = read_corpus(settings.lookup_corpus, target)
@@ -137,12 +143,35 @@ def pair(target: Runtime, draft: Runtime, mode: str, log: Callable[[str], None])
     return False
 
 
-def runtime_config(settings: Settings, rpc: tuple[str, ...] = (), tensor_split: tuple[float, ...] = ()) -> RuntimeConfig:
-    """A model's llama.cpp settings; `rpc`: the servers that hold its layers."""
+def gpu_layers(settings: Settings, target_path, draft_path) -> Placement:
+    """n_gpu_layers for the target and the draft: --gpu-layers as given (-1: all), or with auto
+    what fits in the GPUs' free memory now (flylocal.llama.placement). A model on rpc servers
+    keeps every layer there whatever this says (flylocal.llama.runtime)."""
+    from flylocal.llama.placement import ALL, NO_GPU, Placement, place
+    from flylocal.llama.runtime import gpu_offload, local_devices
+
+    if settings.gpu_layers is not None:
+        n = ALL if settings.gpu_layers == -1 else settings.gpu_layers
+        return Placement(n, n, f"{settings.gpu_layers} (--gpu-layers)", None)
+    gpus = [d for d in local_devices() if d.name != "CPU"] if gpu_offload() else []
+    if not gpus:
+        return Placement(0, 0, NO_GPU, None)
+    local_draft = draft_path if draft_path is not None and not settings.draft_rpc else None
+    device = gpus[0].description or gpus[0].name
+    return place(models.read_layout(target_path), models.read_layout(local_draft) if local_draft else None,
+                 settings.ctx, settings.batch_size, sum(d.free for d in gpus),
+                 names=(Path(target_path).stem, Path(local_draft).stem if local_draft else None),
+                 device=device if len(gpus) == 1 else f"{len(gpus)} GPUs")
+
+
+def runtime_config(settings: Settings, rpc: tuple[str, ...] = (), tensor_split: tuple[float, ...] = (),
+                   gpu_layers: int = 0) -> RuntimeConfig:
+    """A model's llama.cpp settings; `rpc`: the servers that hold its layers; `gpu_layers`: its
+    n_gpu_layers (loader.gpu_layers)."""
     from flylocal.llama.runtime import RuntimeConfig
 
     return RuntimeConfig(n_ctx=settings.ctx, n_batch=settings.batch_size, n_threads=settings.threads,
-                         n_gpu_layers=999 if settings.gpu_layers == -1 else settings.gpu_layers,
+                         n_gpu_layers=gpu_layers,
                          flash_attn=settings.flash_attn, rpc=rpc, tensor_split=tensor_split,
                          rpc_timeout=settings.rpc_timeout, rpc_output=settings.rpc_output)
 

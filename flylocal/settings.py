@@ -51,7 +51,7 @@ class Settings:
     threads: int | None = None        # None: auto (follow the free cores); 0: every core; N: N threads
     batch_size: int = 512
     flash_attn: str = "auto"
-    gpu_layers: int = 0               # -1: all
+    gpu_layers: int | None = None     # None: auto (what fits, flylocal.llama.placement); -1: all; 0: none
     pld_ngram: int = 4
     pld_tokens: int | None = None
     draft_p_min: float | None = None  # None: 0.5 when the draft length adapts, 0 with an explicit --k
@@ -125,6 +125,23 @@ class Threads(click.ParamType):
                 self.fail(f"{value!r} is neither auto nor a number of threads.", param, ctx)
         if n < 0:
             self.fail(f"{n} is not a number of threads (auto, 0 for all cores, or N >= 1).", param, ctx)
+        return n
+
+
+class GpuLayers(click.ParamType):
+    """`auto` (None) or a layer count (-1: all)."""
+
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == "auto":
+            return None
+        try:
+            n = value if isinstance(value, int) else int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither auto nor a number of layers.", param, ctx)
+        if n < -1:
+            self.fail(f"{n} is not a number of layers (auto, -1 for all, 0 for none, or N >= 1).", param, ctx)
         return n
 
 
@@ -273,8 +290,9 @@ OPTIONS = {o.name: o for o in [
     Option("ctx", ("--ctx",), "Context size in tokens (prompt + output).", type=click.IntRange(min=16)),
     Option("batch_size", ("--batch-size",), "Most tokens llama.cpp evaluates in one call (prompt evaluation).",
            type=click.IntRange(min=32)),
-    Option("gpu_layers", ("--gpu-layers",), "Layers to offload to the GPU (-1: all), in a GPU build.",
-           type=click.IntRange(min=-1)),
+    Option("gpu_layers", ("--gpu-layers",), "Layers to offload to the GPU, in a GPU build. auto: every layer of the "
+           "target, then of the draft, that fits in the GPU's free memory (doctor shows the choice); -1: all; 0: none.",
+           type=GpuLayers()),
     Option("flash_attn", ("--flash-attn",),
            "llama.cpp flash attention. auto: off in the exact build (its CPU kernel is not batch-invariant), "
            "llama.cpp's choice otherwise (on, on a CPU).", type=click.Choice(["auto", "on", "off"])),

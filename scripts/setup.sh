@@ -17,21 +17,49 @@
 # one). A working build with the same flags is never rebuilt, and built wheels are kept in
 # ~/.cache/flylocal/wheels keyed by version and flags.
 #
-# Usage: scripts/setup.sh [--no-models] [MODEL ...]
+# Usage: scripts/setup.sh [--no-models] [--plan] [MODEL ...]
+#   --plan: print which builds it would make, with which flags, and change nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 LLAMA_CPP_PYTHON_VERSION=0.3.36
 PYTHON=${PYTHON:-python3}
 fetch_models=1
+plan=0
 models=()
 for arg in "$@"; do
   case "$arg" in
     --no-models) fetch_models=0 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    --plan) plan=1 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) models+=("$arg") ;;
   esac
 done
+
+# ---- the plan: which builds, with which flags (also what --plan prints)
+# shellcheck source=scripts/build_flags.sh
+source scripts/build_flags.sh
+args=$(with_rpc "$(choose_cmake_args)")
+if [ -z "${FLYLOCAL_EXACT_CMAKE_ARGS:-}" ] && cpu_only "$args"; then
+  exact_args="$args $invariant"             # the fast build's flags, with invariant CPU kernels
+  exact_shared=1
+else
+  exact_args=$(with_rpc "$(choose_exact_cmake_args)")
+  exact_shared=0
+fi
+build_env=$(hip_env "$args")
+if [ "$plan" = 1 ]; then
+  echo "fast build: CMAKE_ARGS=\"$args\"${build_env:+ with $build_env}"
+  if [ "$exact_shared" = 1 ]; then
+    echo "exact build: ggml's CPU backend alone, CMAKE_ARGS=\"$exact_args\" (the rest shared with the fast build)"
+  else
+    echo "exact build: a CPU build of its own, CMAKE_ARGS=\"$exact_args\""
+  fi
+  if [ "$fetch_models" = 0 ]; then echo "models: none"
+  elif [ ${#models[@]} = 0 ]; then echo "models: every one in models.txt"
+  else echo "models: ${models[*]}"; fi
+  exit 0
+fi
 
 say() { echo "setup: $*" >&2; }
 # Work started in the background (dependencies, models) ends with setup, however setup ends.
@@ -75,52 +103,6 @@ if [ -s "$deps_log.list" ]; then
 fi
 
 # ---- 2. llama-cpp-python
-cpu_flags() {
-  # x86-64: name every SIMD extension this CPU has, never GGML_NATIVE. A native build also
-  # enables AMX where the CPU reports it, and dies with SIGILL where the OS grants no AMX state.
-  local have f args="-DGGML_NATIVE=OFF"
-  have=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
-  for f in avx:AVX avx2:AVX2 fma:FMA f16c:F16C avx512f:AVX512 avx512_vnni:AVX512_VNNI \
-           avx512_bf16:AVX512_BF16 avx512vbmi:AVX512_VBMI avx_vnni:AVX_VNNI; do
-    if [[ " $have " == *" ${f%%:*} "* ]]; then args+=" -DGGML_${f##*:}=ON"; fi
-  done
-  echo "$args"
-}
-
-invariant="-DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF"
-
-choose_cmake_args() {
-  # The fast build: llama.cpp's default kernels for this machine.
-  if [ -n "${CMAKE_ARGS:-}" ]; then
-    echo "$CMAKE_ARGS"; return
-  fi
-  if command -v rocminfo >/dev/null 2>&1 && rocminfo 2>/dev/null | grep -q 'gfx[0-9]'; then
-    local targets
-    targets=$(rocminfo | grep -o 'gfx[0-9a-f]*' | sort -u | paste -sd';' -)
-    echo "-DGGML_HIP=ON -DAMDGPU_TARGETS=$targets"; return
-  fi
-  if command -v nvcc >/dev/null 2>&1 && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; then
-    echo "-DGGML_CUDA=ON"; return
-  fi
-  case "$(uname -s)-$(uname -m)" in
-    Darwin-*) echo "-DGGML_METAL=ON" ;;
-    Linux-x86_64) cpu_flags ;;
-    *) echo "" ;;
-  esac
-}
-
-choose_exact_cmake_args() {
-  # The exact build: CPU only, with batch-invariant kernels, so that strict decoding can be
-  # checked against plain decoding bit for bit (docs/design.md, "Batch invariance").
-  if [ -n "${FLYLOCAL_EXACT_CMAKE_ARGS:-}" ]; then
-    echo "$FLYLOCAL_EXACT_CMAKE_ARGS"; return
-  fi
-  case "$(uname -s)-$(uname -m)" in
-    Linux-x86_64) echo "$(cpu_flags) $invariant" ;;
-    *) echo "$invariant" ;;
-  esac
-}
-
 pyver=$(.venv/bin/python -c 'import sys; print(sys.version_info[:2])')
 
 llama_source() {
@@ -150,7 +132,8 @@ wheel_dir() {
   if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     say "building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION with CMAKE_ARGS=\"$1\" (several minutes)"
     rm -rf "$wheels.tmp" && mkdir -p "$wheels.tmp"
-    CMAKE_ARGS="$1" "${PIP[@]}" wheel --no-deps --no-cache-dir -w "$wheels.tmp" "$(llama_source "$1")" >&2
+    # shellcheck disable=SC2086 # the variables are words
+    env $(hip_env "$1") CMAKE_ARGS="$1" "${PIP[@]}" wheel --no-deps --no-cache-dir -w "$wheels.tmp" "$(llama_source "$1")" >&2
     rm -rf "$wheels" && mv "$wheels.tmp" "$wheels"
   else
     say "using the llama-cpp-python wheel built earlier with CMAKE_ARGS=\"$1\" ($wheels)"
@@ -158,15 +141,6 @@ wheel_dir() {
   echo "$wheels"
 }
 
-with_rpc() {
-  # Every build carries the RPC backend, and leaves out llama-cpp-python's multimodal library
-  # (mtmd: a quarter of the build's sources; flylocal reads text only), unless the given flags
-  # already say otherwise.
-  local a="$1"
-  if [[ "$a" != *GGML_RPC* ]]; then a="${a:+$a }-DGGML_RPC=ON"; fi
-  if [[ "$a" != *LLAVA_BUILD* ]]; then a="$a -DLLAVA_BUILD=OFF"; fi
-  echo "$a"
-}
 
 wait_deps() {
   if [ -n "${deps_pid:-}" ]; then
@@ -176,7 +150,6 @@ wait_deps() {
   rm -f "$deps_log" "$deps_log.list"
 }
 
-args=$(with_rpc "$(choose_cmake_args)")
 stamp="llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION CMAKE_ARGS=$args"
 if [ "$(cat .venv/flylocal-build.txt 2>/dev/null)" = "$stamp" ] \
    && .venv/bin/python -c "import llama_cpp" >/dev/null 2>&1; then
@@ -204,10 +177,6 @@ fi
   > /dev/null 2>&1 &
 compile_pid=$!
 
-cpu_only() {
-  # Whether these flags build llama.cpp with no backend but the CPU's (and RPC's).
-  [[ ! "$1" =~ GGML_(HIP|CUDA|METAL|VULKAN|SYCL|OPENCL|MUSA|CANN|KOMPUTE|BLAS)=(ON|On|on|1) ]]
-}
 
 cpu_backend_dir() {
   # ggml's CPU backend alone, built from the same llama.cpp source with these flags and kept
@@ -239,13 +208,8 @@ cpu_backend_dir() {
   echo "$dir"
 }
 
-if [ -z "${FLYLOCAL_EXACT_CMAKE_ARGS:-}" ] && cpu_only "$args"; then
-  exact_args="$args $invariant"             # the fast build's flags, with invariant CPU kernels
-  exact_stamp="llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION CMAKE_ARGS=$exact_args shared with the fast build"
-else
-  exact_args=$(with_rpc "$(choose_exact_cmake_args)")
-  exact_stamp="llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION CMAKE_ARGS=$exact_args"
-fi
+exact_stamp="llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION CMAKE_ARGS=$exact_args"
+if [ "$exact_shared" = 1 ]; then exact_stamp+=" shared with the fast build"; fi
 if [ "$(cat .venv/flylocal-exact/build.txt 2>/dev/null)" = "$exact_stamp" ]; then
   say "exact build already in place ($exact_stamp)"
 else

@@ -412,7 +412,8 @@ def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, human
             note(message)
         for m in chosen:
             if m.startswith("llama-cpp-python"):
-                baselines[m] = LlamaCppPythonBaseline(models.target.path, runtime_config(settings),
+                baselines[m] = LlamaCppPythonBaseline(models.target.path,
+                                                      runtime_config(settings, gpu_layers=models.target.config.n_gpu_layers),
                                                       prompt_lookup=m.endswith("-pld"))
         rows = run(settings, models, baselines, prompts, chosen, repeat, progress, raw=raw, encoded=encoded,
                    execute=execute, warn=warn)

@@ -21,8 +21,8 @@ from flylocal.decoding.adaptive import timed_decode
 from flylocal.decoding.costs import CALIBRATION_SIZES, CostCurve, costs_dir, read_record
 from flylocal.llama import kernels
 from flylocal.llama.runtime import Runtime, RuntimeConfig, build_info
-from flylocal.loader import open_model
-from flylocal.settings import DEFAULT_TARGET
+from flylocal.loader import gpu_layers, open_model
+from flylocal.settings import DEFAULT_TARGET, Settings
 
 PROBE_TEXT = (
     "The committee met on Tuesday to review the budget. After a long discussion, the members "
@@ -189,8 +189,10 @@ def model_report(spec: str, threads: int | None = None, flash_attn: str = "auto"
                  recalibrate: bool = False, rpc: tuple[str, ...] = (), tensor_split: tuple[float, ...] = (),
                  rpc_timeout: float = 60.0, rpc_output: str = "here") -> list[str]:
     path = models.resolve(spec)
+    default = Settings()
+    layers = gpu_layers(default, path, None)        # what --gpu-layers auto gives it at the default --ctx
     config = RuntimeConfig(n_ctx=1024, n_threads=threads, flash_attn=flash_attn, rpc=rpc, tensor_split=tensor_split,
-                           rpc_timeout=rpc_timeout, rpc_output=rpc_output)
+                           rpc_timeout=rpc_timeout, rpc_output=rpc_output, n_gpu_layers=layers.target)
     with open_model(path, config) as rt:
         remote = rpc_report(rt) if rpc else []
         delta, flips, rows = batch_invariance(rt)
@@ -200,7 +202,9 @@ def model_report(spec: str, threads: int | None = None, flash_attn: str = "auto"
         if rpc:
             off = " (off on rpc servers)"
         lines = [f"model: {path} ({rt.description()}, vocab {rt.n_vocab}), flash attention {flash_attn}"
-                 f"{off if flash_attn == 'auto' else ''}"] + remote
+                 f"{off if flash_attn == 'auto' else ''}",
+                 f"gpu layers (--gpu-layers auto, --ctx {default.ctx}): "
+                 + ("every layer on the rpc servers" if rpc else layers.reason)] + remote
     if delta == 0.0:
         lines.append(f"batch-invariant: yes ({rows} positions, single vs batched logits bitwise equal); "
                      "strict output equals plain greedy output token for token")

@@ -17,6 +17,7 @@ from typing import Callable
 from flylocal.errors import FlylocalError
 from flylocal.models import library
 from flylocal.models.files import check_gguf_file
+from flylocal.models.gguf_info import Layout, read_layout
 from flylocal.models.registry import (
     Entry,
     cache_dir,
@@ -32,8 +33,8 @@ from flylocal.models.registry import (
     status,
 )
 
-__all__ = ["Entry", "cache_dir", "check_compatible", "fetch", "load_registry", "local_path", "registry_path",
-           "resolve", "sha256_file", "stamp_path", "status"]
+__all__ = ["Entry", "Layout", "cache_dir", "check_compatible", "fetch", "load_registry", "local_path", "read_layout",
+           "registry_path", "resolve", "sha256_file", "stamp_path", "status"]
 
 
 def resolve(spec: str, log: Callable[[str], None] = lambda s: None) -> Path:

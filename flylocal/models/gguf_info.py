@@ -228,6 +228,11 @@ def _array(cur: _Cursor, key: str) -> _Array:
 def _tensors(cur: _Cursor, count: int, kv: dict) -> list[tuple[int, int]]:
     """The tensor infos as (ggml type, element count) after checking that each tensor's data lies
     within the file: a file cut short past its header is caught here, without reading the data."""
+    return [(ggml_type, n) for _, ggml_type, n, _ in _tensor_infos(cur, count, kv)]
+
+
+def _tensor_infos(cur: _Cursor, count: int, kv: dict) -> list[tuple[str, int, int, int]]:
+    """(name, ggml type, element count, bytes) of each tensor, checked as `_tensors` says."""
     infos = []
     for _ in range(count):
         name = cur.string()
@@ -241,6 +246,7 @@ def _tensors(cur: _Cursor, count: int, kv: dict) -> list[tuple[int, int]]:
     if not isinstance(alignment, int) or alignment <= 0:
         raise cur.corrupt(f"general.alignment is {alignment!r}")
     data_start = -(-cur.pos // alignment) * alignment
+    sizes = []
     for name, ggml_type, n, offset in infos:
         if ggml_type not in GGML_QUANT_SIZES:
             raise cur.corrupt(f"tensor {name} has the unknown type {ggml_type}")
@@ -249,7 +255,8 @@ def _tensors(cur: _Cursor, count: int, kv: dict) -> list[tuple[int, int]]:
         if end > cur.size:
             raise ModelError(f"truncated GGUF file {cur.path}: tensor {name} ends at byte {end}, past the end "
                              f"of the file ({cur.size} bytes)")
-    return [(ggml_type, n) for _, ggml_type, n, _ in infos]
+        sizes.append((name, ggml_type, n, n // block * block_bytes))
+    return sizes
 
 
 def _product(dims: tuple[int, ...]) -> int:
@@ -292,3 +299,54 @@ def _fingerprint(buf: mmap.mmap, kv: dict) -> str:
             h.update(f"{key}:{array.item_type}:{array.count}\n".encode())
             h.update(buf[array.start:array.end])
     return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What placing a model's layers on a GPU needs from its header (flylocal.llama.placement)."""
+    n_layer: int                   # {arch}.block_count
+    layer_bytes: tuple[int, ...]   # the weights of blk.0 .. blk.{n_layer-1}
+    output_bytes: int              # the output layer: output.weight (token_embd.weight where tied) and the norm
+    n_head: int
+    n_head_kv: int
+    key_width: int                 # per head
+    value_width: int
+    n_vocab: int
+
+
+_BLOCK = re.compile(r"blk\.(\d+)\.")
+
+
+def read_layout(path: Path) -> Layout:
+    """The Layout of GGUF file `path` (ModelError as read_info raises it)."""
+    try:
+        with open(path, "rb") as f:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                cur = _Cursor(buf, Path(path))
+                n_tensors, kv = _kv_pairs(cur)
+                tensors = _tensor_infos(cur, n_tensors, kv)
+    except FileNotFoundError:
+        raise ModelError(f"model file not found: {path}") from None
+    except (OSError, ValueError) as e:
+        raise UnreadableFile(f"cannot read model file {path}: {getattr(e, 'strerror', None) or e}") from None
+    arch = _text(kv.get(Keys.General.ARCHITECTURE))
+
+    def number(key: str, default: int) -> int:
+        value = kv.get(key.format(arch=arch))
+        return value if isinstance(value, int) and value > 0 else default   # an array (per layer): the default
+
+    n_layer = number(Keys.LLM.BLOCK_COUNT, 0)
+    layers = [0] * n_layer
+    named = {name: nbytes for name, _, _, nbytes in tensors}
+    for name, _, _, nbytes in tensors:
+        m = _BLOCK.match(name)
+        if m and int(m.group(1)) < n_layer:
+            layers[int(m.group(1))] += nbytes
+    output = named.get("output.weight", named.get("token_embd.weight", 0)) + named.get("output_norm.weight", 0)
+    n_head = number(Keys.Attention.HEAD_COUNT, 1)
+    width = number(Keys.LLM.EMBEDDING_LENGTH, 0) // n_head
+    tokens = kv.get(Keys.Tokenizer.LIST)
+    return Layout(n_layer=n_layer, layer_bytes=tuple(layers), output_bytes=output, n_head=n_head,
+                  n_head_kv=number(Keys.Attention.HEAD_COUNT_KV, n_head),
+                  key_width=number(Keys.Attention.KEY_LENGTH, width), value_width=number(Keys.Attention.VALUE_LENGTH, width),
+                  n_vocab=tokens.count if isinstance(tokens, _Array) else 0)

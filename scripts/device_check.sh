@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# One call that answers the GPU questions on a lent accelerator (an NVIDIA machine with CUDA's
+# compiler, CMake and numpy, no network, a working tree of at most 64 MiB, ten minutes a
+# command), or the same checks on this machine's CPU (--cpu).
+#
+#   scripts/device_check.sh --prepare   here, once: write .device/ (ignored by git), what travels:
+#                                       llama.cpp's source trimmed to libllama's (the vendored copy
+#                                       in llama-cpp-python's sdist), the pure-Python packages
+#                                       flylocal loads, and SmolLM2-135M requantized to Q2_K
+#   scripts/device_check.sh             there: build libllama with CUDA for that GPU's
+#                                       architecture only, then measure
+#   scripts/device_check.sh --cpu       here: the same, built for this CPU
+#
+# It prints: t(1..33), the decode seconds of 1..33 rows with every layer offloaded, of SmolLM2
+# and of a Llama-3.2-1B-shaped model with random weights (written on the spot); tokens/s of
+# plain, strict-pld, fly-pld and strict-mla on Spec-Bench questions (SmolLM2 Q2_K as target and
+# as draft); and the host work per round (scripts/bench_host.py). The device tool's call:
+#   run(command="scripts/device_check.sh", carry=[".device"], timeout_s=580)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=scripts/build_flags.sh
+source scripts/build_flags.sh
+
+LLAMA_CPP_PYTHON_VERSION=0.3.36
+DEV=.device
+SITE_PACKAGES=(click diskcache gguf jinja2 llama_cpp markupsafe typing_extensions.py yaml)
+say() { echo "device_check: $*" >&2; }
+
+prepare() {
+  local tmp site src
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' RETURN
+  rm -rf "$DEV" && mkdir -p "$DEV/models" "$DEV/site"
+  say "llama.cpp's source, trimmed to libllama with the CPU, CUDA, HIP and RPC backends"
+  .venv/bin/python -m pip download -q --no-deps --no-binary :all: -d "$tmp" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+  tar xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp"
+  src=$(echo "$tmp"/llama_cpp_python-*/vendor/llama.cpp)
+  mkdir -p "$tmp/trim/ggml/src"
+  cp -a "$src"/{CMakeLists.txt,LICENSE,cmake,include,src} "$tmp/trim/"
+  cp -a "$src"/ggml/{CMakeLists.txt,cmake,include} "$tmp/trim/ggml/"
+  find "$src/ggml/src" -maxdepth 1 -type f -exec cp -a {} "$tmp/trim/ggml/src/" \;
+  cp -a "$src"/ggml/src/{ggml-cpu,ggml-cuda,ggml-hip,ggml-rpc} "$tmp/trim/ggml/src/"
+  tar cJf "$DEV/llama.cpp.tar.xz" -C "$tmp/trim" .
+  say "the Python packages flylocal loads (numpy is there already)"
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  for p in "${SITE_PACKAGES[@]}"; do cp -a "$site/$p" "$DEV/site/"; done
+  rm -rf "$DEV/site/llama_cpp/lib" && find "$DEV/site" -name '__pycache__' -prune -exec rm -rf {} + \
+    && find "$DEV/site" -name '*.so' -delete        # compiled speed-ups: each has a pure-Python fallback
+  say "SmolLM2-135M requantized to Q2_K"
+  .venv/bin/python -c "
+import sys
+from flylocal import models
+from flylocal.llama.runtime import quantize
+quantize(models.local_path('smollm2-135m-instruct'), sys.argv[1], 'Q2_K')" "$DEV/models/smollm2-135m-q2_k.gguf"
+  du -sh "$DEV" "$DEV"/* >&2
+}
+
+build() {
+  # libllama from the trimmed source, into $DEV/build/bin.
+  local args
+  if [ "$1" = gpu ]; then
+    args=$(CMAKE_ARGS= choose_cmake_args)
+    [[ "$args" == *GGML_CUDA=ON* || "$args" == *GGML_HIP=ON* ]] || { say "no GPU found (nvidia-smi, rocminfo)"; exit 1; }
+  else
+    args=$(cpu_flags)
+  fi
+  rm -rf "$DEV/src" && mkdir -p "$DEV/src" && tar xJf "$DEV/llama.cpp.tar.xz" -C "$DEV/src"
+  say "building libllama with $args"
+  # shellcheck disable=SC2046,SC2086 # the flags and the environment are words
+  env $(hip_env "$args") cmake -S "$DEV/src" -B "$DEV/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+    -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
+    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DGGML_RPC=ON $args > "$DEV/build.log" 2>&1 \
+    && cmake --build "$DEV/build" --target llama -j "$(nproc)" >> "$DEV/build.log" 2>&1 \
+    || { tail -30 "$DEV/build.log" >&2; say "the build failed (the lines above)"; exit 1; }
+}
+
+measure() {
+  local smol="$DEV/models/smollm2-135m-q2_k.gguf" big="$DEV/models/random-llama-1b.gguf"
+  export LLAMA_CPP_LIB_PATH="$PWD/$DEV/build/bin" PYTHONPATH="$PWD/$DEV/site:$PWD" FLYLOCAL_COSTS="$PWD/$DEV/costs"
+  export FLYLOCAL_MODELS="$PWD/$DEV/models"
+  local py=python3
+  [ -x .venv/bin/python ] && py=.venv/bin/python
+  say "writing a Llama-3.2-1B-shaped model with random weights"
+  [ -f "$big" ] || "$py" scripts/random_gguf.py "$big"
+  echo "## build"
+  "$py" -m flylocal doctor --model "$smol" 2>&1 | sed -n '1,/^$/p'
+  echo "## t(1..33): decode seconds of n rows, every layer offloaded (median of 5)"
+  for m in "$smol" "$big"; do
+    "$py" - "$m" <<'PY'
+import statistics, sys, time
+import numpy as np
+from flylocal.llama.runtime import Runtime, RuntimeConfig
+rt = Runtime(sys.argv[1], RuntimeConfig(n_ctx=1024, n_gpu_layers=999))
+rt.decode(rt.tokenize("The quick brown fox jumps over the lazy dog. " * 20)[:256])
+n_past, t = rt.n_past, []
+for rows in range(1, 34):
+    batch = np.full(rows, 100, dtype=np.int32)
+    runs = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        rt.decode(batch, logits_from=0).argmax(axis=1)
+        runs.append(time.perf_counter() - t0)
+        rt.truncate(n_past)
+    t.append(statistics.median(runs[1:]))
+print(f"{rt.name}: " + " ".join(f"{x * 1e3:.2f}" for x in t) + " ms")
+print(f"  t(n)/t(1): " + " ".join(f"{x / t[0]:.2f}" for x in t))
+rt.close()
+PY
+  done
+  echo "## Spec-Bench through flylocal bench (SmolLM2 Q2_K as target and draft, 128 tokens)"
+  "$py" -m flylocal bench --target "$smol" --draft "$smol" --gpu-layers -1 --prompts data/spec_bench --per-category 1 \
+    --methods autoregressive,strict-pld,fly-pld,strict-mla --max-tokens 128 --out "$DEV/bench" >/dev/null
+  cat "$DEV/bench/report.md"
+  echo "## host work per round"
+  "$py" scripts/bench_host.py --models "$smol,$big"
+}
+
+case "${1:-}" in
+  --prepare) prepare ;;
+  --cpu) build cpu && measure ;;
+  "") build gpu && measure ;;
+  *) sed -n '2,18p' "$0"; exit 2 ;;
+esac
