@@ -156,12 +156,18 @@ def gpu_layers(settings: Settings, target_path, draft_path) -> Placement:
     gpus = [d for d in local_devices() if d.name != "CPU"] if gpu_offload() else []
     if not gpus:
         return Placement(0, 0, NO_GPU, None)
-    local_draft = draft_path if draft_path is not None and not settings.draft_rpc else None
+    local = [p for p, rpc in ((target_path, settings.target_rpc), (draft_path, settings.draft_rpc))
+             if p is not None and not rpc]
+    if not local:
+        return Placement(0, 0, "every layer on the rpc servers", None)
     device = gpus[0].description or gpus[0].name
-    return place(models.read_layout(target_path), models.read_layout(local_draft) if local_draft else None,
-                 settings.ctx, settings.batch_size, sum(d.free for d in gpus),
-                 names=(Path(target_path).stem, Path(local_draft).stem if local_draft else None),
-                 device=device if len(gpus) == 1 else f"{len(gpus)} GPUs")
+    placed = place(models.read_layout(local[0]), models.read_layout(local[1]) if len(local) > 1 else None,
+                   settings.ctx, settings.batch_size, sum(d.free for d in gpus),
+                   names=(Path(local[0]).stem, Path(local[1]).stem if len(local) > 1 else None),
+                   device=device if len(gpus) == 1 else f"{len(gpus)} GPUs")
+    if settings.target_rpc:            # only the draft is here: it had the GPUs to itself
+        return Placement(0, placed.target, placed.reason, placed.line)
+    return placed
 
 
 def runtime_config(settings: Settings, rpc: tuple[str, ...] = (), tensor_split: tuple[float, ...] = (),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from fake_backend import FakeLM, FakeTarget, Machine, NoisyOracle
+from flylocal.decoding.adaptive import PRIOR_WEIGHT
 from flylocal.decoding.costs import CostCurve
 from flylocal.decoding.drafters.pld import PromptLookup
 from flylocal.decoding.engine import Engine, EngineConfig, generate_all
@@ -19,17 +20,18 @@ SHAPE = 1 + 0.4 * np.arange(17)
 
 
 def test_engines_for_the_same_method_share_what_they_learned_and_others_do_not():
-    target = FakeTarget(LM, n_ctx=512, costs=CostCurve(seconds=0.01 * SHAPE))
+    target = FakeTarget(LM, n_ctx=512, costs=CostCurve(seconds=0.01 * SHAPE, fixed=True))   # no real timings
     models = Models(Settings(drafter="pld", verifier="strict"), target, None)
     first = models.engine(private=True)
     assert isinstance(first.drafter, PromptLookup) and first.length is not None
     prompt = np.tile(np.arange(1, 9, dtype=np.int32), 6)            # a copy lookup can follow
-    generate_all(first, prompt)
-    learned = first.length.hits.copy()
-    assert not np.allclose(learned, first.length._prior_hits)       # it measured something
+    stats = generate_all(first, prompt)[1]
+    assert stats.drafted > 0
+    learned = first.length.tries.copy()                             # drafts tried, accepted or not
+    assert not np.allclose(learned, PRIOR_WEIGHT)                   # it measured something
     second = models.engine(private=True)
     assert second.length is first.length                            # the next request starts from it
-    assert np.array_equal(second.length.hits, learned)
+    assert np.array_equal(second.length.tries, learned)
     other = models.engine(Settings(drafter="pld", verifier="fly"), private=True)
     assert other.length is not first.length                         # another method learns its own
     fixed = models.engine(Settings(drafter="pld", verifier="strict", k=4), private=True)
@@ -37,7 +39,7 @@ def test_engines_for_the_same_method_share_what_they_learned_and_others_do_not()
 
 
 def test_a_new_request_does_not_inherit_the_last_rounds_streak():
-    target = FakeTarget(LM, n_ctx=512, costs=CostCurve(seconds=0.01 * SHAPE))
+    target = FakeTarget(LM, n_ctx=512, costs=CostCurve(seconds=0.01 * SHAPE, fixed=True))   # no real timings
     learned: dict = {}
     engine = Engine(target, NoisyOracle(LM, p_corrupt=0.0, p_eog=0.0, p_short=0.0, adaptive=True), strict,
                     EngineConfig(max_tokens=40, k=8), learned=learned)
