@@ -3,18 +3,25 @@
 # compiler, CMake and numpy, no network, a working tree of at most 64 MiB, ten minutes a
 # command), or the same checks on this machine's CPU (--cpu).
 #
-#   scripts/device_check.sh --prepare   here, once: write .device/ (ignored by git), what travels:
-#                                       llama.cpp's source trimmed to libllama's (the vendored copy
-#                                       in llama-cpp-python's sdist), the pure-Python packages
-#                                       flylocal loads, and SmolLM2-135M requantized to Q2_K
-#   scripts/device_check.sh             there: build libllama with CUDA for that GPU's
-#                                       architecture only, then measure
+#   scripts/device_check.sh --prepare   here, once: write what travels (ignored by git):
+#                                       .device/ holds llama.cpp's source trimmed to libllama's
+#                                       (the copy llama-cpp-python's sdist vendors: 1.2 MB as
+#                                       .tar.xz), the pure-Python packages flylocal loads and the
+#                                       second half of SmolLM2-135M (Q4_1, 98 MB: no smaller
+#                                       requantization exists, its rows of 576 are no multiple of
+#                                       the K-quants' 256); .device-first/ holds the first half
+#   scripts/device_check.sh --receive   there, first call (carry .device-first): keep the first
+#                                       half in build/ (ignored outputs stay between calls)
+#   scripts/device_check.sh             there, second call (carry .device): build libllama with
+#                                       CUDA for that GPU's architecture only, then measure
 #   scripts/device_check.sh --cpu       here: the same, built for this CPU
 #
 # It prints: t(1..33), the decode seconds of 1..33 rows with every layer offloaded, of SmolLM2
 # and of a Llama-3.2-1B-shaped model with random weights (written on the spot); tokens/s of
-# plain, strict-pld, fly-pld and strict-mla on Spec-Bench questions (SmolLM2 Q2_K as target and
-# as draft); and the host work per round (scripts/bench_host.py). The device tool's call:
+# plain, strict-pld, fly-pld and strict-mla on Spec-Bench questions (SmolLM2 as target and
+# draft); and the host work per round (scripts/bench_host.py). Without the first half (the
+# machine went back between the calls) SmolLM2's parts are skipped, and said so. The calls:
+#   run(command="scripts/device_check.sh --receive", carry=[".device-first"], timeout_s=60)
 #   run(command="scripts/device_check.sh", carry=[".device"], timeout_s=580)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +44,8 @@ prepare() {
   src=$(echo "$tmp"/llama_cpp_python-*/vendor/llama.cpp)
   mkdir -p "$tmp/trim/ggml/src"
   cp -a "$src"/{CMakeLists.txt,LICENSE,cmake,include,src} "$tmp/trim/"
+  mkdir -p "$tmp/trim/vendor"        # llama.cpp's CMakeLists adds vendor/ whatever is built
+  cp -a "$src"/vendor/{CMakeLists.txt,hash,miniaudio,nlohmann,sheredom,stb} "$tmp/trim/vendor/"
   cp -a "$src"/ggml/{CMakeLists.txt,cmake,include} "$tmp/trim/ggml/"
   find "$src/ggml/src" -maxdepth 1 -type f -exec cp -a {} "$tmp/trim/ggml/src/" \;
   cp -a "$src"/ggml/src/{ggml-cpu,ggml-cuda,ggml-hip,ggml-rpc} "$tmp/trim/ggml/src/"
@@ -46,13 +55,28 @@ prepare() {
   for p in "${SITE_PACKAGES[@]}"; do cp -a "$site/$p" "$DEV/site/"; done
   rm -rf "$DEV/site/llama_cpp/lib" && find "$DEV/site" -name '__pycache__' -prune -exec rm -rf {} + \
     && find "$DEV/site" -name '*.so' -delete        # compiled speed-ups: each has a pure-Python fallback
-  say "SmolLM2-135M requantized to Q2_K"
-  .venv/bin/python -c "
-import sys
-from flylocal import models
-from flylocal.llama.runtime import quantize
-quantize(models.local_path('smollm2-135m-instruct'), sys.argv[1], 'Q2_K')" "$DEV/models/smollm2-135m-q2_k.gguf"
-  du -sh "$DEV" "$DEV"/* >&2
+  say "SmolLM2-135M in two halves, one for each call"
+  local model half
+  model=$(.venv/bin/python -c "from flylocal import models; print(models.local_path('smollm2-135m-instruct'))")
+  half=$(( ($(stat -c %s "$model") + 1) / 2 ))
+  rm -rf "$DEV-first" && mkdir -p "$DEV-first"
+  head -c "$half" "$model" > "$DEV-first/smollm2.part0"
+  tail -c +"$((half + 1))" "$model" > "$DEV/models/smollm2.part1"
+  sha256sum "$model" | cut -d' ' -f1 > "$DEV/models/smollm2.sha256"
+  du -sh "$DEV" "$DEV-first" >&2
+}
+
+receive() {
+  mkdir -p build/device && cp "$DEV-first/smollm2.part0" build/device/ && say "kept the first half in build/device"
+}
+
+smollm2() {
+  # SmolLM2 whole again from its halves; prints its path, or nothing without the first half.
+  local out="$DEV/models/smollm2-135m-instruct.gguf" first=build/device/smollm2.part0
+  [ -f "$first" ] || [ -f "$DEV-first/smollm2.part0" ] || return 0
+  [ -f "$first" ] || first="$DEV-first/smollm2.part0"
+  cat "$first" "$DEV/models/smollm2.part1" > "$out"
+  [ "$(sha256sum "$out" | cut -d' ' -f1)" = "$(cat "$DEV/models/smollm2.sha256")" ] && echo "$out"
 }
 
 build() {
@@ -69,13 +93,14 @@ build() {
   # shellcheck disable=SC2046,SC2086 # the flags and the environment are words
   env $(hip_env "$args") cmake -S "$DEV/src" -B "$DEV/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
     -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
-    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DGGML_RPC=ON $args > "$DEV/build.log" 2>&1 \
+    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DGGML_RPC=ON $args > "$DEV/build.log" 2>&1 \
     && cmake --build "$DEV/build" --target llama -j "$(nproc)" >> "$DEV/build.log" 2>&1 \
     || { tail -30 "$DEV/build.log" >&2; say "the build failed (the lines above)"; exit 1; }
 }
 
 measure() {
-  local smol="$DEV/models/smollm2-135m-q2_k.gguf" big="$DEV/models/random-llama-1b.gguf"
+  local smol big="$DEV/models/random-llama-1b.gguf"
+  smol=$(smollm2)
   export LLAMA_CPP_LIB_PATH="$PWD/$DEV/build/bin" PYTHONPATH="$PWD/$DEV/site:$PWD" FLYLOCAL_COSTS="$PWD/$DEV/costs"
   export FLYLOCAL_MODELS="$PWD/$DEV/models"
   local py=python3
@@ -83,9 +108,10 @@ measure() {
   say "writing a Llama-3.2-1B-shaped model with random weights"
   [ -f "$big" ] || "$py" scripts/random_gguf.py "$big"
   echo "## build"
-  "$py" -m flylocal doctor --model "$smol" 2>&1 | sed -n '1,/^$/p'
+  [ -n "$smol" ] || say "the first half of SmolLM2 is not here (run --receive first): SmolLM2's parts are skipped"
+  "$py" -m flylocal doctor --model "${smol:-$big}" 2>&1 | sed -n '1,/^$/p'
   echo "## t(1..33): decode seconds of n rows, every layer offloaded (median of 5)"
-  for m in "$smol" "$big"; do
+  for m in $smol "$big"; do
     "$py" - "$m" <<'PY'
 import statistics, sys, time
 import numpy as np
@@ -107,17 +133,20 @@ print(f"  t(n)/t(1): " + " ".join(f"{x / t[0]:.2f}" for x in t))
 rt.close()
 PY
   done
-  echo "## Spec-Bench through flylocal bench (SmolLM2 Q2_K as target and draft, 128 tokens)"
-  "$py" -m flylocal bench --target "$smol" --draft "$smol" --gpu-layers -1 --prompts data/spec_bench --per-category 1 \
-    --methods autoregressive,strict-pld,fly-pld,strict-mla --max-tokens 128 --out "$DEV/bench" >/dev/null
-  cat "$DEV/bench/report.md"
+  if [ -n "$smol" ]; then
+    echo "## Spec-Bench through flylocal bench (SmolLM2 as target and draft, 128 tokens)"
+    "$py" -m flylocal bench --target "$smol" --draft "$smol" --prompts data/spec_bench --per-category 1 \
+      --methods autoregressive,strict-pld,fly-pld,strict-mla --max-tokens 128 --out "$DEV/bench" >/dev/null
+    cat "$DEV/bench/report.md"
+  fi
   echo "## host work per round"
-  "$py" scripts/bench_host.py --models "$smol,$big"
+  "$py" scripts/bench_host.py --models "${smol:+$smol,}$big"
 }
 
 case "${1:-}" in
   --prepare) prepare ;;
+  --receive) receive ;;
   --cpu) build cpu && measure ;;
   "") build gpu && measure ;;
-  *) sed -n '2,18p' "$0"; exit 2 ;;
+  *) sed -n '2,27p' "$0"; exit 2 ;;
 esac

@@ -132,3 +132,11 @@ def test_the_users_cmake_args_win_and_the_plan_changes_nothing(tmp_path):
     assert fast == 'fast build: CMAKE_ARGS="-DGGML_VULKAN=ON -DGGML_RPC=ON -DLLAVA_BUILD=OFF"'
     assert exact == 'exact build: a CPU build of its own, CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_RPC=ON -DLLAVA_BUILD=OFF"'
     assert sorted(os.listdir(SETUP.parent.parent)) == before and not (tmp_path / ".cache").exists()
+
+
+def test_the_device_check_says_how_it_is_used_and_refuses_unknown_options():
+    done = subprocess.run([shutil.which("bash"), str(SETUP.parent / "device_check.sh"), "--nonsense"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    for call in ("--prepare", "--receive", "--cpu", 'carry=[".device"]', 'carry=[".device-first"]'):
+        assert call in done.stdout

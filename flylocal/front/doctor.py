@@ -35,6 +35,9 @@ def build_report() -> list[str]:
     info = build_info()
     stamp = kernels.exact_stamp() if info["kernels"] == kernels.EXACT else kernels.fast_stamp()
     flags = stamp or "unknown (not built by scripts/setup.sh)"
+    given = os.environ.get("LLAMA_CPP_LIB_PATH")
+    if info["kernels"] != kernels.EXACT and given:      # a library of the user's own, not setup's
+        flags = f"unknown: the library in {given} (LLAMA_CPP_LIB_PATH)"
     system = info["system_info"]
     lines = [
         f"build: {info['kernels']} ("
