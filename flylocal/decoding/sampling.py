@@ -74,8 +74,9 @@ def target_argmax(draft: np.ndarray, logits: np.ndarray, committed: np.ndarray, 
     if not p.adjusts:
         return a
     if not p.penalizes and all(bias <= 0 for _, bias in p.logit_bias) \
-            and not np.isin(a, [token for token, _ in p.logit_bias]).any():
+            and not {token for token, _ in p.logit_bias}.intersection(a.tolist()):
         return a           # a bias that only lowers tokens none of the rows chose changes no argmax
+        # (a set, not np.isin: right after a decode np.isin took 128 µs, against 14 µs later)
     return np.array([int(adjust(logits[j], np.concatenate([committed, draft[:j]]), p).argmax())
                      for j in range(len(draft) + 1)], dtype=np.int32)
 
