@@ -36,7 +36,8 @@ say() { echo "device_check: $*" >&2; }
 prepare() {
   local tmp site src
   tmp=$(mktemp -d)
-  trap 'rm -rf "$tmp"' RETURN
+  trap 'rm -rf "$tmp"' EXIT
+  trap 'exit 130' INT                # bash runs the EXIT trap on a signal only through exit
   rm -rf "$DEV" && mkdir -p "$DEV/models" "$DEV/site"
   say "llama.cpp's source, trimmed to libllama with the CPU, CUDA, HIP and RPC backends"
   .venv/bin/python -m pip download -q --no-deps --no-binary :all: -d "$tmp" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"

@@ -73,10 +73,11 @@ def target_argmax(draft: np.ndarray, logits: np.ndarray, committed: np.ndarray, 
     a = logits.argmax(axis=1).astype(np.int32)
     if not p.adjusts:
         return a
+    # A bias that only lowers tokens none of the rows chose changes no argmax. (A set, not
+    # np.isin: right after a decode np.isin took 128 µs, against 14 µs called again.)
     if not p.penalizes and all(bias <= 0 for _, bias in p.logit_bias) \
             and not {token for token, _ in p.logit_bias}.intersection(a.tolist()):
-        return a           # a bias that only lowers tokens none of the rows chose changes no argmax
-        # (a set, not np.isin: right after a decode np.isin took 128 µs, against 14 µs later)
+        return a
     return np.array([int(adjust(logits[j], np.concatenate([committed, draft[:j]]), p).argmax())
                      for j in range(len(draft) + 1)], dtype=np.int32)
 

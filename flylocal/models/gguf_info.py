@@ -147,13 +147,20 @@ class _Cursor:
 def read_info(path: Path) -> Info:
     """The header facts of GGUF file `path`. Raises ModelError, naming the file, unless it is a
     whole GGUF file: a readable header, and tensor data that fits in the file."""
+    return _read(path, _parse)
+
+
+def _read(path: Path, parse):
+    """parse(cursor) over GGUF file `path`, mapped; ModelError naming the file when it is
+    missing, unreadable or too short to be one."""
+    path = Path(path)
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < 4:
                 raise ModelError(f"not a GGUF file: {path}")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                return _parse(_Cursor(buf, path))
+                return parse(_Cursor(buf, path))
     except FileNotFoundError:
         raise ModelError(f"model file not found: {path}") from None
     except OSError as e:
@@ -162,7 +169,7 @@ def read_info(path: Path) -> Info:
 
 def _parse(cur: _Cursor) -> Info:
     n_tensors, kv = _kv_pairs(cur)
-    tensors = _tensors(cur, n_tensors, kv)
+    tensors = [(ggml_type, n) for _, ggml_type, n, _ in _tensors(cur, n_tensors, kv)]
     arch = _text(kv.get(Keys.General.ARCHITECTURE))
     tokens = kv.get(Keys.Tokenizer.LIST)
     context = kv.get(Keys.LLM.CONTEXT_LENGTH.format(arch=arch))
@@ -225,14 +232,10 @@ def _array(cur: _Cursor, key: str) -> _Array:
     return _Array(item_type, count, start, cur.pos)
 
 
-def _tensors(cur: _Cursor, count: int, kv: dict) -> list[tuple[int, int]]:
-    """The tensor infos as (ggml type, element count) after checking that each tensor's data lies
-    within the file: a file cut short past its header is caught here, without reading the data."""
-    return [(ggml_type, n) for _, ggml_type, n, _ in _tensor_infos(cur, count, kv)]
-
-
-def _tensor_infos(cur: _Cursor, count: int, kv: dict) -> list[tuple[str, int, int, int]]:
-    """(name, ggml type, element count, bytes) of each tensor, checked as `_tensors` says."""
+def _tensors(cur: _Cursor, count: int, kv: dict) -> list[tuple[str, int, int, int]]:
+    """The tensor infos as (name, ggml type, element count, bytes) after checking that each
+    tensor's data lies within the file: a file cut short past its header is caught here, without
+    reading the data."""
     infos = []
     for _ in range(count):
         name = cur.string()
@@ -319,16 +322,12 @@ _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 def read_layout(path: Path) -> Layout:
     """The Layout of GGUF file `path` (ModelError as read_info raises it)."""
-    try:
-        with open(path, "rb") as f:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                cur = _Cursor(buf, Path(path))
-                n_tensors, kv = _kv_pairs(cur)
-                tensors = _tensor_infos(cur, n_tensors, kv)
-    except FileNotFoundError:
-        raise ModelError(f"model file not found: {path}") from None
-    except (OSError, ValueError) as e:
-        raise UnreadableFile(f"cannot read model file {path}: {getattr(e, 'strerror', None) or e}") from None
+    return _read(path, _parse_layout)
+
+
+def _parse_layout(cur: _Cursor) -> Layout:
+    n_tensors, kv = _kv_pairs(cur)
+    tensors = _tensors(cur, n_tensors, kv)
     arch = _text(kv.get(Keys.General.ARCHITECTURE))
 
     def number(key: str, default: int) -> int:
