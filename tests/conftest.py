@@ -17,9 +17,15 @@ import tempfile
 # batch-invariant build (flylocal.llama.kernels); command-line tests inherit it. Cost curves are
 # measured afresh into a directory of this session's own.
 os.environ.setdefault("FLYLOCAL_EXACT", "1")
-_COSTS = tempfile.mkdtemp(prefix="flylocal-test-costs-")
+# One folder for the whole run: made by the process pytest started, inherited by its workers
+# (a curve one worker measured is read by the others, as on a machine; the files are written
+# whole and renamed), removed by the process that made it.
+_COSTS = os.environ.get("FLYLOCAL_TEST_COSTS")
+if _COSTS is None or not os.path.isdir(_COSTS):
+    _COSTS = tempfile.mkdtemp(prefix="flylocal-test-costs-")
+    os.environ["FLYLOCAL_TEST_COSTS"] = _COSTS
+    atexit.register(shutil.rmtree, _COSTS, True)
 os.environ["FLYLOCAL_COSTS"] = _COSTS
-atexit.register(shutil.rmtree, _COSTS, True)
 # Tests send Ctrl-C to the processes they start. A shell without job control starts a
 # background job with SIGINT ignored, and an ignored signal stays ignored across exec, in every
 # process the tests start: given back its default here, so that a suite run in the background
@@ -31,7 +37,48 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 # No network in tests: litellm fetches a price list at import unless told to use its own copy.
 os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
 
+# The suite runs on every core at once (pytest-xdist, `-n auto` in pyproject.toml): each worker
+# is a machine of its own cores, a share of this one's. Pinned there, the worker and every
+# process it starts see only those cores (llama.cpp's thread count, --threads auto, the busy
+# checks of calibration), so two workers never run spinning llama.cpp threads on one core.
+# The cores the suite was given are kept for the tests that need a choice of counts (all_cores).
+ALL_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def _pin_worker() -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or workers < 2 or len(ALL_CORES) < 2:
+        return
+    index = int(worker[2:])
+    share = [c for i, c in enumerate(ALL_CORES) if i % workers == index % workers]
+    if share:
+        os.sched_setaffinity(0, share)
+
+
+_pin_worker()
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker per core this process may run on (not per core the machine has)."""
+    return max(1, len(ALL_CORES))
+
 import pytest  # noqa: E402
+
+
+@pytest.fixture
+def all_cores():
+    """The test runs on every core the suite was given (the other workers' tests keep running on
+    theirs, so the machine is busy the way a desktop is); the worker's own share afterwards."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, ALL_CORES)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)
 
 SMOL = "smollm2-135m-instruct"
 SMOL_Q4_0 = "smollm2-135m-instruct-q4_0"

@@ -11,20 +11,13 @@ from flylocal.decoding.engine import Engine, EngineConfig, generate_all
 from flylocal.decoding.verifiers.asd import Asd, AsdParams
 from flylocal.decoding.verifiers.strict import strict
 from flylocal.loader import encode_prompt
-from test_fly_models import PROMPTS
-
-
-def generate(target, draft, verifier, ids, drafter="model", k=10, max_tokens=64):
-    engine = Engine(target, make_drafter(drafter, target, draft), verifier,
-                    EngineConfig(max_tokens=max_tokens, k=k, adaptive=False, trace=True))
-    return generate_all(engine, ids)
+from test_fly_models import PROMPTS, generate, strict_run
 
 
 def test_defaults_accept_at_least_as_long_as_strict(smol, smol_draft):
     longer = 0
-    for text in PROMPTS.values():
-        ids, _ = encode_prompt(smol, text, raw=False)
-        _, s_strict, _ = generate(smol, smol_draft, strict, ids)
+    for name in PROMPTS:
+        ids, _, s_strict = strict_run(smol, smol_draft, name)
         _, s_asd, _ = generate(smol, smol_draft, Asd(), ids)
         assert s_asd.mean_accepted_length >= s_strict.mean_accepted_length
         longer += s_asd.mean_accepted_length > s_strict.mean_accepted_length
@@ -32,8 +25,7 @@ def test_defaults_accept_at_least_as_long_as_strict(smol, smol_draft):
 
 
 def test_zero_budget_equals_strict(smol, smol_draft):
-    ids, _ = encode_prompt(smol, PROMPTS["chat"], raw=False)
-    expected, _, _ = generate(smol, smol_draft, strict, ids)
+    ids, expected, _ = strict_run(smol, smol_draft, "chat")
     tokens, stats, _ = generate(smol, smol_draft, Asd(AsdParams(gate=10.0, cap=10, budget=0.0)), ids)
     assert tokens == expected and stats.loose == 0 and stats.budget_spent == 0.0
     # the same gate and cap with a budget do accept mismatches here: B = 0 is what makes it strict

@@ -156,8 +156,8 @@ def test_asd_ledger_spans_the_conversation_until_reset():
 
 @pytest.mark.slow
 def test_oldest_turns_are_dropped_when_the_conversation_outgrows_the_context():
-    msgs = [f"Tell me one fact about the number {i}." for i in range(8)]
-    done = chat_pipe(msgs, "--ctx", "320", "--max-tokens", "40")
+    msgs = [f"Tell me one fact about the number {i}." for i in range(5)]
+    done = chat_pipe(msgs, "--ctx", "192", "--max-tokens", "32")
     assert "outgrew the context" in done.stderr
     assert len(turns(done.stderr)) == len(msgs)
 

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow     # every test here loads a real model
 TEXT = "one two three four five six seven eight nine ten " * 8   # prompt lookup always has a match
 
 
-@pytest.fixture(scope="module", params=[40, 57])
+# One context size: the fast suite covers every prompt and draft length on an in-memory target.
+@pytest.fixture(scope="module", params=[57])
 def small_ctx(request):
     from flylocal.llama.runtime import Runtime, RuntimeConfig
 

@@ -252,28 +252,30 @@ def strict_run(target, drafter, ids, k, draft=None, max_tokens=32):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("output", ["here", "server"])
-def test_strict_on_one_server_equals_local_greedy(smol, smol_draft, output):
+# One prompt each: a copying one where the output layer is here, one in its own words where
+# the server computes it.
+@pytest.mark.parametrize("output,name", [("here", "copy"), ("server", "own-words")])
+def test_strict_on_one_server_equals_local_greedy(smol, smol_draft, output, name):
     from flylocal.loader import encode_prompt
 
     with rpc_servers(1) as servers, remote([e for _, e in servers], output=output) as target:
         assert target.devices and target.devices[0].name.startswith("RPC")
-        for name, text in PROMPTS.items():
-            ids, _ = encode_prompt(smol, text, raw=False)
-            assert list(target.tokenize_chat([{"role": "user", "content": text}])) == list(ids)
-            expected, _ = strict_run(smol, "none", ids, 0)
-            assert strict_run(target, "none", ids, 0)[0] == expected, name
-            # every drafter's own path is tested on a local target (test_exact.py); here the
-            # remote cache meets drafts, rollbacks and an adaptive length (mla drafts with the
-            # draft model, and with lookup)
-            for drafter, k in [("pld", None), ("mla", 8)]:
-                tokens, stats = strict_run(target, drafter, ids, k, draft=smol_draft)
-                assert tokens == expected, (name, drafter, k)
-                if k is not None:
-                    assert stats.drafted > 0
-            # a rolled-back remote cache gives what a fresh one does
-            target.truncate(len(ids) // 2)
-            assert strict_run(target, "mla", ids, 8, draft=smol_draft)[0] == expected
+        text = PROMPTS[name]
+        ids, _ = encode_prompt(smol, text, raw=False)
+        assert list(target.tokenize_chat([{"role": "user", "content": text}])) == list(ids)
+        expected, _ = strict_run(smol, "none", ids, 0)
+        assert strict_run(target, "none", ids, 0)[0] == expected, name
+        # every drafter's own path is tested on a local target (test_exact.py); here the
+        # remote cache meets drafts, rollbacks and an adaptive length (mla drafts with the
+        # draft model, and with lookup)
+        for drafter, k in [("pld", None), ("mla", 8)]:
+            tokens, stats = strict_run(target, drafter, ids, k, draft=smol_draft)
+            assert tokens == expected, (name, drafter, k)
+            if k is not None:
+                assert stats.drafted > 0
+        # a rolled-back remote cache gives what a fresh one does
+        target.truncate(len(ids) // 2)
+        assert strict_run(target, "mla", ids, 8, draft=smol_draft)[0] == expected
 
 
 @pytest.mark.slow

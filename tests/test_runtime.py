@@ -72,7 +72,9 @@ def test_invariance_probe_detects_a_non_invariant_setting():
     from flylocal.front.doctor import batch_invariance
     from flylocal.llama.runtime import Runtime, RuntimeConfig
 
-    with Runtime(model_path(SMOL), RuntimeConfig(n_ctx=1024, flash_attn="on")) as rt:
+    # Two threads, whatever cores the test runs on: on one, attention is not split between
+    # threads and the difference need not show.
+    with Runtime(model_path(SMOL), RuntimeConfig(n_ctx=1024, flash_attn="on", n_threads=2)) as rt:
         delta, _, _ = batch_invariance(rt)
     assert delta > 0.0
 

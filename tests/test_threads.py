@@ -161,7 +161,7 @@ def test_the_thread_count_changes_at_run_time_and_the_logits_do_not():
 
 
 @pytest.mark.slow
-def test_auto_on_a_real_busy_machine_measures_and_runs_its_choice():
+def test_auto_on_a_real_busy_machine_measures_and_runs_its_choice(all_cores):
     """Busy loops on every core but one, on the real model. Which count is fastest then depends
     on the machine and whatever else runs on it, so that is tested on made-up timings above;
     what must hold on any machine: within one generation the controller measured more than one
@@ -239,7 +239,7 @@ def test_a_probe_starts_on_the_fastest_count_and_the_usual_check_follows():
 
 
 @pytest.mark.slow
-def test_a_fresh_process_measures_before_its_first_prompt_and_the_next_starts_there(tmp_path, monkeypatch):
+def test_a_fresh_process_measures_before_its_first_prompt_and_the_next_starts_there(tmp_path, monkeypatch, all_cores):
     """No kept count: every candidate is timed once before the first prompt runs, the prompt
     runs on the fastest, and a second model opened afterwards starts on the count kept."""
     import numpy as np

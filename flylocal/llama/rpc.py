@@ -163,12 +163,19 @@ def serve(host: str, port: int, threads: int | None, cache_dir: str | None, log)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
         os.close(devnull)
+    # SIGTERM (a service manager, `kill`) is the normal way to stop it: exit 0, as serve does;
+    # from before the server answers, since a client may see it answer before this process does.
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopped.set())
     server = threading.Thread(target=serve_rpc, args=(endpoint, cache_dir, n, devices), daemon=True,
                               name="rpc-server")
     server.start()
     probe = f"127.0.0.1:{port}" if host == "0.0.0.0" else endpoint
     deadline = time.monotonic() + READY_WAIT
     while True:
+        if stopped.is_set():
+            log(f"rpc server on {endpoint} stopped")
+            return
         if not server.is_alive():
             raise FlylocalError(f"the rpc server could not start on {endpoint}")
         try:
@@ -182,9 +189,6 @@ def serve(host: str, port: int, threads: int | None, cache_dir: str | None, log)
     log(f"rpc server on {endpoint} (protocol {'.'.join(map(str, version))}, {n} threads"
         f"{', tensor cache ' + cache_dir if cache_dir else ''}): {what}. It has no authentication: only trusted "
         "machines should reach it. Ctrl-C stops it.")
-    # SIGTERM (a service manager, `kill`) is the normal way to stop it: exit 0, as serve does.
-    stopped = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, frame: stopped.set())
     while server.is_alive():
         if stopped.is_set():
             log(f"rpc server on {endpoint} stopped")
