@@ -392,6 +392,46 @@ def test_loose_tokens_are_marked_and_carry_the_targets_own_logprob(client):
         assert e.top_logprobs[0].logprob >= e.logprob and e.top_logprobs[0].token != e.token
 
 
+def test_each_streamed_chunk_says_how_its_tokens_came_and_where_they_end(client):
+    """The stream's extension (docs/design.md, "Server"): a letter per token, in the order of the
+    chunk's logprobs entries, and each token's characters, which cut the joined text into the
+    tokens' own text; a stop string's cut leaves the tokens it cut out."""
+    def stream(**extra):
+        chunks = list(client.chat.completions.create(
+            model=SMOL, messages=[{"role": "user", "content": prompt("chat-focus")}], max_tokens=64,
+            logprobs=True, top_logprobs=1, stream=True, stream_options={"include_usage": True},
+            extra_body={"verifier": "fly", "drafter": "model", "k": 10}, **extra))
+        text, kinds, chars, entries = "", "", [], []
+        for c in chunks:
+            ext = (c.model_extra or {}).get("flylocal")
+            if c.choices and c.choices[0].delta.content:
+                text += c.choices[0].delta.content
+            if ext:
+                assert len(ext["kinds"]) == len(ext["chars"]) == len(c.choices[0].logprobs.content)
+                kinds += ext["kinds"]
+                chars += ext["chars"]
+                entries += c.choices[0].logprobs.content
+        return text, kinds, chars, entries, chunks[-1].usage
+
+    text, kinds, chars, entries, usage = stream()
+    mine = usage.model_extra["flylocal"]
+    assert len(kinds) == usage.completion_tokens == 64 and set(kinds) <= set("ALT")
+    assert kinds.count("L") == mine["loose"] > 0 and kinds.count("A") + kinds.count("L") == mine["accepted"]
+    assert kinds == "".join({"accepted": "A", "loose": "L", "target": "T"}[e.model_extra["flylocal"]["kind"]]
+                            for e in entries)
+    assert sum(chars) == len(text)
+    ends = np.cumsum(chars)
+    pieces = [text[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+    assert "".join(bytes(e.bytes).decode("utf-8", "replace") for e in entries) == text
+    for piece, e in zip(pieces, entries):    # a token's characters are its own text (whole characters here)
+        assert piece == bytes(e.bytes).decode("utf-8", "replace")
+    # A stop string inside the answer: the text ends before it, and the tokens it cut are not sent.
+    stop = next(p for p in pieces[10:] if len(p.strip()) >= 3)
+    cut_text, cut_kinds, cut_chars, _, _ = stream(stop=[stop])
+    assert cut_text == text[: text.index(stop)]
+    assert sum(cut_chars) <= len(cut_text) and cut_kinds == kinds[: len(cut_kinds)]
+
+
 def test_penalties_change_greedy_output_as_in_flylocal_generate(client):
     kw = {"frequency_penalty": 1.5, "presence_penalty": 1.0}
     answer = ask(client, prompt("story-robot"), max_tokens=40, extra_body=STRICT, **kw).choices[0].message.content

@@ -25,8 +25,9 @@ from flylocal.decoding.stats import Stats
 from flylocal.decoding.verifiers import Decision, Verifier, emitted_tokens, regrets
 from flylocal.errors import FlylocalError
 
-# How each committed token came to be.
+# How each committed token came to be, and the letter a stream marks it with (docs/design.md, "Server").
 ACCEPTED, LOOSE, TARGET = "accepted", "loose", "target"
+KIND_LETTERS = {ACCEPTED: "A", LOOSE: "L", TARGET: "T"}
 
 
 @dataclass(frozen=True)

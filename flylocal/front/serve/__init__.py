@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flylocal.errors import FlylocalError
-from flylocal.front.serve import ollama, openai
+from flylocal.front.serve import ollama, openai, page
 from flylocal.front.serve.app import ApiError, Server
 from flylocal.front.serve.guard import Guard, HostRule
 from flylocal.llama.net import check_port, is_loopback
@@ -83,6 +83,7 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
 
     openai.routes(app, server)
     ollama.routes(app, server)
+    page.routes(app)
     return app
 
 

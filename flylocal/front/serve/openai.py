@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError, field_serializer, field_validator, model_validator
 
+from flylocal.decoding.engine import KIND_LETTERS
 from flylocal.errors import FlylocalError
 from flylocal.front.serve.app import ApiError, Server, collect, failure_message, json_body
 from flylocal.front.serve.worker import END
@@ -362,6 +363,15 @@ class Response(BaseModel):
     model: str
     choices: list[ChatChoice] | list[ChunkChoice] | list[TextChoice]
     usage: Usage | None = None
+    flylocal: dict[str, Any] | None = None    # a chunk's tokens: stream_kinds
+
+
+def stream_kinds(tokens) -> dict:
+    """flylocal's extension on a streamed chunk: how each token it completes came, one letter
+    each (A accepted, L loose, T from the target: flylocal.decoding.engine.KIND_LETTERS), and
+    the characters of the answer's text each ends, counted on from the previous token's end
+    (the answer's text is the chunks' text joined, so a reader keeps one cursor over it)."""
+    return {"kinds": "".join(KIND_LETTERS[t.kind] for t in tokens), "chars": [t.chars for t in tokens]}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, stats, settings: Settings, reason: str) -> Usage:
@@ -452,7 +462,8 @@ def routes(app, server: Server) -> None:
             if top is not None:
                 run_settings = dataclasses.replace(run_settings, logprobs=top)
             stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-            job, queue = server.submit(run_settings, ids, stops, tokens=top is not None)
+            # A stream always carries how each token came (stream_kinds); logprobs only when asked.
+            job, queue = server.submit(run_settings, ids, stops, tokens=top is not None or req.stream)
         except ApiError as e:
             return error_response(e, request, endpoint, started)
 
@@ -498,12 +509,14 @@ def routes(app, server: Server) -> None:
         async def events():
             chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
-            def chunk(choices: list, usage: Usage | None = None) -> str:
-                body = Response(id=rid, object=chunk_kind, created=created, model=model, choices=choices, usage=usage)
-                return "data: " + body.model_dump_json(exclude={"usage"} if usage is None else None) + "\n\n"
+            def chunk(choices: list, usage: Usage | None = None, tokens=()) -> str:
+                body = Response(id=rid, object=chunk_kind, created=created, model=model, choices=choices, usage=usage,
+                                flylocal=stream_kinds(tokens) if tokens else None)
+                absent = {name for name in ("usage", "flylocal") if getattr(body, name) is None}
+                return "data: " + body.model_dump_json(exclude=absent or None) + "\n\n"
 
             def piece(text: str | None, finish: str | None, tokens=()):
-                lp = logprobs(tokens) if tokens else None
+                lp = logprobs(tokens) if tokens and top is not None else None
                 if chat:
                     return ChunkChoice(delta=Delta(content=text), logprobs=lp, finish_reason=finish)
                 return TextChoice(text=text or "", logprobs=lp, finish_reason=finish)
@@ -517,7 +530,7 @@ def routes(app, server: Server) -> None:
                     if item is END:
                         break
                     if item[0] == "text":
-                        yield chunk([piece(item[1], None, item[2])])
+                        yield chunk([piece(item[1], None, item[2])], tokens=item[2])
                     elif item[0] == "done":
                         _, reason, stats, n_out = item
                         yield chunk([piece(None if chat else "", FINISH.get(reason, "stop"))])

@@ -15,6 +15,7 @@ after every round, so the model is free within one round and the caches stay con
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -70,6 +71,8 @@ class OutToken:
     kind: str                     # "accepted", "loose" or "target" (flylocal.decoding.engine)
     logprob: float | None = None  # under the target's distribution, when asked for
     top: tuple = ()               # ((id, bytes, logprob), ...) most likely first, when asked for
+    chars: int = 0                # characters of the answer's text it ends, after the previous token's
+                                  # (0 for a token that only begins a character; the one completing it has it)
 
     @property
     def text(self) -> str:
@@ -161,9 +164,12 @@ class Worker:
         stopped, first, sent, pending = False, None, 0.0, ""
         try:
             for event in gen:
-                piece = text.feed(event.tokens)
-                if tokens is not None:
-                    tokens.add(target, event, len(piece))
+                if tokens is None:
+                    piece = text.feed(event.tokens)
+                else:                            # each token's own characters: its colour, its logprob
+                    parts = [text.feed((t,)) for t in event.tokens]
+                    piece = "".join(parts)
+                    tokens.add(target, event, [len(p) for p in parts])
                 piece, stopped = stops.feed(piece)
                 pending += piece
                 now = time.perf_counter()
@@ -187,6 +193,8 @@ class Worker:
             gen.close()
         stats = gen.stats
         reason = "stop_string" if stopped else stats.stop
+        if job.cancel.is_set() and reason == "interrupted":
+            self.metrics.cancelled.inc()
         self.metrics.observe(stats, len(gen.tokens), first - job.queued_at if first is not None else None)
         job.emit(("done", reason, stats, len(gen.tokens)))
 
@@ -200,20 +208,21 @@ class Aligned:
         self.made = 0          # characters of text the tokens so far have made
         self.sent = 0          # characters released
 
-    def add(self, target, event, chars: int) -> None:
+    def add(self, target, event, chars: list[int]) -> None:
+        """A round's tokens, and the characters of text the decoder gave out at each."""
         logprobs = event.logprobs or [None] * len(event.tokens)
         for i, (tid, kind) in enumerate(zip(event.tokens, event.kinds)):
             lp = logprobs[i]
             top = tuple((t, target.piece(t), v) for t, v in lp[1]) if lp else ()
-            token = OutToken(int(tid), target.piece(tid), kind, lp[0] if lp else None, top)
-            self.queue.append((self.made + chars if i == len(event.tokens) - 1 else self.made, token))
-        self.made += chars
+            token = OutToken(int(tid), target.piece(tid), kind, lp[0] if lp else None, top, chars[i])
+            self.made += chars[i]
+            self.queue.append((self.made, token))
 
     def grow(self, chars: int) -> None:
         """Text the decoder gave out at the end, without new tokens."""
         if self.queue:
             end, token = self.queue.pop()
-            self.queue.append((end + chars, token))
+            self.queue.append((end + chars, dataclasses.replace(token, chars=token.chars + chars)))
         self.made += chars
 
     def waiting(self, chars: int) -> bool:
@@ -237,6 +246,9 @@ class Metrics:
         self.requests = Counter("flylocal_requests", "Requests answered, by endpoint and status.",
                                 ["endpoint", "status"], registry=r)
         self.generations = Counter("flylocal_generations", "Generations run by the worker.", registry=r)
+        self.cancelled = Counter("flylocal_cancelled_generations",
+                                 "Generations stopped within a round because their client went away or stopped them.",
+                                 registry=r)
         self.tokens = Counter("flylocal_completion_tokens", "Tokens generated (usage.completion_tokens).", registry=r)
         self.drafted = Counter("flylocal_drafted_tokens", "Draft tokens sent to the target.", registry=r)
         self.accepted = Counter("flylocal_accepted_tokens", "Draft tokens committed, loose ones included.",
