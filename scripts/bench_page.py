@@ -25,8 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
@@ -43,7 +41,8 @@ def main() -> int:
     from flylocal.front.bench import load_prompts, per_group
 
     env = dict(os.environ)
-    from test_page import chrome, quit_chrome      # the tests' browser (their conftest sets test-only variables)
+    from test_page import chrome, quit_chrome      # the tests' browser and server helpers (their
+    from test_server import free_port, wait_ready  # conftest sets test-only variables: undone below)
 
     os.environ.clear()
     os.environ.update(env)
@@ -54,14 +53,14 @@ def main() -> int:
         print("needs chromium, chromedriver and curl", file=sys.stderr)
         return 1
 
-    port = _free_port()
+    port = free_port()
     err = tempfile.TemporaryFile(mode="w+")
     server = subprocess.Popen([sys.executable, "-m", "flylocal", "serve", "--port", str(port), "--quiet"],
                               stdout=subprocess.DEVNULL, stderr=err)
     url = f"http://127.0.0.1:{port}"
     driver = None
     try:
-        _wait_ready(server, url)
+        wait_ready(server, url)
         driver = chrome()
         driver.get(url + "/")
         driver.execute_script("localStorage.clear();")
@@ -84,28 +83,6 @@ def main() -> int:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
     return 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(proc, url: str) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit("the server exited")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit("the server did not become ready")
 
 
 def _settings(driver, args) -> None:

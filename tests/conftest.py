@@ -51,7 +51,10 @@ def _pin_worker() -> None:
     if not worker.startswith("gw") or workers < 2 or len(ALL_CORES) < 2:
         return
     index = int(worker[2:])
-    share = [c for i, c in enumerate(ALL_CORES) if i % workers == index % workers]
+    if workers >= len(ALL_CORES):              # a core each, shared by turns when there are more workers
+        share = [ALL_CORES[index % len(ALL_CORES)]]
+    else:
+        share = [c for i, c in enumerate(ALL_CORES) if i % workers == index]
     if share:
         os.sched_setaffinity(0, share)
 

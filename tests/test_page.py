@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import tempfile
 import time
 
@@ -21,7 +19,7 @@ import httpx
 import pytest
 
 from conftest import SMOL, SMOL_Q4_0, prompt
-from test_server import free_port, log, start, wait_ready
+from test_server import free_port, start, stop, wait_ready
 
 pytestmark = pytest.mark.slow      # a real model behind a real server, and a browser
 
@@ -50,16 +48,6 @@ def serve(*args: str):
     url = f"http://127.0.0.1:{port}"
     wait_ready(proc, url)
     return proc, url
-
-
-def stop_server(proc) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    assert proc.returncode == 0, log(proc)
 
 
 def chrome(*extra: str):
@@ -93,7 +81,7 @@ def site():
         yield driver, url, proc
     finally:
         quit_chrome(driver)
-        stop_server(proc)
+        stop(proc)
 
 
 def fresh(driver, url: str) -> None:
@@ -360,4 +348,4 @@ def test_with_a_key_the_page_asks_once_and_then_works_under_a_lan_name():
         assert driver.find_element("id", "key-dialog").get_attribute("open") is None
     finally:
         quit_chrome(driver)
-        stop_server(proc)
+        stop(proc)
