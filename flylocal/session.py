@@ -53,6 +53,15 @@ class TextStream:
     def feed(self, tokens) -> str:
         return self.decoder.decode(b"".join(self.target.piece(t) for t in tokens))
 
+    def each(self, tokens) -> list[tuple[bytes, str]]:
+        """Per token: its bytes, and the text the decoder gives out at it (what `feed` gives,
+        token by token; "" for a token that only begins a character)."""
+        out = []
+        for t in tokens:
+            piece = self.target.piece(t)
+            out.append((piece, self.decoder.decode(piece)))
+        return out
+
     def flush(self) -> str:
         """The end of the text: an incomplete character left by the last token (an answer cut at
         --max-tokens inside one) is held back, not shown as U+FFFD."""

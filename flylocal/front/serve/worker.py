@@ -167,9 +167,9 @@ class Worker:
                 if tokens is None:
                     piece = text.feed(event.tokens)
                 else:                            # each token's own characters: its colour, its logprob
-                    parts = [text.feed((t,)) for t in event.tokens]
-                    piece = "".join(parts)
-                    tokens.add(target, event, [len(p) for p in parts])
+                    parts = text.each(event.tokens)
+                    piece = "".join(p for _, p in parts)
+                    tokens.add(target, event, parts)
                 piece, stopped = stops.feed(piece)
                 pending += piece
                 now = time.perf_counter()
@@ -208,14 +208,16 @@ class Aligned:
         self.made = 0          # characters of text the tokens so far have made
         self.sent = 0          # characters released
 
-    def add(self, target, event, chars: list[int]) -> None:
-        """A round's tokens, and the characters of text the decoder gave out at each."""
+    def add(self, target, event, parts: list[tuple[bytes, str]]) -> None:
+        """A round's tokens, with each one's bytes and the text the decoder gave out at it
+        (TextStream.each)."""
         logprobs = event.logprobs or [None] * len(event.tokens)
         for i, (tid, kind) in enumerate(zip(event.tokens, event.kinds)):
             lp = logprobs[i]
             top = tuple((t, target.piece(t), v) for t, v in lp[1]) if lp else ()
-            token = OutToken(int(tid), target.piece(tid), kind, lp[0] if lp else None, top, chars[i])
-            self.made += chars[i]
+            piece, text = parts[i]
+            token = OutToken(int(tid), piece, kind, lp[0] if lp else None, top, len(text))
+            self.made += len(text)
             self.queue.append((self.made, token))
 
     def grow(self, chars: int) -> None:
