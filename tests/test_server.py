@@ -540,7 +540,7 @@ def test_web_pages_cannot_drive_it_and_no_generation_runs(server):
         **auth, "Host": "evil.example"}, json={"model": SMOL, "messages": [{"role": "user", "content": "hi"}]})
     assert rebound_chat.status_code == 403
     assert generations(server) == before                    # nothing ran
-    same_origin = httpx.post(server + "/v1/chat/completions", content=body,
+    same_origin = httpx.post(server + "/v1/chat/completions", content=body, timeout=120,    # may measure costs first
                              headers={**auth, "Content-Type": "application/json", "Origin": server})
     assert same_origin.status_code == 200
     assert generations(server) == before + 1
