@@ -15,7 +15,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from flylocal.decoding.sampling import SamplingParams, position_noise, sample_ta
 from flylocal.decoding.stats import Stats
 from flylocal.decoding.verifiers import Decision, Verifier, emitted_tokens, regrets
 from flylocal.errors import FlylocalError
+
+if TYPE_CHECKING:
+    from flylocal.decoding.grammar import Grammar
 
 # How each committed token came to be, and the letter a stream marks it with (docs/design.md, "Server").
 ACCEPTED, LOOSE, TARGET = "accepted", "loose", "target"
@@ -41,6 +44,7 @@ class EngineConfig:
     pin_costs: bool = False    # decide draft lengths on calibrated costs only, never this run's timings
     logprobs: int | None = None   # give each output token its log-probability and this many of the most
                                   # likely ones at its position (None: none are computed)
+    forced: bool = True        # under a grammar, draft the tokens it forces (docs/design.md, "Grammars")
 
 
 @dataclass(frozen=True)
@@ -60,11 +64,13 @@ class Generation:
     final once iteration ends or `close()` is called, whether the request ran to its end, was
     interrupted (Ctrl-C, a closed client) or failed. `on_end(generation)` is called once then."""
 
-    def __init__(self, engine: Engine, prompt: np.ndarray, on_end: Callable[[Generation], None] | None = None):
+    def __init__(self, engine: Engine, prompt: np.ndarray, on_end: Callable[[Generation], None] | None = None,
+                 grammar: Grammar | None = None):
         self.stats = Stats(prompt_tokens=len(prompt))
         self.tokens: list[int] = []
         self._on_end = on_end
         self._ended = False
+        self.constraint = grammar.start() if grammar is not None else None   # the grammar's state
         self._rounds = engine._rounds(prompt, self)
 
     def __iter__(self) -> Iterator[RoundEvent]:
@@ -144,16 +150,18 @@ class Engine:
             used.append(mine)
         return used
 
-    def generate(self, prompt: np.ndarray, on_end: Callable[[Generation], None] | None = None) -> Generation:
-        """Generate after `prompt` [n] int32. Checks the prompt at once (FlylocalError); the
-        work happens as the Generation is iterated."""
+    def generate(self, prompt: np.ndarray, on_end: Callable[[Generation], None] | None = None,
+                 grammar: Grammar | None = None) -> Generation:
+        """Generate after `prompt` [n] int32, every committed token allowed by `grammar` when
+        one is given. Checks the prompt at once (FlylocalError); the work happens as the
+        Generation is iterated."""
         prompt = np.asarray(prompt, dtype=np.int32)
         if len(prompt) == 0:
             raise FlylocalError("the prompt is empty")
         if len(prompt) >= self.target.n_ctx:
             raise FlylocalError(
                 f"the prompt is {len(prompt)} tokens, longer than the context (--ctx {self.target.n_ctx})")
-        return Generation(self, prompt, on_end)
+        return Generation(self, prompt, on_end, grammar)
 
     def _rounds(self, prompt: np.ndarray, gen: Generation) -> Iterator[RoundEvent]:
         cfg, target, stats, out, clock = self.config, self.target, gen.stats, gen.tokens, self.clock
@@ -163,6 +171,9 @@ class Engine:
         context[:n] = prompt
         commit = getattr(self.verifier, "commit", None)
         eog_mask = target.eog_mask
+        constraint = gen.constraint
+        # Plain decoding (no drafter) stays plain under a grammar: the baseline drafts nothing.
+        forcing = constraint is not None and cfg.forced and getattr(self.drafter, "name", "") != "none"
         # The randomness of a position depends on the seed and the position only (no seed: a
         # fresh one per request), so drafting cannot change what is sampled.
         seed = cfg.sampling.seed if cfg.sampling.seed is not None else secrets.randbits(64)
@@ -191,10 +202,20 @@ class Engine:
                 # Room: the batch [last, *draft] needs k+1 cells, and drafting past max_tokens is waste.
                 k = max(0, min(cfg.k, target.n_ctx - n, cfg.max_tokens - len(out) - 1))
                 t0 = clock()
-                proposal = self.drafter.propose(context[:n], k) if k else None
-                draft = proposal.tokens[:k] if proposal is not None else context[:0]
+                forced = constraint.forced(k) if forcing else context[:0]        # [f]
+                f = len(forced)
+                if f:
+                    ahead = np.concatenate([context[:n], forced])
+                    proposal = self.drafter.propose(ahead, k - f) if k > f else None
+                else:
+                    proposal = self.drafter.propose(context[:n], k) if k else None
+                draft = proposal.tokens[: k - f] if proposal is not None else context[:0]
                 if self.length is not None and len(draft):
                     draft = draft[: self.length.choose(proposal.level, len(draft))]
+                if constraint is not None:          # a token the grammar forbids ends the draft
+                    draft = np.concatenate([forced, draft]) if f else draft
+                    draft = draft[: constraint.allowed(draft)]
+                    f = min(f, len(draft))
                 t1 = clock()
                 batch = np.empty(len(draft) + 1, dtype=np.int32)
                 batch[0] = context[n - 1]
@@ -202,6 +223,9 @@ class Engine:
                 n_past = target.n_past
                 logits = target.decode(batch, logits_from=0)          # [k+1, n_vocab]
                 t2 = clock()
+                if constraint is not None:          # the target's distribution under the grammar
+                    constraint.restrict(logits, draft)
+                    stats.mask_s += clock() - t2
                 # a[0..k]: the target's token at each position, its argmax at temperature 0 and
                 # its speculative-sampling decision otherwise (docs/design.md, "Temperature > 0").
                 if cfg.sampling.greedy:
@@ -228,11 +252,14 @@ class Engine:
                 n += m
                 ended = bool(eog.size) and int(eog[0]) < m
                 shown = m - ended                  # the end-of-generation token is not output
+                if constraint is not None:         # (the grammar allowed the end; it ends the generation)
+                    constraint.commit(committed[:shown])
                 loose = set(decision.loose)
                 kinds = tuple(LOOSE if j in loose else ACCEPTED if j < L else TARGET for j in range(shown))
                 stats.rounds += 1
                 stats.drafted += len(draft)
                 stats.accepted += min(L, m)
+                stats.forced += min(f, L, m)
                 committed_loose = sum(1 for j in loose if j < m)
                 stats.loose += committed_loose
                 stats.mismatches += committed_loose + (L < len(draft))
@@ -242,14 +269,16 @@ class Engine:
                 stats.draft_s += t1 - t0
                 stats.target_s += (t2 - t1) + (t4 - t3)
                 stats.verify_s += t3 - t2
-                if self.length is not None:
-                    self.length.update(proposal.level if proposal else 0, len(draft), L)
-                if self.observe is not None and proposal is not None:
-                    self.observe(proposal, min(L, m))     # drafts that choose their own length
+                # The drafter's share of the round: its tokens after the forced ones, judged
+                # only where the target reached them.
+                if self.length is not None and L >= f:
+                    self.length.update(proposal.level if proposal else 0, len(draft) - f, L - f)
+                if self.observe is not None and proposal is not None and min(L, m) >= f:
+                    self.observe(proposal, min(L, m) - f)     # drafts that choose their own length
                 if self.costs is not None:
                     self.costs.update(len(draft) + 1, t4 - t1, emitted=m)
                 trace = self._trace_row(stats.rounds - 1, n_past, draft, a, logits, decision, emitted,
-                                        proposal) if cfg.trace else None
+                                        proposal, f if constraint is not None else None) if cfg.trace else None
                 # Row j scored the position of committed[j] under the prefix committed before it.
                 logprobs = (tuple(token_logprobs(committed[:shown], logits, context[: n - m], cfg.sampling,
                                                  cfg.logprobs)) if cfg.logprobs is not None else None)
@@ -285,7 +314,8 @@ class Engine:
                 self.corpus.add(out)
             gen._end()
 
-    def _trace_row(self, index, n_past, draft, a, logits, decision: Decision, emitted, proposal) -> dict:
+    def _trace_row(self, index, n_past, draft, a, logits, decision: Decision, emitted, proposal,
+                   forced: int | None) -> dict:
         k = len(draft)
         entropy = decision.entropy
         row = {
@@ -302,6 +332,8 @@ class Engine:
         }
         if decision.budget_spent is not None:
             row["budget_spent"], row["budget_left"] = decision.budget_spent, decision.budget_left
+        if forced is not None:
+            row["forced"] = forced              # under a grammar: the draft's first tokens it forced
         if proposal is not None and proposal.text is not None:
             row["draft_text"] = proposal.text       # a draft through text: the text it came from
         return row

@@ -98,7 +98,7 @@ def token_logprobs(tokens: np.ndarray, logits: np.ndarray, committed: np.ndarray
         if top > 0:
             ids = np.argpartition(-z, top - 1)[:top] if top < len(z) else np.arange(len(z))
             ids = ids[np.argsort(-z[ids], kind="stable")]
-            best = tuple((int(i), float(z[i] - lse)) for i in ids)
+            best = tuple((int(i), float(z[i] - lse)) for i in ids if z[i] > -np.inf)   # none a grammar forbids
         out.append((float(z[int(token)] - lse), best))
     return out
 
@@ -144,6 +144,9 @@ def processed_probs(z: np.ndarray, history: np.ndarray, p: SamplingParams) -> tu
         ids = np.arange(n)
     ids = ids[np.argsort(-z[ids], kind="stable")]
     logits = z[ids]                                       # [c] untempered, descending
+    if logits[-1] == -np.inf:                             # tokens a grammar forbids are no candidates
+        keep = logits > -np.inf
+        ids, logits = ids[keep], logits[keep]
     if p.top_p < 1.0:
         probs = np.exp(logits - logits[0])
         probs /= probs.sum() if mass is None else mass

@@ -16,6 +16,7 @@ class Stats:
     loose: int = 0               # committed draft tokens that did not match natively
     mismatches: int = 0          # native mismatches seen: loose ones plus each round's rejected one
     emitted: int = 0             # committed tokens: accepted + one correction/bonus per round
+    forced: int = 0              # under a grammar: accepted draft tokens the grammar forced
     budget_spent: float | None = None   # ASD: the ledger s after this request
     budget_left: float | None = None    # ASD: B - s
     prefill_s: float = 0.0
@@ -23,6 +24,7 @@ class Stats:
     target_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    mask_s: float = 0.0          # under a grammar: computing and applying its masks (part of verify_s)
     stop: str = ""               # "eog", "max_tokens", "context" or "interrupted"
     cost_curve: dict | None = None   # the target's cost curve (CostCurve.report): its "source" ("cache",
                                      # read from disk; "measured" now; "reused", known in this process),
@@ -46,7 +48,7 @@ class Stats:
         d = asdict(self)
         d["mean_accepted_length"] = round(self.mean_accepted_length, 4)
         d["tokens_per_s"] = round(self.tokens_per_s, 3)
-        for key in ("prefill_s", "wall_s", "target_s", "draft_s", "verify_s"):
+        for key in ("prefill_s", "wall_s", "target_s", "draft_s", "verify_s", "mask_s"):
             d[key] = round(d[key], 6)
         if self.budget_spent is None:
             del d["budget_spent"], d["budget_left"]
@@ -62,6 +64,7 @@ class Stats:
             f"of {self.mismatches} mismatches), "
             + (f"ASD budget spent {self.budget_spent:.2f}, left {self.budget_left:.2f}, "
                if self.budget_spent is not None else "")
+            + (f"{self.forced} forced by the grammar, " if self.forced else "")
             + f"prompt {self.prompt_tokens} (reused {self.prompt_reused}, evaluated {self.prompt_evaluated}), "
             f"prefill {self.prefill_s:.2f} s, stop: {self.stop}"
         )

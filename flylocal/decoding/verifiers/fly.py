@@ -38,7 +38,7 @@ def topk_entropy(z: np.ndarray, m: int) -> float:
     lse = zmax + math.log(float(np.exp(z - zmax, dtype=np.float32).sum(dtype=np.float64)))
     m = min(m, len(z))
     top = np.partition(z, len(z) - m)[len(z) - m:].astype(np.float64)   # [m]
-    logp = top - lse
+    logp = top[top > -np.inf] - lse                                      # a grammar may forbid all but a few
     return float(-(np.exp(logp) * logp).sum())
 
 
