@@ -57,8 +57,8 @@ class _Vocabulary:
         self.bos_token_id = getattr(model, "bos", None)
         self._tokenize = model.tokenize
 
-    def __call__(self, data: bytes) -> list[int]:
-        return [int(t) for t in self._tokenize(data, add_special=False)]
+    def __call__(self, data: bytes | str) -> list[int]:
+        return [int(t) for t in self._tokenize(data.encode() if isinstance(data, str) else data, add_special=False)]
 
 
 def tokenizer(model):

@@ -1,0 +1,256 @@
+"""Grammars in the round (docs/design.md, "Grammars"), on the in-memory fake target with a
+vocabulary of 32 byte strings, so that llguidance's masks are real and llama.cpp is not needed.
+
+- After every round the grammar's state equals a fresh matcher fed the committed tokens
+  (random drafts, random rejections, every verifier, both temperatures).
+- Strict under a grammar equals plain constrained greedy decoding token for token.
+- A draft token the grammar forbids ends the draft: no verifier accepts it, however loose.
+- The tokens the grammar forces are drafted first and counted as `forced`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import llguidance
+import numpy as np
+import pytest
+
+from fake_backend import FakeLM, FakeTarget, NoisyOracle, fixed_costs
+from flylocal.decoding import grammar as G
+from flylocal.decoding.drafters import Draft, NoDraft
+from flylocal.decoding.engine import Engine, EngineConfig
+from flylocal.decoding.sampling import SamplingParams
+from flylocal.decoding.verifiers.asd import Asd, AsdParams
+from flylocal.decoding.verifiers.fly import Fly, FlyParams
+from flylocal.decoding.verifiers.strict import strict
+from flylocal.errors import FlylocalError
+
+PIECES = [b"<eos>", b"{", b"}", b'"', b":", b",", b" ", b"a", b"b", b"c", b"0", b"1", b"2", b"3", b"-", b"x",
+          b"[", b"]", b'{"', b'":', b'", "', b'"}', b"ab", b"12", b"true", b"false", b"null", b".", b"e", b"y",
+          b"\n", b"ba"]
+EOS = 0
+
+
+class Vocab:
+    """The part of a Runtime a Grammar reads: 32 tokens, token 0 the end of generation."""
+
+    n_vocab = len(PIECES)
+    bos = None
+
+    def __init__(self):
+        self.eog_mask = np.zeros(self.n_vocab, dtype=bool)
+        self.eog_mask[EOS] = True
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        return PIECES[token] if special or token != EOS else b""
+
+    def is_control(self, token: int) -> bool:
+        return token == EOS
+
+    def tokenize(self, data: bytes, add_special: bool = False) -> list[int]:
+        out, i = [], 0
+        while i < len(data):                            # longest match first; bytes it lacks are dropped
+            t = max((t for t in range(1, self.n_vocab) if data.startswith(PIECES[t], i)),
+                    key=lambda t: len(PIECES[t]), default=None)
+            if t is not None:
+                out.append(t)
+            i += len(PIECES[t]) if t is not None else 1
+        return out
+
+
+VOCAB = Vocab()
+SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 6}},
+     "required": ["a", "b"], "additionalProperties": False},
+    {"type": "object", "properties": {"ab": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4},
+                                      "c": {"type": "boolean"}},
+     "required": ["ab", "c"], "additionalProperties": False},
+]
+GRAMMARS = [G.Grammar(VOCAB, G.json_schema(s), "JSON schema") for s in SCHEMAS]
+LM = FakeLM(seed=7, n_vocab=len(PIECES), eog=(EOS,), p_eog=0.05)
+PROMPT = np.array([1, 7, 2, 11], dtype=np.int32)
+
+
+def fresh_state(grammar: G.Grammar, tokens) -> llguidance.LLMatcher:
+    m = llguidance.LLMatcher(grammar.tokenizer, grammar.grammar, log_level=0)
+    assert m.consume_tokens([int(t) for t in tokens]), m.get_error()
+    return m
+
+
+def same_state(a: llguidance.LLMatcher, b: llguidance.LLMatcher) -> bool:
+    return (a.compute_bitmask() == b.compute_bitmask() and a.is_accepting() == b.is_accepting()
+            and a.is_stopped() == b.is_stopped() and a.compute_ff_tokens() == b.compute_ff_tokens())
+
+
+def text(tokens) -> str:
+    return b"".join(PIECES[t] for t in tokens).decode()
+
+
+class GrammarOracle:
+    """Proposes the LM's greedy continuation under the grammar, a token replaced by a random
+    allowed one with probability p_corrupt, and by any random token with probability p_wild."""
+
+    name = "oracle"
+    adaptive = False
+    level_prior = np.array([0.5])
+
+    def __init__(self, grammar: G.Grammar, seed: int, p_corrupt: float = 0.2, p_wild: float = 0.05):
+        self.grammar, self.rng = grammar, np.random.default_rng(seed)
+        self.p_corrupt, self.p_wild = p_corrupt, p_wild
+        self.prompt_len = len(PROMPT)
+
+    def propose(self, context: np.ndarray, k: int) -> Draft:
+        m = fresh_state(self.grammar, context[self.prompt_len:])
+        target = FakeTarget(LM, n_ctx=len(context) + k + 1)
+        target.decode(context[:-1])
+        draft, last = [], int(context[-1])
+        for _ in range(int(self.rng.integers(0, k + 1))):
+            z = target.decode([last], logits_from=0)[0].copy()
+            allowed = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")[:LM.n_vocab]
+            ids = np.flatnonzero(allowed)
+            if not len(ids) or m.is_stopped():
+                break
+            u = self.rng.random()
+            t = (int(self.rng.integers(LM.n_vocab)) if u < self.p_wild
+                 else int(self.rng.choice(ids)) if u < self.p_wild + self.p_corrupt
+                 else int(ids[np.argmax(z[ids])]))
+            draft.append(t)
+            if t == EOS or not m.consume_token(t):
+                break
+            last = t
+        return Draft(np.array(draft, dtype=np.int32))
+
+
+def constrained_greedy(grammar: G.Grammar, max_tokens: int) -> list[int]:
+    """The reference: plain greedy decoding one token at a time, each from the argmax of the
+    target's logits over the tokens the grammar allows there."""
+    m = fresh_state(grammar, [])
+    target = FakeTarget(LM, n_ctx=len(PROMPT) + max_tokens + 1)
+    target.decode(PROMPT[:-1])
+    out, last = [], int(PROMPT[-1])
+    while len(out) < max_tokens:
+        z = target.decode([last], logits_from=0)[0]
+        allowed = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")[:LM.n_vocab]
+        ids = np.flatnonzero(allowed)
+        t = int(ids[np.argmax(z[ids])])
+        if t == EOS:
+            break
+        assert m.consume_token(t)
+        out.append(t)
+        last = t
+    return out
+
+
+def random_verifier(rng):
+    kind = rng.integers(3)
+    if kind == 0:
+        return strict
+    if kind == 1:
+        return Fly(FlyParams(window=int(rng.integers(1, 4)), entropy=float(rng.choice([0.0, 0.3, 1.0])),
+                             use_window=bool(rng.integers(2))))
+    return Asd(AsdParams(gate=float(rng.choice([0.1, 10.0])), cap=int(rng.integers(1, 4)), budget=float(rng.choice([4.0, 100.0]))))
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_the_state_after_each_round_is_a_fresh_matcher_fed_the_committed_tokens(seed):
+    rng = np.random.default_rng(seed)
+    grammar = GRAMMARS[seed % len(GRAMMARS)]
+    drafter = (GrammarOracle(grammar, seed) if seed % 3 else
+               NoisyOracle(LM, seed=seed, p_corrupt=0.3, p_eog=0.05))
+    sampling = SamplingParams(temperature=0.8, seed=seed) if seed % 4 == 1 else SamplingParams()
+    config = EngineConfig(k=int(rng.integers(1, 9)), max_tokens=48, adaptive=False, trace=True, sampling=sampling)
+    target = FakeTarget(LM, n_ctx=128, costs=fixed_costs())
+    gen = Engine(target, drafter, random_verifier(rng), config).generate(PROMPT, grammar=grammar)
+    for event in gen:
+        assert same_state(gen.constraint.matcher, fresh_state(grammar, gen.tokens)), f"seed {seed} round {event.index}"
+        assert len(event.trace["draft"]) <= config.k
+    if gen.stats.stop == "eog":            # a finished answer is valid under its schema
+        jsonschema.validate(json.loads(text(gen.tokens)), SCHEMAS[seed % len(SCHEMAS)])
+
+
+@pytest.mark.parametrize("index", range(len(GRAMMARS)))
+@pytest.mark.parametrize("drafter", ["oracle", "noisy", "none"])
+def test_strict_under_a_grammar_is_plain_constrained_greedy(index, drafter):
+    grammar = GRAMMARS[index]
+    reference = constrained_greedy(grammar, 48)
+    d = {"oracle": GrammarOracle(grammar, 1), "noisy": NoisyOracle(LM, seed=1, p_corrupt=0.3), "none": NoDraft()}[drafter]
+    gen = Engine(FakeTarget(LM, n_ctx=128), d, strict, EngineConfig(k=6, max_tokens=48, adaptive=False)) \
+        .generate(PROMPT, grammar=grammar).run()
+    assert gen.tokens == reference
+    jsonschema.validate(json.loads(text(gen.tokens)), SCHEMAS[index])
+
+
+class Scripted:
+    """Proposes the same tokens every round."""
+
+    name = "scripted"
+    adaptive = False
+
+    def __init__(self, tokens):
+        self.tokens = np.array(tokens, dtype=np.int32)
+
+    def propose(self, context, k):
+        return Draft(self.tokens[:k])
+
+
+# The grammar of {"a": <integer>}: after '{"', 'a', '":', ' ' comes a digit or '-'.
+OBJ_A = G.Grammar(VOCAB, G.json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
+                                          "required": ["a"], "additionalProperties": False}), "JSON schema")
+OPEN = [18, 7, 19, 6]                                  # '{"' 'a' '":' ' '
+X = 15                                                 # 'x': no integer has it
+
+
+@pytest.mark.parametrize("verifier", [Fly(FlyParams(window=1, entropy=0.0, use_window=False)),
+                                      Asd(AsdParams(gate=1e9, cap=8, budget=1e9))])
+def test_a_forbidden_draft_token_ends_the_draft_and_is_never_accepted(verifier):
+    # These verifiers accept any mismatch: without the grammar the forbidden 'x' is committed.
+    config = EngineConfig(k=6, max_tokens=8, adaptive=False, trace=True, forced=False)
+    loose = Engine(FakeTarget(LM, n_ctx=64), Scripted(OPEN + [X, 11]), verifier, config).generate(PROMPT).run()
+    assert loose.tokens[4] == X
+    verifier.reset()
+    gen = Engine(FakeTarget(LM, n_ctx=64), Scripted(OPEN + [X, 11]), verifier, config).generate(PROMPT, grammar=OBJ_A)
+    first = next(iter(gen))
+    assert first.trace["draft"] == OPEN                # cut at 'x'
+    assert list(first.tokens[:4]) == OPEN and first.tokens[4] != X
+    assert first.tokens[4] in (10, 11, 12, 13, 14, 23)   # a digit or '-': the target's choice under the grammar
+
+
+def test_the_target_chooses_among_the_tokens_the_grammar_allows():
+    # The fake target's first choice after the prompt is not '{' or '{"'; the answer starts with one.
+    assert FakeTarget(LM, n_ctx=8).decode(PROMPT, logits_from=3)[0].argmax() not in (1, 18)
+    gen = Engine(FakeTarget(LM, n_ctx=64), NoDraft(), strict, EngineConfig(max_tokens=1, adaptive=False)) \
+        .generate(PROMPT, grammar=OBJ_A).run()
+    assert gen.tokens[0] in (1, 18)
+
+
+def test_forced_tokens_are_drafted_first_and_counted():
+    config = EngineConfig(k=6, max_tokens=12, adaptive=False, trace=True)
+    empty = Scripted([])
+    gen = Engine(FakeTarget(LM, n_ctx=64), empty, strict, config).generate(PROMPT, grammar=OBJ_A)
+    first = next(iter(gen))
+    # '{"a": ' is forced; the last forced token may still merge with what follows, so the
+    # grammar may hold it back.
+    forced = first.trace["forced"]
+    assert forced >= 3 and first.trace["draft"] == OPEN[:forced]
+    assert list(first.tokens[:forced]) == OPEN[:forced]
+    gen.run()
+    assert gen.stats.forced >= forced
+    plain = Engine(FakeTarget(LM, n_ctx=64), NoDraft(), strict, EngineConfig(k=6, max_tokens=12, adaptive=False)) \
+        .generate(PROMPT, grammar=OBJ_A).run()
+    assert gen.tokens == plain.tokens and plain.stats.forced == 0 and plain.stats.rounds > gen.stats.rounds
+    off = Engine(FakeTarget(LM, n_ctx=64), empty, strict, EngineConfig(k=6, max_tokens=12, adaptive=False, forced=False)) \
+        .generate(PROMPT, grammar=OBJ_A).run()
+    assert off.stats.forced == 0 and off.tokens == plain.tokens
+
+
+def test_bad_grammars_are_one_line_errors():
+    with pytest.raises(FlylocalError, match="not valid JSON"):
+        G.json_schema("{nope")
+    with pytest.raises(FlylocalError, match="is an object"):
+        G.json_schema("[1, 2]")
+    with pytest.raises(FlylocalError, match="cannot"):
+        G.Grammar(VOCAB, G.grammar_text("start: bar"), "grammar")
+    with pytest.raises(FlylocalError, match="cannot"):
+        G.Grammar(VOCAB, G.json_schema({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}), "JSON schema")
