@@ -70,8 +70,9 @@ class TextStream:
 
 
 class Session:
-    def __init__(self, models: Models, system: str | None = None):
+    def __init__(self, models: Models, system: str | None = None, grammar=None):
         self.models = models
+        self.grammar = grammar                         # every answer under it (a Grammar), or None
         self.lock = threading.Lock()                   # one generation at a time on the models
         self.target = models.target
         self.settings: Settings = models.settings      # this session's; switching replaces it
@@ -116,24 +117,25 @@ class Session:
         return self.models.reconnect()
 
     # ----- turns -----
-    def encode(self, messages: list[dict]):
-        """Token ids of a conversation (the session's system prompt first, if any). Message text
-        is plain text: only the chat template's own structure becomes control tokens."""
+    def encode(self, messages: list[dict], tools: list[dict] | None = None):
+        """Token ids of a conversation (the session's system prompt first, if any), with the
+        functions in `tools` for a template that reads them. Message text is plain text: only
+        the chat template's own structure becomes control tokens."""
         head = [{"role": "system", "content": self.system}] if self.system else []
         if self.has_template:
-            return self.target.tokenize_chat(head + messages)
+            return self.target.tokenize_chat(head + messages, tools)
         # A base model continues the text: other turns start a paragraph, replies follow on.
         text = ""
         for m in head + messages:
             text += m["content"] if m["role"] == "assistant" else ("\n\n" if text else "") + m["content"]
         return self.target.tokenize(text)
 
-    def request(self, ids, settings: Settings, on_end=None) -> Generation:
+    def request(self, ids, settings: Settings, on_end=None, grammar=None) -> Generation:
         """A one-off request on these models with its own settings: a fresh engine, a fresh
         verifier (its own ASD ledger), and lookup that never sees other requests' text. The
         conversation is not touched. Hold `lock` while the Generation runs when requests can
         come from several threads."""
-        return self.models.engine(settings, private=True).generate(ids, on_end=on_end)
+        return self.models.engine(settings, private=True).generate(ids, on_end=on_end, grammar=grammar)
 
     def _prompt_ids(self, user: str):
         """Token ids of the conversation plus the new message, dropping the oldest turns if it
@@ -169,6 +171,6 @@ class Session:
                 self.messages.pop()
             self.totals.add(gen.stats)
 
-        generation = self.engine().generate(ids, on_end=finished)
+        generation = self.engine().generate(ids, on_end=finished, grammar=self.grammar)
         self.messages.append(turn)
         return generation

@@ -68,7 +68,7 @@ SCHEMAS = [
                                       "c": {"type": "boolean"}},
      "required": ["ab", "c"], "additionalProperties": False},
 ]
-GRAMMARS = [G.Grammar(VOCAB, G.json_schema(s), "JSON schema") for s in SCHEMAS]
+GRAMMARS = [G.Grammar(VOCAB, G.json_schema(s), "the JSON schema") for s in SCHEMAS]
 LM = FakeLM(seed=7, n_vocab=len(PIECES), eog=(EOS,), p_eog=0.05)
 PROMPT = np.array([1, 7, 2, 11], dtype=np.int32)
 
@@ -197,7 +197,7 @@ class Scripted:
 
 # The grammar of {"a": <integer>}: after '{"', 'a', '":', ' ' comes a digit or '-'.
 OBJ_A = G.Grammar(VOCAB, G.json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
-                                          "required": ["a"], "additionalProperties": False}), "JSON schema")
+                                          "required": ["a"], "additionalProperties": False}), "the JSON schema")
 OPEN = [18, 7, 19, 6]                                  # '{"' 'a' '":' ' '
 X = 15                                                 # 'x': no integer has it
 
@@ -248,9 +248,9 @@ def test_forced_tokens_are_drafted_first_and_counted():
 def test_bad_grammars_are_one_line_errors():
     with pytest.raises(FlylocalError, match="not valid JSON"):
         G.json_schema("{nope")
-    with pytest.raises(FlylocalError, match="is an object"):
+    with pytest.raises(FlylocalError, match="a JSON schema is an object"):
         G.json_schema("[1, 2]")
     with pytest.raises(FlylocalError, match="cannot"):
-        G.Grammar(VOCAB, G.grammar_text("start: bar"), "grammar")
+        G.Grammar(VOCAB, G.grammar_text("start: bar"), "the grammar")
     with pytest.raises(FlylocalError, match="cannot"):
-        G.Grammar(VOCAB, G.json_schema({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}), "JSON schema")
+        G.Grammar(VOCAB, G.json_schema({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}), "the JSON schema")

@@ -77,20 +77,20 @@ def tokenizer(model):
 
 # ----- what a user gives -----
 
-def json_schema(schema) -> str:
-    """The grammar of JSON valid under `schema` (a dict, or its JSON text)."""
+def json_schema(schema, source: str = "the JSON schema") -> str:
+    """The grammar of JSON valid under `schema` (a dict, or its JSON text); errors name it `source`."""
     llg = _llg()
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
-            raise FlylocalError(f"the JSON schema is not valid JSON: {e}") from None
+            raise FlylocalError(f"{source} is not valid JSON: {e}") from None
     if not isinstance(schema, dict):
-        raise FlylocalError(f"a JSON schema is an object, not {type(schema).__name__}")
+        raise FlylocalError(f"{source} is a {type(schema).__name__}; a JSON schema is an object")
     try:
         return llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
     except (ValueError, TypeError) as e:
-        raise FlylocalError(f"the JSON schema cannot be used: {_line(e)}") from None
+        raise FlylocalError(f"{source} cannot be used: {_line(e)}") from None
 
 
 def json_object() -> str:
@@ -98,13 +98,22 @@ def json_object() -> str:
     return json_schema({"type": "object"})
 
 
-def grammar_text(text: str) -> str:
+def grammar_text(text: str, source: str = "the grammar") -> str:
     """A grammar in Lark (llguidance's syntax) or llama.cpp's GBNF, whichever it is."""
     llg = _llg()
     try:
         return llg.grammar_from("grammar", text)
     except (ValueError, TypeError) as e:
-        raise FlylocalError(f"the grammar cannot be read: {_line(e)}") from None
+        raise FlylocalError(f"{source} cannot be read: {_line(e)}") from None
+
+
+def checked(grammar: str, source: str) -> str:
+    """`grammar`, once it is known to compile (before any vocabulary is read): FlylocalError
+    naming `source` otherwise."""
+    error, messages = _llg().LLMatcher.validate_grammar_with_warnings(grammar)
+    if error:
+        raise FlylocalError(f"{source} cannot be used: {_line(Exception(messages[0]))}")
+    return grammar
 
 
 def _line(e: Exception) -> str:
@@ -115,14 +124,14 @@ def _line(e: Exception) -> str:
 class Grammar:
     """A grammar checked against one vocabulary; `start()` gives a fresh Constraint."""
 
-    def __init__(self, model, grammar: str, name: str = "grammar"):
+    def __init__(self, model, grammar: str, name: str = "the grammar"):
         llg = _llg()
         self.name = name
         self.tokenizer = tokenizer(model)
         self.n_vocab = model.n_vocab
         error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if error:
-            raise FlylocalError(f"the {name} cannot be used: {_line(Exception(messages[0]))}")
+            raise FlylocalError(f"{name} cannot be used: {_line(Exception(messages[0]))}")
         self.grammar = grammar
 
     def start(self) -> Constraint:
@@ -145,7 +154,7 @@ class Constraint:
 
     def _check(self) -> None:
         if self.matcher.is_error():
-            raise FlylocalError(f"the {self.grammar.name} failed: {_line(Exception(self.matcher.get_error()))}")
+            raise FlylocalError(f"{self.grammar.name} failed: {_line(Exception(self.matcher.get_error()))}")
 
     def forced(self, limit: int) -> np.ndarray:
         """The next tokens the grammar allows no alternative to (up to `limit`) [f] int32."""
@@ -191,7 +200,7 @@ class Constraint:
         """Advance over committed tokens (each allowed where it stands)."""
         if len(tokens) and not self.matcher.consume_tokens([int(t) for t in tokens]):
             self._check()
-            raise FlylocalError(f"the {self.grammar.name} refused a committed token")  # pragma: no cover
+            raise FlylocalError(f"{self.grammar.name} refused a committed token")  # pragma: no cover
 
 
 _shared_executor = None

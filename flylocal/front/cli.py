@@ -86,6 +86,54 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     return check_text(prompt, "the prompt")
 
 
+def constrained_output(f):
+    """The options that put a command's output under a grammar (docs/design.md, "Grammars")."""
+    f = click.option("--grammar", "grammar_file", metavar="FILE", default=None,
+                     help="Constrain the output to a grammar: Lark (llguidance's syntax) or llama.cpp's GBNF.")(f)
+    f = click.option("--json-object", is_flag=True, help="Constrain the output to one JSON object.")(f)
+    f = click.option("--json-schema", "json_schema_file", metavar="FILE|-", default=None,
+                     help="Constrain the output to JSON valid under the JSON schema in FILE (- for stdin).")(f)
+    return f
+
+
+def read_constraint(json_schema_file: str | None, json_object: bool, grammar_file: str | None):
+    """(what it is, its llguidance grammar) for the options given, or None; read and compiled
+    before any model is loaded, so a bad file costs nothing."""
+    from flylocal.decoding import grammar as G
+
+    given = [name for name, value in (("--json-schema", json_schema_file), ("--json-object", json_object),
+                                      ("--grammar", grammar_file)) if value]
+    if len(given) > 1:
+        raise FlylocalError(f"give one of {', '.join(given)}, not several")
+    if json_object:
+        return "the JSON object", G.json_object()
+    path = json_schema_file or grammar_file
+    if path is None:
+        return None
+    what = "JSON schema" if json_schema_file else "grammar"
+    if path == "-":
+        data, source = read_stdin(), f"the {what} on stdin"
+    else:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise FlylocalError(f"cannot read the {what} {path}: {e.strerror}") from None
+        source = f"the {what} {path}"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FlylocalError(f"{source} is not UTF-8 text (bad byte at offset {e.start})") from None
+    return source, G.json_schema(text, source) if json_schema_file else G.grammar_text(text, source)
+
+
+def compile_constraint(constraint, target):
+    """The Grammar of `read_constraint`'s result over the target's vocabulary (None: none)."""
+    from flylocal.decoding.grammar import Grammar
+
+    return Grammar(target, constraint[1], constraint[0]) if constraint is not None else None
+
+
 def open_output(path: str, what: str):
     """Open an output file before any work is done, so a bad path costs nothing."""
     try:
@@ -102,19 +150,24 @@ def open_output(path: str, what: str):
               help="Parse special-token text in the prompt (\"<|im_end|>\") as control tokens, for templates "
                    "made by hand (with --raw). Without it the prompt is always plain text.")
 @options(*GENERATION)
+@constrained_output
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, prompt_tokens, stats).")
 @click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,
               help="Write one JSON row per round to FILE: round, n_past, draft, target_argmax, "
                    "entropy, regret, accepted, loose, emitted (and budget_spent/budget_left for asd, "
-                   "draft_text for a draft through text).")
-def generate(prompt, prompt_file, raw, special, as_json, trace_file, **opts):
+                   "draft_text for a draft through text, forced under a grammar).")
+def generate(prompt, prompt_file, raw, special, json_schema_file, json_object, grammar_file, as_json, trace_file,
+             **opts):
     """Generate a reply to PROMPT, streaming text to stdout and a stats line to stderr."""
     from flylocal.loader import check, encode_prompt, load
     from flylocal.session import TextStream
 
+    if prompt_file == "-" and "-" in (json_schema_file, grammar_file):
+        raise FlylocalError("stdin can hold the prompt or the grammar, not both")
     text = read_prompt(prompt, prompt_file)
     if not text.strip():
         raise FlylocalError("the prompt is empty")
+    constraint = read_constraint(json_schema_file, json_object, grammar_file)
     settings = dataclasses.replace(settings_from(opts), trace=trace_file is not None)
     check(settings)
     trace_out = open_output(trace_file, "trace file") if trace_file else None
@@ -124,7 +177,8 @@ def generate(prompt, prompt_file, raw, special, as_json, trace_file, **opts):
             ids, message = encode_prompt(models.target, text, raw, special=special)
             if message:
                 note(message)
-            with models.engine().generate(ids) as generation:
+            grammar = compile_constraint(constraint, models.target)
+            with models.engine().generate(ids, grammar=grammar) as generation:
                 stream_generation(generation, models.target, trace_out, trace_file, as_json)
             stats, tokens = generation.stats, generation.tokens
             whole = TextStream(models.target)          # an incomplete last character held back
@@ -147,6 +201,9 @@ def generate(prompt, prompt_file, raw, special, as_json, trace_file, **opts):
     out.flush()
     if not as_json:
         note(stats.summary())
+    if constraint is not None and stats.stop in ("max_tokens", "context"):
+        note(f"the output stopped at {'--max-tokens' if stats.stop == 'max_tokens' else 'the end of --ctx'} "
+             f"before {constraint[0]} was complete")
 
 
 def stream_generation(generation, target, trace_out, trace_file, as_json) -> None:
@@ -231,7 +288,8 @@ def read_line(tty: bool) -> str | None:
 @click.option("--system", "system", default=None, metavar="TEXT", help="System prompt.")
 @click.option("--color/--no-color", "color", default=None,
               help="Colour tokens by how they were accepted. Default: on a terminal, unless NO_COLOR is set.")
-def chat(system, color, **opts):
+@constrained_output
+def chat(system, color, json_schema_file, json_object, grammar_file, **opts):
     """Chat with the target model; speculative decoding makes the answers come faster.
 
     Reads messages line by line (with line editing and history on a terminal). Ctrl-C stops
@@ -244,6 +302,9 @@ def chat(system, color, **opts):
         raise FlylocalError("stdin is closed: chat reads its messages from stdin")
     if system is not None:
         check_text(system, "--system")
+    if "-" in (json_schema_file, grammar_file):
+        raise FlylocalError("chat reads its messages from stdin: give the grammar as a file")
+    constraint = read_constraint(json_schema_file, json_object, grammar_file)
     tty = sys.stdin.isatty()
     if tty:
         import readline  # noqa: F401 - line editing and history for input()
@@ -251,7 +312,12 @@ def chat(system, color, **opts):
     settings = settings_from(opts)
     check(settings)
     models = load(settings, log=note)
-    session = Session(models, system=system)
+    try:
+        grammar = compile_constraint(constraint, models.target)
+    except BaseException:
+        models.close()
+        raise
+    session = Session(models, system=system, grammar=grammar)
     out = sys.stdout
     try:
         if tty:

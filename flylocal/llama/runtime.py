@@ -505,9 +505,10 @@ class Runtime:
         raw = llama_cpp.llama_model_chat_template(self._model, None)
         return raw.decode("utf-8", "replace") if raw else None
 
-    def format_chat(self, messages: list[dict]) -> str | None:
-        """Render `messages` with the model's GGUF chat template (Jinja2, as llama-cpp-python
-        does), ending with the assistant's turn; None when the model has no template."""
+    def format_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str | None:
+        """Render `messages` (and the functions in `tools`, for a template that reads them) with
+        the model's GGUF chat template (Jinja2, as llama-cpp-python does), ending with the
+        assistant's turn; None when the model has no template."""
         if self._formatter is None:          # compiling the template takes ~5 ms: once per model
             template = self.chat_template()
             if template is None:
@@ -521,7 +522,7 @@ class Runtime:
                 add_generation_prompt=True,
             )
         try:
-            return self._formatter(messages=messages).prompt
+            return self._formatter(messages=messages, tools=tools).prompt
         except Exception as e:  # a template may raise for unsupported roles or orderings
             raise FlylocalError(f"the chat template of {self.name} failed: {e}") from None
 
@@ -587,7 +588,12 @@ class Runtime:
             self._specials = (pattern, found)
         return self._specials
 
-    def tokenize_chat(self, messages: list[dict]) -> np.ndarray | None:
+    def reads_tools(self) -> bool:
+        """Whether the chat template renders offered functions (it reads a `tools` variable)."""
+        template = self.chat_template() or ""
+        return re.search(r"\btools\b", template) is not None
+
+    def tokenize_chat(self, messages: list[dict], tools: list[dict] | None = None) -> np.ndarray | None:
         """Token ids of `messages` rendered with the model's chat template, ending with the
         assistant's turn; None when the model has no template.
 
@@ -597,11 +603,11 @@ class Runtime:
         only inserts (or trims) the contents, the result is the template's exact token
         sequence. Where it transforms them otherwise, the placeholders' layout is used.
         """
-        rendered = self.format_chat(messages)
+        rendered = self.format_chat(messages, tools)
         if rendered is None:
             return None
         marks = [f"\ue000flylocal-{i}\ue001" for i in range(len(messages))]
-        skeleton = self.format_chat([{**m, "content": mark} for m, mark in zip(messages, marks)])
+        skeleton = self.format_chat([{**m, "content": mark} for m, mark in zip(messages, marks)], tools)
         # [template, index, template, index, ..., template]: odd items are message indices
         split = re.split("\ue000flylocal-(\\d+)\ue001", skeleton)
         pieces = [int(x) if i % 2 else x for i, x in enumerate(split)]

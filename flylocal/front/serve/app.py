@@ -104,7 +104,8 @@ class Server:
                            param=param, code="context_length_exceeded")
 
     # ----- running a job -----
-    def submit(self, settings: Settings, ids, stops: list[str], tokens: bool = False) -> tuple[Job, asyncio.Queue]:
+    def submit(self, settings: Settings, ids, stops: list[str], tokens: bool = False,
+               grammar: tuple[str, str] | None = None) -> tuple[Job, asyncio.Queue]:
         """Queue a generation; its items (flylocal.front.serve.worker) arrive on the returned queue."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -115,7 +116,7 @@ class Server:
             except RuntimeError:         # the loop is gone (shutdown)
                 pass
 
-        job = Job(settings, ids, stops, emit, tokens=tokens)
+        job = Job(settings, ids, stops, emit, tokens=tokens, grammar=grammar)
         try:
             self.worker.submit(job)
         except Refused as e:

@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from flylocal.errors import FlylocalError
+from flylocal.front.serve import tools
 from flylocal.front.serve.app import ApiError, Server, collect, failure_message
 from flylocal.front.serve.worker import END
 from flylocal.settings import OPTIONS, Settings
@@ -102,10 +103,6 @@ def run_settings(base: Settings, data: dict, n_ctx: int) -> tuple[Settings, list
             raise ApiError(400, f"options.{name}: set when the server starts (flylocal serve {AT_START[name]})")
         else:
             raise ApiError(400, f"options.{name}: flylocal does not support this option")
-    if data.get("format") not in (None, ""):
-        raise ApiError(400, f"format: {json.dumps(data['format'])}; flylocal does not constrain its output")
-    if data.get("tools"):
-        raise ApiError(400, f"tools: {len(data['tools'])} given; flylocal does not call tools")
     if data.get("think") not in (None, False):
         raise ApiError(400, f"think: {json.dumps(data['think'])}; flylocal runs no thinking mode")
     for own in ("verifier", "drafter"):              # flylocal's own, beside ollama's fields
@@ -113,6 +110,20 @@ def run_settings(base: Settings, data: dict, n_ctx: int) -> tuple[Settings, list
             top[own] = checked(own, data[own], own)
     settings = dataclasses.replace(base, **top, sampling=dataclasses.replace(base.sampling, **sampling), trace=False)
     return settings, stops
+
+
+def output_grammar(data: dict) -> tuple[str, str] | None:
+    """`format`: "json" (any JSON object) or a JSON schema; (what it is, its grammar)."""
+    from flylocal.decoding import grammar as G
+
+    fmt = data.get("format")
+    if fmt in (None, ""):
+        return None
+    if fmt == "json":
+        return "the JSON object", G.json_object()
+    if isinstance(fmt, dict):
+        return "format", G.checked(G.json_schema(fmt, "format"), "format")
+    raise ApiError(400, f"format: {json.dumps(fmt)[:80]}; \"json\" or a JSON schema")
 
 
 def details(info) -> dict:
@@ -189,7 +200,7 @@ def routes(app, server: Server) -> None:
                     "details": details(info),
                     "model_info": {"general.architecture": arch, "general.parameter_count": info.parameters,
                                    f"{arch}.context_length": info.context_length or session.target.n_ctx},
-                    "capabilities": ["completion"], "modified_at": entry(session)["modified_at"]}
+                    "capabilities": ["completion", "tools"], "modified_at": entry(session)["modified_at"]}
         return await guarded(request, "ollama_show", work)
 
     for path in ("pull", "push", "create", "copy", "delete", "embed", "embeddings", "blobs/{digest}"):
@@ -209,6 +220,7 @@ def routes(app, server: Server) -> None:
             find(session, data.get("model"))
             n_ctx = session.target.n_ctx
             run, stops = run_settings(settings, data, n_ctx)
+            grammar, calls = output_grammar(data), False
             server.check_settings(run, session, param="options")
             stream = data.get("stream", True)
             if not isinstance(stream, bool):
@@ -219,17 +231,37 @@ def routes(app, server: Server) -> None:
                     raise ApiError(400, "messages must be a list")
                 turns = []
                 for m in messages:
-                    if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
-                            or not isinstance(m.get("content", ""), str):
+                    if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool") \
+                            or not isinstance(m.get("content") or "", str):
                         raise ApiError(400, f"messages: {json.dumps(m)[:80]}; a message has a role (system, user, "
-                                            "assistant) and text content")
-                    if m.get("images") or m.get("tool_calls"):
-                        raise ApiError(400, "messages: flylocal takes text only (no images, no tool calls)")
-                    turns.append({"role": m["role"], "content": m.get("content", "")})
+                                            "assistant, tool) and text content")
+                    if m.get("images"):
+                        raise ApiError(400, "messages: flylocal takes text only (no images)")
+                    turn = {"role": m["role"], "content": m.get("content") or ""}
+                    calls = m.get("tool_calls")
+                    if calls:
+                        if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                                  and isinstance(c["function"].get("name"), str)
+                                                                  for c in calls):
+                            raise ApiError(400, "messages: tool_calls is a list of {\"function\": {\"name\", \"arguments\"}}")
+                        turn["tool_calls"] = calls
+                    if m.get("tool_name"):
+                        turn["name"] = m["tool_name"]
+                    turns.append(turn)
                 if not turns:
                     return load_only(started, chat)
-                ids = session.encode(turns)
+                if data.get("tools") and grammar is not None:
+                    raise ApiError(400, "format and tools: flylocal constrains an answer to one of them")
+                offered = data.get("tools") or []
+                if not isinstance(offered, list):
+                    raise ApiError(400, "tools must be a list")
+                tool_plan = tools.plan(turns, offered, "auto", session.target.reads_tools())
+                ids = session.encode(tool_plan.messages, tool_plan.tools)
+                if tool_plan.grammar is not None:
+                    grammar, calls = ("the tools' grammar", tool_plan.grammar), True
             else:
+                if data.get("tools"):
+                    raise ApiError(400, "tools: /api/generate calls no tools (/api/chat does)")
                 prompt = data.get("prompt", "")
                 if not isinstance(prompt, str):
                     raise ApiError(400, "prompt must be a string")
@@ -244,7 +276,7 @@ def routes(app, server: Server) -> None:
                     ids = session.target.tokenize_chat(([{"role": "system", "content": system}] if system else [])
                                                        + [{"role": "user", "content": prompt}])
             server.check_fits(ids, session, "prompt")
-            job, queue = server.submit(run, ids, stops)
+            job, queue = server.submit(run, ids, stops, grammar=grammar)
         except FlylocalError as e:
             server.answered(request, endpoint, 400, started)
             return error(400, str(e))
@@ -260,7 +292,7 @@ def routes(app, server: Server) -> None:
                 return head | {"message": {"role": "assistant", "content": text}, "done": False}
             return head | {"response": text, "done": False}
 
-        def final(reason: str, stats, n_out: int, text: str = "") -> dict:
+        def final(reason: str, stats, n_out: int, text: str = "", call: dict | None = None) -> dict:
             last = piece(text) | {
                 "done": True, "done_reason": DONE.get(reason, "stop"),
                 "total_duration": int((time.perf_counter() - started) * 1e9), "load_duration": 0,
@@ -273,6 +305,8 @@ def routes(app, server: Server) -> None:
                              "stop": reason}}
             if not chat:
                 last["context"] = []
+            if call is not None:
+                last["message"]["tool_calls"] = [{"function": {"name": call["name"], "arguments": call["arguments"]}}]
             return last
 
         if not stream:
@@ -284,17 +318,27 @@ def routes(app, server: Server) -> None:
                 return error(status, failure_message(failed) if failed else "the server is shutting down")
             _, reason, stats, n_out = done
             server.answered(request, endpoint, 200, started, stats, len(ids), n_out)
-            return JSONResponse(final(reason, stats, n_out, "".join(parts)))
+            text = "".join(parts)
+            call = tools.read_call(text) if calls and reason == "eog" else None
+            return JSONResponse(final(reason, stats, n_out, "" if call else text, call))
 
         async def lines():
             stats, n_out, status = None, 0, 200
+            held, holding = [], None          # an answer that begins with "{" may be a call: held back
             try:
                 while (item := await queue.get()) is not END:
                     if item[0] == "text":
+                        if calls and holding is None and item[1]:
+                            holding = item[1].startswith("{")
+                        if holding:
+                            held.append(item[1])
+                            continue
                         yield json.dumps(piece(item[1])) + "\n"
                     elif item[0] == "done":
                         _, reason, stats, n_out = item
-                        yield json.dumps(final(reason, stats, n_out)) + "\n"
+                        call = tools.read_call("".join(held)) if holding and reason == "eog" else None
+                        yield json.dumps(final(reason, stats, n_out, "" if call or not holding else "".join(held),
+                                               call)) + "\n"
                     elif item[0] == "error":
                         status = 500
                         yield json.dumps({"error": failure_message(item[1])}) + "\n"

@@ -19,10 +19,12 @@ from typing import Any, Literal
 import click
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError, field_serializer, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator,
+                      model_serializer, model_validator)
 
 from flylocal.decoding.engine import KIND_LETTERS
 from flylocal.errors import FlylocalError
+from flylocal.front.serve import tools
 from flylocal.front.serve.app import ApiError, Server, collect, failure_message, json_body
 from flylocal.front.serve.worker import END
 from flylocal.settings import OPTIONS, Settings
@@ -46,16 +48,41 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str                            # JSON text
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None                   # who spoke: the chat template has no place for it
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None           # a tool's result: the call it answers
+    refusal: str | None = None
 
     def text(self) -> str:
         if self.content is None:
             return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def turn(self) -> dict:
+        """The message as the session renders it."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class StreamOptions(BaseModel):
@@ -63,16 +90,35 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: str
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None                # flylocal's output always follows the schema
 
-    @field_validator("type")
-    @classmethod
-    def text_only(cls, v):
-        if v != "text":
-            raise ValueError(f"{v!r}; flylocal does not constrain its output (only \"text\")")
-        return v
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs json_schema: {\"name\", \"schema\"}")
+        return self
+
+    def grammar(self) -> tuple[str, str] | None:
+        """(what it is, its grammar) of the output, or None for free text."""
+        from flylocal.decoding import grammar as G
+
+        if self.type == "json_object":
+            return "the JSON object", G.json_object()
+        if self.type == "json_schema":
+            source = f"response_format.json_schema {self.json_schema.name!r}"
+            return source, G.checked(G.json_schema(self.json_schema.schema_ or {}, source), source)
+        return None
 
 
 def refuse(value, why: str):
@@ -182,19 +228,12 @@ class ChatRequest(Common):
             refuse(v, "top_logprobs lies between 0 and 20")
         return v
 
-    @field_validator("tools")
-    @classmethod
-    def no_tools(cls, v):
-        if v:
-            refuse(len(v), f"{len(v)} function{'s' if len(v) > 1 else ''} given; flylocal does not call tools")
-        return v
-
-    @field_validator("tool_choice")
-    @classmethod
-    def no_tool_choice(cls, v):
-        if v not in (None, "none", "auto"):
-            refuse(v, "flylocal does not call tools (none or auto)")
-        return v
+    @model_validator(mode="after")
+    def one_constraint(self):
+        if self.tools and self.tool_choice != "none" and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("response_format and tools: flylocal constrains an answer to one of them")
+        return self
 
     @model_validator(mode="after")
     def top_needs_logprobs(self):
@@ -323,7 +362,15 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict] | None = None
+
+    @model_serializer(mode="wrap")
+    def calls_when_made(self, handler) -> dict:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -336,6 +383,7 @@ class ChatChoice(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None
 
 
 class ChunkChoice(BaseModel):
@@ -381,7 +429,7 @@ def usage(prompt_tokens: int, completion_tokens: int, stats, settings: Settings,
         prompt_tokens_details={"cached_tokens": stats.prompt_reused},
         flylocal={
             "verifier": settings.verifier, "drafter": settings.drafter_name, "rounds": stats.rounds,
-            "drafted": stats.drafted, "accepted": stats.accepted, "loose": stats.loose,
+            "drafted": stats.drafted, "accepted": stats.accepted, "loose": stats.loose, "forced": stats.forced,
             "mean_accepted_length": round(stats.mean_accepted_length, 4),
             "tokens_per_s": round(stats.tokens_per_s, 3),
             "budget_left": stats.budget_left, "stop": reason,
@@ -415,6 +463,20 @@ def completion_logprobs(tokens, offset: int) -> tuple[dict, int]:
     return out, offset
 
 
+def openai_call(call: dict) -> dict:
+    """A call read from an answer in OpenAI's shape, with a fresh id."""
+    return {"id": tools.call_id(), "type": "function",
+            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
+
+
+def e_param(message: str, chat: bool) -> str:
+    """The request field an encoding error is about."""
+    for field in ("tools", "tool_choice", "tool_calls", "response_format"):
+        if message.startswith(field):
+            return "messages" if field == "tool_calls" else field
+    return "messages" if chat else "prompt"
+
+
 def routes(app, server: Server) -> None:
     settings = server.settings
 
@@ -446,24 +508,31 @@ def routes(app, server: Server) -> None:
                                     "that is", param="model", code="model_not_found")
             run_settings = request_settings(settings, req, session.target.n_vocab)
             server.check_settings(run_settings, session)
+            grammar = None
+            calls = False                # the answer may be a tool call
             try:
                 if chat:
-                    ids = session.encode([{"role": "system" if m.role == "developer" else m.role,
-                                           "content": m.text()} for m in req.messages])
+                    turns = [m.turn() for m in req.messages]
+                    tool_plan = tools.plan(turns, req.tools or [], req.tool_choice, session.target.reads_tools())
+                    ids = session.encode(tool_plan.messages, tool_plan.tools)
+                    if tool_plan.grammar is not None:
+                        grammar, calls = ("the tools' grammar", tool_plan.grammar), True
+                    elif req.response_format is not None:
+                        grammar = req.response_format.grammar()
                 else:
                     text = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
                     if not text:
                         raise ApiError(400, "the prompt is empty", param="prompt")
                     ids = session.target.tokenize(text, add_special=True, parse_special=False)
             except FlylocalError as e:
-                raise ApiError(400, str(e), param="messages" if chat else "prompt") from None
+                raise ApiError(400, str(e), param=e_param(str(e), chat)) from None
             server.check_fits(ids, session, "messages" if chat else "prompt")
             top = logprobs_wanted(req, chat)
             if top is not None:
                 run_settings = dataclasses.replace(run_settings, logprobs=top)
             stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
             # A stream always carries how each token came (stream_kinds); logprobs only when asked.
-            job, queue = server.submit(run_settings, ids, stops, tokens=top is not None or req.stream)
+            job, queue = server.submit(run_settings, ids, stops, tokens=top is not None or req.stream, grammar=grammar)
         except ApiError as e:
             return error_response(e, request, endpoint, started)
 
@@ -494,7 +563,11 @@ def routes(app, server: Server) -> None:
             _, reason, stats, n_out = done
             finish = FINISH.get(reason, "stop")
             text = "".join(parts)
-            if chat:
+            call = tools.read_call(text) if calls and reason == "eog" else None
+            if call is not None:
+                choice = ChatChoice(message=AssistantMessage(content=None, tool_calls=[openai_call(call)]),
+                                    logprobs=logprobs(tokens), finish_reason="tool_calls")
+            elif chat:
                 choice = ChatChoice(message=AssistantMessage(content=text), logprobs=logprobs(tokens),
                                     finish_reason=finish)
             else:
@@ -522,6 +595,9 @@ def routes(app, server: Server) -> None:
                 return TextChoice(text=text or "", logprobs=lp, finish_reason=finish)
 
             stats, n_out, status = None, 0, 200
+            # With tools, an answer that begins with "{" is a call: held back, and sent as
+            # OpenAI's tool-call delta once it is complete.
+            held, holding = [], None
             try:
                 if chat:
                     yield chunk([ChunkChoice(delta=Delta(role="assistant", content=""))])
@@ -530,10 +606,23 @@ def routes(app, server: Server) -> None:
                     if item is END:
                         break
                     if item[0] == "text":
+                        if calls and holding is None and item[1]:
+                            holding = item[1].startswith("{")
+                        if holding:
+                            held.append(item[1])
+                            continue
                         yield chunk([piece(item[1], None, item[2])], tokens=item[2])
                     elif item[0] == "done":
                         _, reason, stats, n_out = item
-                        yield chunk([piece(None if chat else "", FINISH.get(reason, "stop"))])
+                        finish = FINISH.get(reason, "stop")
+                        if holding:
+                            call = tools.read_call("".join(held)) if reason == "eog" else None
+                            if call is None:          # cut short: the text as it is
+                                yield chunk([piece("".join(held), None)])
+                            else:
+                                yield chunk([ChunkChoice(delta=Delta(tool_calls=[openai_call(call) | {"index": 0}]))])
+                                finish = "tool_calls"
+                        yield chunk([piece(None if chat else "", finish)])
                         if include_usage:
                             yield chunk([], usage=usage(len(ids), n_out, stats, run_settings, reason))
                     elif item[0] == "error":

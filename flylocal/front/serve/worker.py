@@ -88,6 +88,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
     tokens: bool = False                      # emit OutTokens (logprobs, kinds) with the text
+    grammar: tuple[str, str] | None = None    # (what it is, its llguidance grammar): the output under it
 
 
 class Worker:
@@ -156,7 +157,12 @@ class Worker:
     def _generate(self, job: Job) -> None:
         session = self.session
         session.models.reconnect()       # a model whose rpc servers were lost: once they answer again
-        gen = session.request(job.ids, job.settings)
+        grammar = None
+        if job.grammar is not None:      # the vocabulary is read once per model, on the first
+            from flylocal.decoding.grammar import Grammar
+
+            grammar = Grammar(session.target, job.grammar[1], job.grammar[0])
+        gen = session.request(job.ids, job.settings, grammar=grammar)
         target = session.target
         text = TextStream(target)
         stops = StopStrings(job.stops)

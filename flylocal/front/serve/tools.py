@@ -1,0 +1,177 @@
+"""Tool calls (docs/design.md, "Tool calls"): the functions a client offers, how the prompt
+shows them, the grammar an answer is generated under, and the call read back from it.
+
+An answer is either plain text or one call, the JSON object
+
+    {"name": "<one of the functions>", "arguments": {<valid under its parameters' schema>}}
+
+generated under a grammar, so whatever the model writes is a valid call or plain text, never
+broken JSON. Plain text may not begin with "{": the first character tells the two apart.
+
+- A chat template that reads a `tools` variable renders the functions itself.
+- Otherwise a system preamble lists them with their schemas, and says how to call one; the
+  conversation's tool results and earlier calls become text the template can render
+  (a call as its JSON object in the assistant's turn, a result as a user turn).
+
+`tool_choice`: "auto" (text or a call), "required" (a call), a named function (a call of it),
+"none" (text; the functions are not shown).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+from flylocal.decoding import grammar as G
+from flylocal.errors import FlylocalError
+
+PREAMBLE = ("You can call functions. To call one, answer with only a JSON object "
+            '{"name": <the function\'s name>, "arguments": <an object of its arguments>} and nothing else. '
+            "Otherwise answer in plain text. The functions:")
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str
+    description: str
+    parameters: dict          # a JSON schema of the arguments object
+
+
+@dataclass(frozen=True)
+class Plan:
+    messages: list[dict]      # what the template renders
+    tools: list[dict] | None  # given to a template that reads them
+    grammar: str | None       # the answer's llguidance grammar (None: free text)
+
+
+def functions(tools: list, where: str = "tools") -> list[Function]:
+    """The offered functions, checked: FlylocalError naming the first that is not one."""
+    out = []
+    for i, tool in enumerate(tools):
+        spec = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(spec, dict):
+            raise FlylocalError(f"{where}[{i}]: a tool is {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}")
+        name = spec.get("name")
+        if not isinstance(name, str) or not name:
+            raise FlylocalError(f"{where}[{i}].function.name: a function needs a name")
+        params = spec.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise FlylocalError(f"{where}[{i}].function.parameters: a JSON schema is an object")
+        if any(f.name == name for f in out):
+            raise FlylocalError(f"{where}[{i}].function.name: {name!r} is offered twice")
+        out.append(Function(name, str(spec.get("description") or ""), params))
+    return out
+
+
+def chosen(choice, offered: list[Function]) -> tuple[str, list[Function]]:
+    """(mode: "none", "auto" or "required"; the functions a call may name) for a tool_choice."""
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice or "auto", offered
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        named = [f for f in offered if f.name == name]
+        if not named:
+            raise FlylocalError(f"tool_choice: {json.dumps(name)} is not among the tools offered")
+        return "required", named
+    raise FlylocalError(f"tool_choice: {json.dumps(choice)[:80]}; auto, none, required or "
+                        '{"type": "function", "function": {"name": ...}}')
+
+
+def call_grammar(functions: list[Function], required: bool) -> str:
+    """The llguidance grammar of an answer: one call of one of `functions`, or (unless
+    `required`) plain text that does not begin with "{"."""
+    calls = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.parameters},
+              "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
+    schema["x-guidance"] = G.JSON_LAYOUT
+    text = "" if required else r" | /([^{][\s\S]*)?/"
+    lark = f"start: call{text}\ncall: %json {json.dumps(schema)}\n"
+    return G.checked(G.grammar_text(lark, "the tools' grammar"), "the tools' schemas")
+
+
+def plan(messages: list[dict], tools: list, choice, template_reads_tools: bool) -> Plan:
+    """How to render a conversation that offers `tools` (OpenAI's shapes) and what to generate."""
+    offered = functions(tools)
+    mode, callable_ = chosen(choice, offered)
+    if mode == "none" or not offered:
+        return Plan(plain_messages(messages), None, None)
+    grammar = call_grammar(callable_, required=mode == "required")
+    if template_reads_tools:
+        return Plan(template_messages(messages), [{"type": "function", "function": {"name": f.name, "description": f.description,
+                                                                  "parameters": f.parameters}} for f in offered],
+                    grammar)
+    listing = "\n".join(json.dumps({"name": f.name, "description": f.description, "parameters": f.parameters})
+                        for f in offered)
+    preamble = f"{PREAMBLE}\n{listing}"
+    rest = plain_messages(messages)
+    if rest and rest[0]["role"] == "system":
+        rest = [{"role": "system", "content": f"{rest[0]['content']}\n\n{preamble}"}] + rest[1:]
+    else:
+        rest = [{"role": "system", "content": preamble}] + rest
+    return Plan(rest, None, grammar)
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """A conversation for a template that knows tools: calls' arguments as objects (templates
+    write them with `tojson`), no content as ""."""
+    out = []
+    for m in messages:
+        m = {**m, "content": m.get("content") or ""}
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{**c, "function": {"name": c["function"]["name"], "arguments": arguments(c)}}
+                               for c in m["tool_calls"]]
+        out.append(m)
+    return out
+
+
+def plain_messages(messages: list[dict]) -> list[dict]:
+    """A conversation any template renders: an earlier call becomes its JSON object in the
+    assistant's turn, a tool's result a user turn saying what it answers."""
+    names = {}
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") or []
+        if m["role"] == "assistant" and calls:
+            text = m.get("content") or ""
+            for call in calls:
+                names[call.get("id")] = call["function"]["name"]
+                text += json.dumps({"name": call["function"]["name"], "arguments": arguments(call)})
+            out.append({"role": "assistant", "content": text})
+        elif m["role"] == "tool":
+            name = names.get(m.get("tool_call_id")) or m.get("name") or "the function"
+            out.append({"role": "user", "content": f"The result of {name}: {m.get('content') or ''}"})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    return out
+
+
+def arguments(call: dict) -> dict:
+    """A call's arguments as an object (OpenAI sends them as JSON text, ollama as an object)."""
+    args = call["function"].get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            raise FlylocalError(f"tool_calls: the arguments of {call['function']['name']} are not JSON") from None
+    if not isinstance(args, dict):
+        raise FlylocalError(f"tool_calls: the arguments of {call['function']['name']} are not an object")
+    return args
+
+
+def read_call(text: str) -> dict | None:
+    """The call an answer made ({"name", "arguments"}), or None when it is plain text (or a
+    call cut short by max_tokens)."""
+    if not text.startswith("{"):
+        return None
+    try:
+        call = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return call if isinstance(call, dict) and "name" in call and isinstance(call.get("arguments"), dict) else None
+
+
+def call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]

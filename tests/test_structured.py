@@ -1,0 +1,194 @@
+"""Structured output and tool calls (docs/design.md, "Grammars", "Tool calls") on SmolLM2:
+through `flylocal generate`, and through `flylocal serve` with the real `openai` and `ollama`
+clients. A 135M model calls tools badly; the mechanism must still be right: every answer is a
+valid call or plain text, and every constrained answer parses and validates.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import jsonschema
+import pytest
+from pydantic import BaseModel
+
+from conftest import SMOL, SMOL_Q4_0
+from test_server import free_port, start, stop, wait_ready
+
+pytestmark = pytest.mark.slow
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "languages"],
+          "properties": {"name": {"type": "string", "maxLength": 24},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "languages": {"type": "array", "maxItems": 3,
+                                       "items": {"enum": ["python", "rust", "c", "go"]}}}}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 30},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time now in a timezone.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["timezone"],
+                   "properties": {"timezone": {"type": "string", "maxLength": 30}}}}}
+
+
+def flylocal(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flylocal", *args, "--threads", "1"], input=stdin,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("drafter", ["none", "pld", "mla"])
+def test_generate_under_a_json_schema_gives_valid_json_and_strict_is_plain(tmp_path, drafter):
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    out = flylocal("generate", "Describe a programmer called Ada as JSON.", "--json-schema", str(schema), "--json",
+                   "--exact", "--verifier", "strict", "--drafter", drafter, "--draft", SMOL_Q4_0, "--max-tokens", "96")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    jsonschema.validate(json.loads(result["text"]), PERSON)
+    if drafter == "none":
+        assert result["stats"]["forced"] == 0
+    else:
+        assert result["stats"]["forced"] > 0
+    plain = flylocal("generate", "Describe a programmer called Ada as JSON.", "--json-schema", "-", "--json",
+                     "--exact", "--drafter", "none", "--max-tokens", "96", stdin=json.dumps(PERSON))
+    assert json.loads(plain.stdout)["tokens"] == result["tokens"]
+
+
+def test_bad_constraints_are_one_line_errors(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}')
+    for args, words in [(["--json-schema", str(bad)], "cannot be used"),
+                        (["--json-schema", str(tmp_path / "none.json")], "cannot read the JSON schema"),
+                        (["--json-object", "--grammar", str(bad)], "not several")]:
+        out = flylocal("generate", "hi", *args)
+        assert out.returncode != 0 and words in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    proc = start("--target", SMOL, "--draft", SMOL_Q4_0, "--ctx", "2048", port=port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url)
+        yield url
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server + "/v1", api_key="none", timeout=120, max_retries=0)
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+def test_openai_response_format_json_schema_and_its_parse_helper(client):
+    for verifier in ("strict", "fly", "asd"):
+        r = client.chat.completions.create(
+            model=SMOL, messages=[{"role": "user", "content": "Describe a programmer called Ada."}], max_tokens=96,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+            extra_body={"verifier": verifier, "drafter": "mla"})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    parsed = client.beta.chat.completions.parse(
+        model=SMOL, messages=[{"role": "user", "content": "Who is Ada? Give her name and age."}], max_tokens=64,
+        response_format=Person)
+    assert isinstance(parsed.choices[0].message.parsed, Person)
+    obj = client.chat.completions.create(model=SMOL, max_tokens=96, response_format={"type": "json_object"},
+                                         messages=[{"role": "user", "content": "A JSON object about a cat."}])
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+def test_openai_tools_round_trip(client):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model=SMOL, messages=messages, tools=[WEATHER, TIME], tool_choice="required",
+                                       max_tokens=96)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.id.startswith("call_") and call.type == "function"
+    params = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), params)
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18})}]
+    answer = client.chat.completions.create(model=SMOL, messages=messages, tools=[WEATHER, TIME], max_tokens=48)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # A named function is called; "auto" answers with a call or with text, never broken JSON.
+    named = client.chat.completions.create(
+        model=SMOL, messages=[{"role": "user", "content": "Time in Tokyo?"}], tools=[WEATHER, TIME], max_tokens=96,
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert named.choices[0].message.tool_calls[0].function.name == "get_time"
+    for question in ("Hello! How are you?", "Weather in Rome, in celsius?"):
+        auto = client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": question}],
+                                              tools=[WEATHER, TIME], max_tokens=96)
+        m = auto.choices[0].message
+        if m.tool_calls:
+            assert auto.choices[0].finish_reason == "tool_calls"
+            json.loads(m.tool_calls[0].function.arguments)
+        else:
+            assert not m.content.startswith("{")
+
+
+def test_a_streamed_tool_call_arrives_as_openai_deltas(client):
+    stream = client.chat.completions.create(
+        model=SMOL, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER], max_tokens=96,
+        tool_choice="required", stream=True)
+    calls, finish = {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and calls[0]["name"] == "get_weather"
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_the_ollama_client_with_a_format_schema_and_tools(server):
+    import ollama
+
+    c = ollama.Client(host=server)
+    r = c.chat(model=SMOL, messages=[{"role": "user", "content": "Describe a programmer called Ada."}],
+               format=PERSON, options={"num_predict": 96})
+    jsonschema.validate(json.loads(r.message.content), PERSON)
+    g = c.generate(model=SMOL, prompt="A JSON object about a dog.", format="json", options={"num_predict": 96})
+    if g.done_reason == "stop":
+        assert isinstance(json.loads(g.response), dict)
+    t = c.chat(model=SMOL, messages=[{"role": "user", "content": "Weather in Lima, in celsius?"}], tools=[WEATHER],
+               options={"num_predict": 96})
+    if t.message.tool_calls:
+        call = t.message.tool_calls[0].function
+        assert call.name == "get_weather" and isinstance(call.arguments, dict)
+    else:
+        assert not t.message.content.startswith("{")
+
+
+def test_bad_formats_and_tools_are_400s(server):
+    url = server + "/v1/chat/completions"
+    msg = [{"role": "user", "content": "hi"}]
+    for body, words in [({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                                     "schema": {"$ref": "#/no"}}}},
+                         "cannot be used"),
+                        ({"response_format": {"type": "yaml"}}, "response_format"),
+                        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "needs a name"),
+                        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                         "not among the tools"),
+                        ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "one of them")]:
+        r = httpx.post(url, json={"messages": msg, **body}, timeout=30)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    r = httpx.post(server + "/api/chat", json={"model": SMOL, "messages": msg, "format": "yaml"}, timeout=30)
+    assert r.status_code == 400 and "format" in r.json()["error"]
