@@ -339,8 +339,8 @@ class Engine:
         return row
 
 
-def generate_all(engine: Engine, prompt: np.ndarray) -> tuple[list[int], Stats, list[dict]]:
-    """Run to completion: (output ids, stats, trace rows)."""
-    gen = engine.generate(prompt)
+def generate_all(engine: Engine, prompt: np.ndarray, grammar: Grammar | None = None) -> tuple[list[int], Stats, list[dict]]:
+    """Run to completion (under `grammar`, if given): (output ids, stats, trace rows)."""
+    gen = engine.generate(prompt, grammar=grammar)
     traces = [event.trace for event in gen if event.trace is not None]
     return list(gen.tokens), gen.stats, traces

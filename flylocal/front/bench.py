@@ -69,7 +69,7 @@ class Prompt:
         return group_of(self.category)
 
 
-COUNTS = ("tokens", "decode_s", "wall_s", "rounds", "loose", "verify_s", "drafted", "accepted")    # summed per prompt over turns, repeats
+COUNTS = ("tokens", "decode_s", "wall_s", "rounds", "loose", "verify_s", "drafted", "accepted", "forced", "mask_s")    # summed per prompt over turns, repeats
 
 
 @dataclass
@@ -82,6 +82,18 @@ class Row:
     spent: dict = field(default_factory=dict)      # prompt id -> ASD regret spent (every turn), last repeat
     passed: dict = field(default_factory=dict)     # prompt id -> HumanEval tests passed (with execute)
     failures: list = field(default_factory=list)   # {"prompt", "repeat", "error"} per failed prompt
+    valid: dict = field(default_factory=dict)      # prompt id -> the answer is valid under --json-schema
+
+
+def valid_json(text: str, schema: dict) -> bool:
+    """Whether `text` parses as JSON valid under `schema` (the jsonschema package)."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 def _read_text(path: Path, what: str) -> str:
@@ -267,18 +279,24 @@ def one_line(e: BaseException) -> str:
 
 def run(settings: Settings, models: Models, baselines: dict, prompts: list[Prompt], methods: list[str],
         repeat: int, progress: Progress | None = None, raw: bool = False, *, encoded: dict | None = None,
-        execute: bool = False, warn: Callable[[str], None] = lambda s: None) -> dict[str, Row]:
+        execute: bool = False, warn: Callable[[str], None] = lambda s: None, schema: dict | None = None) -> dict[str, Row]:
     """Run every method on every prompt, `repeat` times, interleaved. `settings` carries the
     engine settings shared by all methods; each method sets its verifier and drafter.
     `encoded` is encode_all's result (computed here if not given). A method that raises on a
     prompt gets a failure recorded for it and is not run on that prompt again. With `execute`,
-    HumanEval completions are run against their tests (in flylocal.front.sandbox). `progress(step,
+    HumanEval completions are run against their tests (in flylocal.front.sandbox). With a JSON
+    `schema`, every answer is generated under it, and checked against it. `progress(step,
     total, what)` is told of each step before it runs."""
     from flylocal.decoding.engine import generate_all
     from flylocal.decoding.quality import target_nll
 
     target, draft = models.target, models.draft
     rows = {m: Row(m) for m in methods}
+    grammar = None
+    if schema is not None:
+        from flylocal.decoding import grammar as G
+
+        grammar = G.Grammar(target, G.json_schema(schema), "the JSON schema")
     if encoded is None:
         encoded = encode_all(target, prompts, raw)
 
@@ -298,7 +316,7 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
             text, n, _, decode_s = baselines[m].generate(ids, settings.max_tokens, settings.sampling, reuse=not fresh)
             tokens = list(target.tokenize(text, add_special=False, parse_special=False)) if text else []
             return tokens, text, dict(tokens=max(n - 1, 0), decode_s=decode_s, rounds=0, loose=0, verify_s=0.0,
-                                      drafted=0, accepted=0), None
+                                      drafted=0, accepted=0, forced=0, mask_s=0.0), None
         verifier, _, drafter = m.partition("-")
         s = dataclasses.replace(settings, verifier="strict" if m == "autoregressive" else verifier,
                                 drafter="none" if m == "autoregressive" else drafter)
@@ -307,9 +325,10 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
             if draft is not None:
                 draft.reset()
         # Each run searches the --lookup-corpus file alone, never what other runs generated.
-        tokens, stats, _ = generate_all(models.engine(s, private=True), ids)
+        tokens, stats, _ = generate_all(models.engine(s, private=True), ids, grammar)
         counts = dict(tokens=stats.emitted, decode_s=stats.decode_s, rounds=stats.rounds, loose=stats.loose,
-                      verify_s=stats.verify_s, drafted=stats.drafted, accepted=stats.accepted)
+                      verify_s=stats.verify_s, drafted=stats.drafted, accepted=stats.accepted, forced=stats.forced,
+                      mask_s=stats.mask_s)
         return tokens, target.detokenize(tokens), counts, stats.budget_spent
 
     total = repeat * len(prompts) * len(methods)
@@ -365,6 +384,8 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
                 row.nll[p.id] = target_nll(target, encoded[p.id], tokens)
                 if execute and p.test is not None:
                     row.passed[p.id] = passes(p, stop_code(text))
+                if schema is not None:
+                    row.valid[p.id] = valid_json(text, schema)
             except Exception as e:  # noqa: BLE001
                 row.nll.pop(p.id, None)
                 fail(row, p, repeat, e)
@@ -373,6 +394,7 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
 
 def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, humaneval_limit: int | None,
          category: str | None, per_category: int | None, execute: bool, out_dir: str, methods: str | None, repeat: int, raw: bool,
+         schema_path: str | None = None,
          note: Callable[[str], None], progress: Progress | None = None,
          warn: Callable[[str], None] = lambda s: None) -> str:
     """`flylocal bench`: check everything that can be checked before a model loads, load the
@@ -391,6 +413,19 @@ def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, human
         prompts = per_group(prompts, per_category)
     notes = []                        # said once every check has passed, so that an error stays one line
     chosen = parse_methods(methods, settings.draft is not None, notes.append)
+    schema = None
+    if schema_path is not None:
+        from flylocal.decoding import grammar as G
+
+        text = _read_text(Path(schema_path), "JSON schema")
+        G.checked(G.json_schema(text, f"the JSON schema {schema_path}"), f"the JSON schema {schema_path}")
+        schema = json.loads(text)
+        local = [m for m in chosen if m.startswith("llama-cpp-python")]
+        if local:
+            notes.append(f"--json-schema: skipping {', '.join(local)} (flylocal's grammar engine runs the schema)")
+            chosen = [m for m in chosen if m not in local]
+        if not chosen:
+            raise FlylocalError("no methods left to run")
     if settings.target_rpc:
         local = [m for m in chosen if m.startswith("llama-cpp-python")]
         if local:
@@ -416,7 +451,7 @@ def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, human
                                                       runtime_config(settings, gpu_layers=models.target.config.n_gpu_layers),
                                                       prompt_lookup=m.endswith("-pld"))
         rows = run(settings, models, baselines, prompts, chosen, repeat, progress, raw=raw, encoded=encoded,
-                   execute=execute, warn=warn)
+                   execute=execute, warn=warn, schema=schema)
         results = {
             "methods": metrics(rows, prompts),
             "prompts": per_prompt(rows, prompts),
@@ -426,7 +461,7 @@ def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, human
                        "category": category, "per_category": per_category, "max_tokens": settings.max_tokens, "repeat": repeat,
                        "k": settings.k, "ctx": settings.ctx, "exact": settings.exact, "threads": settings.threads,
                        "target_rpc": list(settings.target_rpc), "draft_rpc": list(settings.draft_rpc),
-                       "methods": chosen, "executed": execute if humaneval else None},
+                       "methods": chosen, "executed": execute if humaneval else None, "json_schema": schema_path},
         }
         report, png = write_results(out, results)
         if png is None:
@@ -508,6 +543,9 @@ def metrics(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
             "first_divergence": first_divergence(row, ref, done),
             "accuracy": accuracy,
             "pass_at_1": _mean(row.passed.values()),
+            "valid": _mean(row.valid.values()),
+            "forced_per_round": round(mine["forced"] / mine["rounds"], 3) if mine["rounds"] and row.valid else None,
+            "mask_ms_per_round": round(1e3 * mine["mask_s"] / mine["rounds"], 3) if mine["rounds"] and row.valid else None,
             "target_nll": round(nll, 4) if nll is not None else None,
             "budget_spent": round(_mean(row.spent.values()), 4) if row.spent else None,
             "verify_share": round(mine["verify_s"] / mine["decode_s"], 4) if mine["rounds"] and mine["decode_s"] else None,
@@ -562,7 +600,8 @@ def machine_info(build: dict) -> dict:
 
 def report_md(results: dict) -> str:
     cols = ["method", "tokens_per_s", "speedup", "e2e_tokens_per_s", "e2e_speedup", "mean_accepted_length",
-            "acceptance", "loose_rate", "agreement", "first_divergence", "accuracy", "pass_at_1", "target_nll", "budget_spent",
+            "acceptance", "loose_rate", "agreement", "first_divergence", "accuracy", "pass_at_1", "valid", "forced_per_round",
+            "mask_ms_per_round", "target_nll", "budget_spent",
             "verify_share", "wall_s"]
     cols = [c for c in cols if any(r.get(c) is not None for r in results["methods"])]
     failures = [(r["method"], f) for r in results["methods"] for f in r.get("failures", [])]

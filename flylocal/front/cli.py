@@ -440,9 +440,13 @@ def chat_command(session, line: str) -> bool:
 @click.option("--methods", default=None, help=f"Comma-separated subset of: {', '.join(__import__('flylocal.front.bench', fromlist=['METHODS']).METHODS)}. Default: all (those needing --draft only with it).")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
               help="Run every method on every prompt this many times (interleaved).")
+@click.option("--json-schema", "json_schema_file", metavar="FILE", default=None,
+              help="Generate every answer under the JSON schema in FILE, and report the share valid under it "
+                   "(valid), forced tokens per round and the grammar's mask time per round.")
 @options("raw")
 @options(*DRAFTING, *LLAMA, *VERIFIER_PARAMS, *SAMPLING)
-def bench(prompts_path, category, per_category, humaneval, humaneval_limit, execute, out_dir, methods, repeat, raw, **opts):
+def bench(prompts_path, category, per_category, humaneval, humaneval_limit, execute, out_dir, methods, repeat,
+          json_schema_file, raw, **opts):
     """Compare methods side by side on the same prompts: speed, acceptance and quality.
 
     Every method runs with the same options; each sets its own verifier and drafter. Writes
@@ -467,7 +471,7 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
         report = b.main(settings_from(opts), prompts_path=prompts_path, humaneval=humaneval,
                         humaneval_limit=humaneval_limit, category=category, per_category=per_category, execute=execute,
                         out_dir=out_dir, methods=methods, repeat=repeat, raw=raw, note=note, progress=progress,
-                        warn=warn)
+                        warn=warn, schema_path=json_schema_file)
         if bar is not None:
             bar.update(bar.length - bar.pos, "done")
     finally:
