@@ -57,7 +57,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 
 @pytest.mark.parametrize("fields,param,words", [
-    ({"n": 2}, "n", "2"), ({"tools": [TOOL, TOOL]}, "tools", "2 functions given; flylocal does not call tools"),
+    ({"n": 2}, "n", "2"),
     ({"temperature": -1}, "temperature", ""), ({"top_p": 0}, "top_p", ""), ({"seed": -1}, "seed", ""),
     ({"verifier": "loose"}, "verifier", "loose"), ({"k": -1}, "k", ""), ({"asd_budget": "nan"}, "asd_budget", ""),
     ({"fly_entropy": -0.1}, "fly_entropy", ""), ({"max_tokens": 0}, "max_tokens", ""),
@@ -65,12 +65,14 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ({"presence_penalty": -3}, "presence_penalty", ""), ({"temperature": True}, "temperature", ""),
     ({"max_tokens": "5"}, "max_tokens", ""), ({"logprobs": 3}, "logprobs", ""),
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "21"), ({"top_logprobs": 2}, None, "logprobs: true"),
-    ({"response_format": {"type": "json_object"}}, "response_format.type", "json_object"),
-    ({"tool_choice": "required"}, "tool_choice", "required"), ({"store": True}, "store", "keeps no completions"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", "json_schema"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema"),
+    ({"response_format": {"type": "json_object"}, "tools": [TOOL]}, None, "one of them"),
+    ({"store": True}, "store", "keeps no completions"),
     ({"logit_bias": {"12": 101}}, "logit_bias", "101"), ({"logit_bias": {"x": 1}}, "logit_bias", "x"),
     ({"service_tier": "flex"}, "service_tier", "flex"), ({"functions": []}, "functions", "functions"),
     ({"stream_options": {"include_usage": True}}, None, "stream: true"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", ""),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", ""),
 ])
 def test_fields_flylocal_cannot_honour_are_400_naming_the_field_and_value(fields, param, words):
     with pytest.raises(ApiError) as e:

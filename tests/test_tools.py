@@ -1,0 +1,68 @@
+"""Tool calls without a model (flylocal/front/serve/tools.py; docs/design.md, "Tool calls"):
+which functions a choice allows, how a conversation is shown to a template that does or does
+not read `tools`, and which answers are calls."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+from flylocal.errors import FlylocalError
+from flylocal.front.serve import tools
+
+F = {"type": "function", "function": {"name": "f", "description": "does f",
+                                      "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}
+G = {"type": "function", "function": {"name": "g"}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 3}'}}
+TALK = [{"role": "user", "content": "do f"}, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "9"}]
+
+
+def test_the_fallback_lists_the_functions_and_turns_calls_and_results_into_text():
+    plan = tools.plan([{"role": "system", "content": "Be brief."}] + TALK, [F, G], "auto", template_reads_tools=False)
+    assert plan.tools is None and plan.grammar is not None
+    system = plan.messages[0]
+    assert system["role"] == "system" and system["content"].startswith("Be brief.\n\n" + tools.PREAMBLE)
+    assert json.loads(system["content"].splitlines()[-1])["name"] == "g"
+    assert plan.messages[2] == {"role": "assistant", "content": '{"name": "f", "arguments": {"x": 3}}'}
+    assert plan.messages[3] == {"role": "user", "content": "The result of f: 9"}
+
+
+def test_a_template_that_reads_tools_gets_them_and_the_calls_as_objects():
+    plan = tools.plan(TALK, [F], "required", template_reads_tools=True)
+    assert plan.tools[0]["function"]["name"] == "f"
+    assert plan.messages[1]["tool_calls"][0]["function"]["arguments"] == {"x": 3}
+    template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}")
+    text = Jinja2ChatFormatter(template=template, eos_token="", bos_token="")(messages=plan.messages,
+                                                                              tools=plan.tools).prompt
+    assert text == '[f]<user>do f<assistant>{"x": 3}<tool>9'
+
+
+def test_none_neither_shows_nor_constrains():
+    plan = tools.plan(TALK, [F], "none", template_reads_tools=True)
+    assert plan.tools is None and plan.grammar is None and plan.messages[-1]["role"] == "user"
+
+
+def test_a_named_function_must_be_offered_and_tools_must_be_functions():
+    with pytest.raises(FlylocalError, match="not among the tools"):
+        tools.plan(TALK, [F], {"type": "function", "function": {"name": "h"}}, False)
+    with pytest.raises(FlylocalError, match=r"tools\[1\]"):
+        tools.plan(TALK, [F, {"type": "retrieval"}], "auto", False)
+    with pytest.raises(FlylocalError, match="offered twice"):
+        tools.plan(TALK, [F, F], "auto", False)
+    with pytest.raises(FlylocalError, match="tool_choice"):
+        tools.plan(TALK, [F], "sometimes", False)
+
+
+@pytest.mark.parametrize("text,call", [
+    ('{"name": "f", "arguments": {"x": 1}}', {"name": "f", "arguments": {"x": 1}}),
+    ('{"name": "f", "arguments": {"x": 1', None),          # cut at the token limit
+    ("Hello {there}", None),
+    ('{"name": "f"}', None),
+])
+def test_which_answers_are_calls(text, call):
+    assert tools.read_call(text) == call
