@@ -254,3 +254,18 @@ def test_bad_grammars_are_one_line_errors():
         G.Grammar(VOCAB, G.grammar_text("start: bar"), "the grammar")
     with pytest.raises(FlylocalError, match="cannot"):
         G.Grammar(VOCAB, G.json_schema({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}), "the JSON schema")
+
+
+@pytest.mark.parametrize("density", [0.0005, 0.01, 0.5, 0.99, 0.9995])
+@pytest.mark.parametrize("V", [1000, 49152, 49153])
+def test_forbid_clears_exactly_the_forbidden_tokens(density, V):
+    rng = np.random.default_rng(V)
+    allowed = rng.random(V) < density
+    allowed[rng.integers(V)] = True
+    padded = np.zeros(-(-V // 32) * 32, dtype=bool)
+    padded[:V] = allowed
+    words = np.packbits(padded, bitorder="little").view(np.int32)
+    row = rng.normal(size=V).astype(np.float32)
+    expected = np.where(allowed, row, -np.inf).astype(np.float32)
+    G.forbid(row, words)
+    assert np.array_equal(row, expected)

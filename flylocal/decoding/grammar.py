@@ -182,25 +182,39 @@ class Constraint:
         else:
             self._llg.numpy.fill_next_token_bitmask(self.matcher, masks)
         self._check()
-        V = logits.shape[1]
         for j in range(rows):
-            allowed = np.unpackbits(masks[j].view(np.uint8), bitorder="little")[:V].view(bool)
-            if allowed.all():
-                continue                                            # free text: nothing to clear
-            row = logits[j]
-            ids = np.flatnonzero(allowed)
-            if len(ids) * 16 < V:                                   # a few allowed: keep them, clear the rest
-                keep = row[ids].copy()
-                row.fill(-np.inf)
-                row[ids] = keep
-            else:
-                np.putmask(row, ~allowed, -np.inf)
+            forbid(logits[j], masks[j])
 
     def commit(self, tokens) -> None:
         """Advance over committed tokens (each allowed where it stands)."""
         if len(tokens) and not self.matcher.consume_tokens([int(t) for t in tokens]):
             self._check()
             raise FlylocalError(f"{self.grammar.name} refused a committed token")  # pragma: no cover
+
+
+def forbid(row: np.ndarray, words: np.ndarray) -> None:
+    """Set row[t] = -inf (in place) for every token t whose bit is clear in `words`
+    ([ceil(V/32)] int32, bit t % 32 of word t // 32). Rows where a grammar allows a few tokens
+    (structure) or forbids a few (free text) touch only those; others are masked whole."""
+    V = len(row)
+    nz = np.flatnonzero(words)
+    if len(nz) * 8 < len(words):                                    # a few allowed: keep them
+        bits = np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(len(nz), 32)
+        r, b = np.nonzero(bits)
+        ids = nz[r] * 32 + b
+        keep = row[ids]
+        row.fill(-np.inf)
+        row[ids] = keep
+        return
+    partial = np.flatnonzero(words != -1)
+    if len(partial) * 8 < len(words):                               # a few forbidden: clear them
+        bits = np.unpackbits((~words[partial]).view(np.uint8), bitorder="little").reshape(len(partial), 32)
+        r, b = np.nonzero(bits)
+        ids = partial[r] * 32 + b
+        row[ids[ids < V]] = -np.inf
+        return
+    allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[:V].view(bool)
+    np.putmask(row, ~allowed, -np.inf)
 
 
 _shared_executor = None
