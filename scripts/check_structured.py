@@ -4,7 +4,7 @@ asd with pld, model and mla drafters, at temperature 0 and 0.8. Each answer that
 itself must parse and validate against its schema (jsonschema); an answer cut at
 --max-tokens is counted apart (a schema whose every string is bounded leaves none).
 
-    .venv/bin/python scripts/check_structured.py [--max-tokens 192] [--prompts N] [--out FILE]
+    .venv/bin/python scripts/check_structured.py [--max-tokens 192] [--prompts N] [--k 6] [--out FILE]
 
 Prints one line per (schema, method, temperature) and exits 1 if any finished answer is invalid.
 """
@@ -34,10 +34,11 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--k", type=int, default=6, help="draft length, fixed: the draft model drafts every round")
     args = ap.parse_args()
     prompts = [json.loads(line) for line in (ROOT / "prompts.jsonl").read_text().splitlines()][: args.prompts]
     schemas = {p.stem: json.loads(p.read_text()) for p in sorted(ROOT.glob("*.json"))}
-    settings = Settings(draft="smollm2-135m-instruct-q4_0", max_tokens=args.max_tokens)
+    settings = Settings(draft="smollm2-135m-instruct-q4_0", max_tokens=args.max_tokens, k=args.k)
     models = load(settings)
     target = models.target
     rows, bad = [], 0

@@ -21,17 +21,18 @@ TALK = [{"role": "user", "content": "do f"}, {"role": "assistant", "content": ""
 
 
 def test_the_fallback_lists_the_functions_and_turns_calls_and_results_into_text():
-    plan = tools.plan([{"role": "system", "content": "Be brief."}] + TALK, [F, G], "auto", template_reads_tools=False)
+    plan = tools.plan([{"role": "system", "content": "Be brief."}] + TALK, [F, G], "auto", template=None)
     assert plan.tools is None and plan.grammar is not None
     system = plan.messages[0]
     assert system["role"] == "system" and system["content"].startswith("Be brief.\n\n" + tools.PREAMBLE)
+    assert plan.messages[-1] == {"role": "user", "content": "The result of f: 9"}
     assert json.loads(system["content"].splitlines()[-1])["name"] == "g"
     assert plan.messages[2] == {"role": "assistant", "content": '{"name": "f", "arguments": {"x": 3}}'}
     assert plan.messages[3] == {"role": "user", "content": "The result of f: 9"}
 
 
 def test_a_template_that_reads_tools_gets_them_and_the_calls_as_objects():
-    plan = tools.plan(TALK, [F], "required", template_reads_tools=True)
+    plan = tools.plan(TALK, [F], "required", template="{{ tools }}")
     assert plan.tools[0]["function"]["name"] == "f"
     assert plan.messages[1]["tool_calls"][0]["function"]["arguments"] == {"x": 3}
     template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
@@ -43,19 +44,26 @@ def test_a_template_that_reads_tools_gets_them_and_the_calls_as_objects():
 
 
 def test_none_neither_shows_nor_constrains():
-    plan = tools.plan(TALK, [F], "none", template_reads_tools=True)
+    plan = tools.plan(TALK, [F], "none", template="{{ tools }}")
     assert plan.tools is None and plan.grammar is None and plan.messages[-1]["role"] == "user"
 
 
 def test_a_named_function_must_be_offered_and_tools_must_be_functions():
     with pytest.raises(FlylocalError, match="not among the tools"):
-        tools.plan(TALK, [F], {"type": "function", "function": {"name": "h"}}, False)
+        tools.plan(TALK, [F], {"type": "function", "function": {"name": "h"}}, None)
     with pytest.raises(FlylocalError, match=r"tools\[1\]"):
-        tools.plan(TALK, [F, {"type": "retrieval"}], "auto", False)
+        tools.plan(TALK, [F, {"type": "retrieval"}], "auto", None)
     with pytest.raises(FlylocalError, match="offered twice"):
-        tools.plan(TALK, [F, F], "auto", False)
+        tools.plan(TALK, [F, F], "auto", None)
     with pytest.raises(FlylocalError, match="tool_choice"):
-        tools.plan(TALK, [F], "sometimes", False)
+        tools.plan(TALK, [F], "sometimes", None)
+    with pytest.raises(FlylocalError, match="needs tools"):
+        tools.plan(TALK, [], "required", None)
+
+
+def test_a_template_with_tagged_calls_gets_a_grammar_for_them():
+    assert "<tool_call>" in tools.plan(TALK, [F], "auto", "{{ tools }} <tool_call>").grammar
+    assert "<tool_call>" not in tools.plan(TALK, [F], "auto", "{{ tools }}").grammar
 
 
 @pytest.mark.parametrize("text,call", [
@@ -63,6 +71,7 @@ def test_a_named_function_must_be_offered_and_tools_must_be_functions():
     ('{"name": "f", "arguments": {"x": 1', None),          # cut at the token limit
     ("Hello {there}", None),
     ('{"name": "f"}', None),
+    ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', {"name": "f", "arguments": {}}),
 ])
 def test_which_answers_are_calls(text, call):
     assert tools.read_call(text) == call

@@ -223,9 +223,11 @@ class Engine:
                 n_past = target.n_past
                 logits = target.decode(batch, logits_from=0)          # [k+1, n_vocab]
                 t2 = clock()
+                masking = 0.0
                 if constraint is not None:          # the target's distribution under the grammar
                     constraint.restrict(logits, draft)
-                    stats.mask_s += clock() - t2
+                    masking = clock() - t2
+                    stats.mask_s += masking
                 # a[0..k]: the target's token at each position, its argmax at temperature 0 and
                 # its speculative-sampling decision otherwise (docs/design.md, "Temperature > 0").
                 if cfg.sampling.greedy:
@@ -275,8 +277,8 @@ class Engine:
                     self.length.update(proposal.level if proposal else 0, len(draft) - f, L - f)
                 if self.observe is not None and proposal is not None and min(L, m) >= f:
                     self.observe(proposal, min(L, m) - f)     # drafts that choose their own length
-                if self.costs is not None:
-                    self.costs.update(len(draft) + 1, t4 - t1, emitted=m)
+                if self.costs is not None:      # the decode's cost: a grammar's masks are not the target's
+                    self.costs.update(len(draft) + 1, t4 - t1 - masking, emitted=m)
                 trace = self._trace_row(stats.rounds - 1, n_past, draft, a, logits, decision, emitted,
                                         proposal, f if constraint is not None else None) if cfg.trace else None
                 # Row j scored the position of committed[j] under the prefix committed before it.

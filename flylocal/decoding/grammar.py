@@ -3,7 +3,8 @@
 A Grammar is compiled once for a vocabulary; each generation under it holds a Constraint, the
 grammar's state at the committed tokens. In a round the engine asks the Constraint
 
-    forced()            the tokens the grammar forces next (free drafts, the target cannot refuse)
+    forced()            the tokens the grammar forces next (free drafts: the target may still
+                        spell the same text with other tokens, and then its choice stands)
     allowed(draft)      how long a prefix of the draft the grammar allows (the rest is cut off)
     restrict(logits, draft)   sets every token the grammar forbids at row j (after draft[:j])
                         to -inf, in place: every rule after that sees the target's
@@ -55,10 +56,13 @@ class _Vocabulary:
         eog = np.flatnonzero(model.eog_mask)
         self.eos_token_id = int(eog[0]) if eog.size else 0
         self.bos_token_id = getattr(model, "bos", None)
-        self._tokenize = model.tokenize
+        self._model = weakref.ref(model)    # the cache below must not keep a closed model alive
 
     def __call__(self, data: bytes | str) -> list[int]:
-        return [int(t) for t in self._tokenize(data.encode() if isinstance(data, str) else data, add_special=False)]
+        model = self._model()
+        if model is None:
+            raise FlylocalError("the model of this grammar was closed")
+        return [int(t) for t in model.tokenize(data.encode() if isinstance(data, str) else data, add_special=False)]
 
 
 def tokenizer(model):

@@ -417,9 +417,15 @@ def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, human
     if schema_path is not None:
         from flylocal.decoding import grammar as G
 
+        import jsonschema
+
         text = _read_text(Path(schema_path), "JSON schema")
         G.checked(G.json_schema(text, f"the JSON schema {schema_path}"), f"the JSON schema {schema_path}")
         schema = json.loads(text)
+        try:                          # the answers are checked against it with jsonschema too
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as e:
+            raise FlylocalError(f"the JSON schema {schema_path} is not valid: {e.message}") from None
         local = [m for m in chosen if m.startswith("llama-cpp-python")]
         if local:
             notes.append(f"--json-schema: skipping {', '.join(local)} (flylocal's grammar engine runs the schema)")

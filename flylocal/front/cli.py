@@ -124,7 +124,7 @@ def read_constraint(json_schema_file: str | None, json_object: bool, grammar_fil
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise FlylocalError(f"{source} is not UTF-8 text (bad byte at offset {e.start})") from None
-    return source, G.json_schema(text, source) if json_schema_file else G.grammar_text(text, source)
+    return source, G.checked(G.json_schema(text, source) if json_schema_file else G.grammar_text(text, source), source)
 
 
 def compile_constraint(constraint, target):

@@ -588,10 +588,10 @@ class Runtime:
             self._specials = (pattern, found)
         return self._specials
 
-    def reads_tools(self) -> bool:
-        """Whether the chat template renders offered functions (it reads a `tools` variable)."""
+    def tools_template(self) -> str | None:
+        """The chat template, if it renders offered functions (it reads a `tools` variable)."""
         template = self.chat_template() or ""
-        return re.search(r"\btools\b", template) is not None
+        return template if re.search(r"\btools\b", template) else None
 
     def tokenize_chat(self, messages: list[dict], tools: list[dict] | None = None) -> np.ndarray | None:
         """Token ids of `messages` rendered with the model's chat template, ending with the

@@ -238,13 +238,13 @@ def routes(app, server: Server) -> None:
                     if m.get("images"):
                         raise ApiError(400, "messages: flylocal takes text only (no images)")
                     turn = {"role": m["role"], "content": m.get("content") or ""}
-                    calls = m.get("tool_calls")
-                    if calls:
-                        if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
-                                                                  and isinstance(c["function"].get("name"), str)
-                                                                  for c in calls):
+                    made = m.get("tool_calls")
+                    if made:
+                        if not isinstance(made, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                                 and isinstance(c["function"].get("name"), str)
+                                                                 for c in made):
                             raise ApiError(400, "messages: tool_calls is a list of {\"function\": {\"name\", \"arguments\"}}")
-                        turn["tool_calls"] = calls
+                        turn["tool_calls"] = made
                     if m.get("tool_name"):
                         turn["name"] = m["tool_name"]
                     turns.append(turn)
@@ -255,7 +255,7 @@ def routes(app, server: Server) -> None:
                 offered = data.get("tools") or []
                 if not isinstance(offered, list):
                     raise ApiError(400, "tools must be a list")
-                tool_plan = tools.plan(turns, offered, "auto", session.target.reads_tools())
+                tool_plan = tools.plan(turns, offered, "auto", session.target.tools_template())
                 ids = session.encode(tool_plan.messages, tool_plan.tools)
                 if tool_plan.grammar is not None:
                     grammar, calls = ("the tools' grammar", tool_plan.grammar), True
@@ -313,7 +313,7 @@ def routes(app, server: Server) -> None:
             answer = await collect(request, job, queue)
             failed, done, parts = answer.failed, answer.done, answer.parts
             if failed is not None or done is None:
-                status = 500 if failed is not None else 503
+                status = (400 if isinstance(failed, FlylocalError) else 500) if failed is not None else 503
                 server.answered(request, endpoint, status, started)
                 return error(status, failure_message(failed) if failed else "the server is shutting down")
             _, reason, stats, n_out = done
@@ -329,7 +329,7 @@ def routes(app, server: Server) -> None:
                 while (item := await queue.get()) is not END:
                     if item[0] == "text":
                         if calls and holding is None and item[1]:
-                            holding = item[1].startswith("{")
+                            holding = item[1].startswith(tools.CALL_STARTS)
                         if holding:
                             held.append(item[1])
                             continue

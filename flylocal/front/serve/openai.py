@@ -471,9 +471,10 @@ def openai_call(call: dict) -> dict:
 
 def e_param(message: str, chat: bool) -> str:
     """The request field an encoding error is about."""
-    for field in ("tools", "tool_choice", "tool_calls", "response_format"):
+    for field, param in (("tools", "tools"), ("the tools'", "tools"), ("tool_choice", "tool_choice"),
+                         ("tool_calls", "messages"), ("response_format", "response_format")):
         if message.startswith(field):
-            return "messages" if field == "tool_calls" else field
+            return param
     return "messages" if chat else "prompt"
 
 
@@ -513,7 +514,7 @@ def routes(app, server: Server) -> None:
             try:
                 if chat:
                     turns = [m.turn() for m in req.messages]
-                    tool_plan = tools.plan(turns, req.tools or [], req.tool_choice, session.target.reads_tools())
+                    tool_plan = tools.plan(turns, req.tools or [], req.tool_choice, session.target.tools_template())
                     ids = session.encode(tool_plan.messages, tool_plan.tools)
                     if tool_plan.grammar is not None:
                         grammar, calls = ("the tools' grammar", tool_plan.grammar), True
@@ -553,6 +554,8 @@ def routes(app, server: Server) -> None:
 
         if not req.stream:
             answer = await collect(request, job, queue)
+            if isinstance(answer.failed, FlylocalError):       # a grammar the vocabulary cannot serve
+                return error_response(ApiError(400, str(answer.failed)), request, endpoint, started)
             if answer.failed is not None:
                 return error_response(ApiError(500, failure_message(answer.failed), type_="server_error"), request,
                                       endpoint, started)
@@ -607,20 +610,24 @@ def routes(app, server: Server) -> None:
                         break
                     if item[0] == "text":
                         if calls and holding is None and item[1]:
-                            holding = item[1].startswith("{")
+                            holding = item[1].startswith(tools.CALL_STARTS)
                         if holding:
-                            held.append(item[1])
+                            held.append(item)
                             continue
                         yield chunk([piece(item[1], None, item[2])], tokens=item[2])
                     elif item[0] == "done":
                         _, reason, stats, n_out = item
                         finish = FINISH.get(reason, "stop")
                         if holding:
-                            call = tools.read_call("".join(held)) if reason == "eog" else None
+                            text = "".join(h[1] for h in held)
+                            made = tuple(t for h in held for t in h[2])
+                            call = tools.read_call(text) if reason == "eog" else None
                             if call is None:          # cut short: the text as it is
-                                yield chunk([piece("".join(held), None)])
+                                yield chunk([piece(text, None, made)], tokens=made)
                             else:
-                                yield chunk([ChunkChoice(delta=Delta(tool_calls=[openai_call(call) | {"index": 0}]))])
+                                lp = logprobs(made) if made and top is not None else None
+                                yield chunk([ChunkChoice(delta=Delta(tool_calls=[openai_call(call) | {"index": 0}]),
+                                                         logprobs=lp)], tokens=made)
                                 finish = "tool_calls"
                         yield chunk([piece(None if chat else "", finish)])
                         if include_usage:

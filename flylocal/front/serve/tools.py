@@ -6,7 +6,9 @@ An answer is either plain text or one call, the JSON object
     {"name": "<one of the functions>", "arguments": {<valid under its parameters' schema>}}
 
 generated under a grammar, so whatever the model writes is a valid call or plain text, never
-broken JSON. Plain text may not begin with "{": the first character tells the two apart.
+broken JSON. Plain text may not begin with "{" (nor "<", where the template has calls
+wrapped in <tool_call> tags, which the grammar then allows around a call): the first
+character tells the two apart.
 
 - A chat template that reads a `tools` variable renders the functions itself.
 - Otherwise a system preamble lists them with their schemas, and says how to call one; the
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 from flylocal.decoding import grammar as G
 from flylocal.errors import FlylocalError
 
+CALL_STARTS = ("{", "<")     # how an answer that is a call begins
+WRAP = ("<tool_call>", "</tool_call>")   # the tags some templates (Qwen, Hermes) put around a call
 PREAMBLE = ("You can call functions. To call one, answer with only a JSON object "
             '{"name": <the function\'s name>, "arguments": <an object of its arguments>} and nothing else. '
             "Otherwise answer in plain text. The functions:")
@@ -80,26 +84,32 @@ def chosen(choice, offered: list[Function]) -> tuple[str, list[Function]]:
                         '{"type": "function", "function": {"name": ...}}')
 
 
-def call_grammar(functions: list[Function], required: bool) -> str:
-    """The llguidance grammar of an answer: one call of one of `functions`, or (unless
-    `required`) plain text that does not begin with "{"."""
+def call_grammar(functions: list[Function], required: bool, wrapped: bool = False) -> str:
+    """The llguidance grammar of an answer: one call of one of `functions` (with `wrapped`,
+    also inside <tool_call> tags), or (unless `required`) plain text that does not begin with
+    "{" (nor "<" when wrapped)."""
     calls = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.parameters},
               "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
     schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
     schema["x-guidance"] = G.JSON_LAYOUT
-    text = "" if required else r" | /([^{][\s\S]*)?/"
-    lark = f"start: call{text}\ncall: %json {json.dumps(schema)}\n"
+    first = "{<" if wrapped else "{"
+    text = "" if required else f" | /([^{first}][\\s\\S]*)?/"
+    tagged = f' | "{WRAP[0]}" /\\n?/ object /\\n?/ "{WRAP[1]}"' if wrapped else ""
+    lark = f"start: call{text}\ncall: object{tagged}\nobject: %json {json.dumps(schema)}\n"
     return G.checked(G.grammar_text(lark, "the tools' grammar"), "the tools' schemas")
 
 
-def plan(messages: list[dict], tools: list, choice, template_reads_tools: bool) -> Plan:
-    """How to render a conversation that offers `tools` (OpenAI's shapes) and what to generate."""
+def plan(messages: list[dict], tools: list, choice, template: str | None) -> Plan:
+    """How to render a conversation that offers `tools` (OpenAI's shapes) and what to generate,
+    for a chat template that reads a `tools` variable (`template`, its text) or not (None)."""
     offered = functions(tools)
+    if not offered and choice not in (None, "auto", "none"):
+        raise FlylocalError(f"tool_choice: {json.dumps(choice)[:80]} needs tools")
     mode, callable_ = chosen(choice, offered)
     if mode == "none" or not offered:
         return Plan(plain_messages(messages), None, None)
-    grammar = call_grammar(callable_, required=mode == "required")
-    if template_reads_tools:
+    grammar = call_grammar(callable_, required=mode == "required", wrapped=template is not None and WRAP[0] in template)
+    if template is not None:
         return Plan(template_messages(messages), [{"type": "function", "function": {"name": f.name, "description": f.description,
                                                                   "parameters": f.parameters}} for f in offered],
                     grammar)
@@ -130,18 +140,19 @@ def template_messages(messages: list[dict]) -> list[dict]:
 def plain_messages(messages: list[dict]) -> list[dict]:
     """A conversation any template renders: an earlier call becomes its JSON object in the
     assistant's turn, a tool's result a user turn saying what it answers."""
-    names = {}
+    names = {}                                  # call id -> the function it called
     out = []
     for m in messages:
         calls = m.get("tool_calls") or []
         if m["role"] == "assistant" and calls:
             text = m.get("content") or ""
             for call in calls:
-                names[call.get("id")] = call["function"]["name"]
+                if call.get("id"):
+                    names[call["id"]] = call["function"]["name"]
                 text += json.dumps({"name": call["function"]["name"], "arguments": arguments(call)})
             out.append({"role": "assistant", "content": text})
         elif m["role"] == "tool":
-            name = names.get(m.get("tool_call_id")) or m.get("name") or "the function"
+            name = m.get("name") or names.get(m.get("tool_call_id") or "") or "the function"
             out.append({"role": "user", "content": f"The result of {name}: {m.get('content') or ''}"})
         else:
             out.append({"role": m["role"], "content": m.get("content") or ""})
@@ -162,8 +173,10 @@ def arguments(call: dict) -> dict:
 
 
 def read_call(text: str) -> dict | None:
-    """The call an answer made ({"name", "arguments"}), or None when it is plain text (or a
-    call cut short by max_tokens)."""
+    """The call an answer made ({"name", "arguments"}), bare or in <tool_call> tags, or None
+    when it is plain text (or a call cut short by max_tokens)."""
+    if text.startswith(WRAP[0]) and text.endswith(WRAP[1]):
+        text = text[len(WRAP[0]) : -len(WRAP[1])].strip()
     if not text.startswith("{"):
         return None
     try:
