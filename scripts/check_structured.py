@@ -5,6 +5,7 @@ itself must parse and validate against its schema (jsonschema); an answer cut at
 --max-tokens is counted apart (a schema whose every string is bounded leaves none).
 
     .venv/bin/python scripts/check_structured.py [--max-tokens 192] [--prompts N] [--k 6] [--out FILE]
+        [--schemas flat,nested] [--verifiers strict,fly] [--temperatures 0,0.8]
 
 Prints one line per (schema, method, temperature) and exits 1 if any finished answer is invalid.
 """
@@ -34,10 +35,14 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--schemas", default=None, help="comma-separated: only these schemas")
+    ap.add_argument("--verifiers", default="strict,fly,asd")
+    ap.add_argument("--temperatures", default="0,0.8")
     ap.add_argument("--k", type=int, default=6, help="draft length, fixed: the draft model drafts every round")
     args = ap.parse_args()
     prompts = [json.loads(line) for line in (ROOT / "prompts.jsonl").read_text().splitlines()][: args.prompts]
-    schemas = {p.stem: json.loads(p.read_text()) for p in sorted(ROOT.glob("*.json"))}
+    schemas = {p.stem: json.loads(p.read_text()) for p in sorted(ROOT.glob("*.json"))
+               if args.schemas is None or p.stem in args.schemas.split(",")}
     settings = Settings(draft="smollm2-135m-instruct-q4_0", max_tokens=args.max_tokens, k=args.k)
     models = load(settings)
     target = models.target
@@ -45,12 +50,13 @@ def main() -> int:
     try:
         for name, schema in schemas.items():
             grammar = G.Grammar(target, G.json_schema(schema), f"the schema {name}")
-            for verifier in ("strict", "fly", "asd"):
+            for verifier in args.verifiers.split(","):
                 for drafter in ("pld", "model", "mla"):
-                    for temperature in (0.0, 0.8):
+                    for temperature in map(float, args.temperatures.split(",")):
                         s = dataclasses.replace(settings, verifier=verifier, drafter=drafter,
                                                 sampling=SamplingParams(temperature=temperature, seed=7))
                         valid = invalid = cut = tokens = forced = rounds = 0
+                        cut_ids = []
                         t0 = time.perf_counter()
                         for p in prompts:
                             ids = target.tokenize_chat([{"role": "user", "content": p["prompt"]}])
@@ -58,6 +64,7 @@ def main() -> int:
                             tokens, forced, rounds = tokens + stats.emitted, forced + stats.forced, rounds + stats.rounds
                             if stats.stop != "eog":
                                 cut += 1
+                                cut_ids.append(p["id"])
                                 continue
                             try:
                                 jsonschema.validate(json.loads(target.detokenize(out)), schema)
@@ -66,7 +73,7 @@ def main() -> int:
                                 invalid += 1
                         bad += invalid
                         row = dict(schema=name, verifier=verifier, drafter=drafter, temperature=temperature,
-                                   valid=valid, invalid=invalid, cut=cut, tokens=tokens, forced=forced, rounds=rounds,
+                                   valid=valid, invalid=invalid, cut=cut, cut_ids=cut_ids, tokens=tokens, forced=forced, rounds=rounds,
                                    seconds=round(time.perf_counter() - t0, 2))
                         rows.append(row)
                         print(json.dumps(row), flush=True)
