@@ -17,3 +17,7 @@ class OptionError(FlylocalError):
 
 class ModelError(FlylocalError):
     """A model file that cannot be used."""
+
+
+class GrammarError(FlylocalError):
+    """A grammar or schema that cannot be used: the request's fault, not the server's."""

@@ -192,3 +192,17 @@ def test_bad_formats_and_tools_are_400s(server):
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
     r = httpx.post(server + "/api/chat", json={"model": SMOL, "messages": msg, "format": "yaml"}, timeout=30)
     assert r.status_code == 400 and "format" in r.json()["error"]
+
+
+def test_bench_under_a_json_schema_reports_validity_and_forced_tokens(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Describe a programmer called Ada. Answer in JSON."}) + "\n")
+    out = subprocess.run([sys.executable, "-m", "flylocal", "bench", "--prompts", str(prompts), "--json-schema", "-",
+                          "--methods", "autoregressive,strict-pld", "--max-tokens", "96", "--threads", "1",
+                          "--out", str(tmp_path / "out")], input=json.dumps(PERSON), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = {r["method"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())["methods"]}
+    assert rows["autoregressive"]["valid"] == rows["strict-pld"]["valid"] == 1.0
+    assert rows["autoregressive"]["forced_per_round"] == 0 and rows["strict-pld"]["forced_per_round"] > 0
+    assert rows["strict-pld"]["agreement"] == 1.0

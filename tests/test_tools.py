@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from flylocal.errors import FlylocalError
 from flylocal.front.serve import tools
@@ -32,6 +31,9 @@ def test_the_fallback_lists_the_functions_and_turns_calls_and_results_into_text(
 
 
 def test_a_template_that_reads_tools_gets_them_and_the_calls_as_objects():
+    import flylocal.llama.runtime  # noqa: F401 - chooses the llama.cpp build before llama_cpp loads
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
     plan = tools.plan(TALK, [F], "required", template="{{ tools }}")
     assert plan.tools[0]["function"]["name"] == "f"
     assert plan.messages[1]["tool_calls"][0]["function"]["arguments"] == {"x": 3}

@@ -26,7 +26,7 @@ import weakref
 
 import numpy as np
 
-from flylocal.errors import FlylocalError
+from flylocal.errors import FlylocalError, GrammarError
 
 # JSON as people write it: ", " and ": " between items, no other whitespace. Fixed separators
 # are forced tokens, and a model cannot pad its answer with endless newlines.
@@ -88,13 +88,13 @@ def json_schema(schema, source: str = "the JSON schema") -> str:
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
-            raise FlylocalError(f"{source} is not valid JSON: {e}") from None
+            raise GrammarError(f"{source} is not valid JSON: {e}") from None
     if not isinstance(schema, dict):
-        raise FlylocalError(f"{source} is a {type(schema).__name__}; a JSON schema is an object")
+        raise GrammarError(f"{source} is a {type(schema).__name__}; a JSON schema is an object")
     try:
         return llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
     except (ValueError, TypeError) as e:
-        raise FlylocalError(f"{source} cannot be used: {_line(e)}") from None
+        raise GrammarError(f"{source} cannot be used: {_line(e)}") from None
 
 
 def json_object() -> str:
@@ -108,7 +108,7 @@ def grammar_text(text: str, source: str = "the grammar") -> str:
     try:
         return llg.grammar_from("grammar", text)
     except (ValueError, TypeError) as e:
-        raise FlylocalError(f"{source} cannot be read: {_line(e)}") from None
+        raise GrammarError(f"{source} cannot be read: {_line(e)}") from None
 
 
 def checked(grammar: str, source: str) -> str:
@@ -116,7 +116,7 @@ def checked(grammar: str, source: str) -> str:
     naming `source` otherwise."""
     error, messages = _llg().LLMatcher.validate_grammar_with_warnings(grammar)
     if error:
-        raise FlylocalError(f"{source} cannot be used: {_line(Exception(messages[0]))}")
+        raise GrammarError(f"{source} cannot be used: {_line(Exception(messages[0]))}")
     return grammar
 
 
@@ -135,7 +135,7 @@ class Grammar:
         self.n_vocab = model.n_vocab
         error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if error:
-            raise FlylocalError(f"{name} cannot be used: {_line(Exception(messages[0]))}")
+            raise GrammarError(f"{name} cannot be used: {_line(Exception(messages[0]))}")
         self.grammar = grammar
 
     def start(self) -> Constraint:
@@ -158,7 +158,7 @@ class Constraint:
 
     def _check(self) -> None:
         if self.matcher.is_error():
-            raise FlylocalError(f"{self.grammar.name} failed: {_line(Exception(self.matcher.get_error()))}")
+            raise GrammarError(f"{self.grammar.name} failed: {_line(Exception(self.matcher.get_error()))}")
 
     def forced(self, limit: int) -> np.ndarray:
         """The next tokens the grammar allows no alternative to (up to `limit`) [f] int32."""

@@ -394,7 +394,7 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
 
 def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, humaneval_limit: int | None,
          category: str | None, per_category: int | None, execute: bool, out_dir: str, methods: str | None, repeat: int, raw: bool,
-         schema_path: str | None = None,
+         schema: tuple[str, str] | None = None,
          note: Callable[[str], None], progress: Progress | None = None,
          warn: Callable[[str], None] = lambda s: None) -> str:
     """`flylocal bench`: check everything that can be checked before a model loads, load the
@@ -413,19 +413,19 @@ def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, human
         prompts = per_group(prompts, per_category)
     notes = []                        # said once every check has passed, so that an error stays one line
     chosen = parse_methods(methods, settings.draft is not None, notes.append)
-    schema = None
-    if schema_path is not None:
-        from flylocal.decoding import grammar as G
-
+    schema_source = None
+    if schema is not None:            # (its text, how to name it)
         import jsonschema
 
-        text = _read_text(Path(schema_path), "JSON schema")
-        G.checked(G.json_schema(text, f"the JSON schema {schema_path}"), f"the JSON schema {schema_path}")
+        from flylocal.decoding import grammar as G
+
+        text, schema_source = schema
+        G.checked(G.json_schema(text, schema_source), schema_source)
         schema = json.loads(text)
         try:                          # the answers are checked against it with jsonschema too
             jsonschema.validators.validator_for(schema).check_schema(schema)
         except jsonschema.SchemaError as e:
-            raise FlylocalError(f"the JSON schema {schema_path} is not valid: {e.message}") from None
+            raise FlylocalError(f"{schema_source} is not valid: {e.message}") from None
         local = [m for m in chosen if m.startswith("llama-cpp-python")]
         if local:
             notes.append(f"--json-schema: skipping {', '.join(local)} (flylocal's grammar engine runs the schema)")
@@ -467,7 +467,7 @@ def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, human
                        "category": category, "per_category": per_category, "max_tokens": settings.max_tokens, "repeat": repeat,
                        "k": settings.k, "ctx": settings.ctx, "exact": settings.exact, "threads": settings.threads,
                        "target_rpc": list(settings.target_rpc), "draft_rpc": list(settings.draft_rpc),
-                       "methods": chosen, "executed": execute if humaneval else None, "json_schema": schema_path},
+                       "methods": chosen, "executed": execute if humaneval else None, "json_schema": schema_source},
         }
         report, png = write_results(out, results)
         if png is None:

@@ -110,7 +110,12 @@ def read_constraint(json_schema_file: str | None, json_object: bool, grammar_fil
     path = json_schema_file or grammar_file
     if path is None:
         return None
-    what = "JSON schema" if json_schema_file else "grammar"
+    text, source = read_input(path, "JSON schema" if json_schema_file else "grammar")
+    return source, G.checked(G.json_schema(text, source) if json_schema_file else G.grammar_text(text, source), source)
+
+
+def read_input(path: str, what: str) -> tuple[str, str]:
+    """(the text of file `path`, or of stdin for "-"; how to name it in a message)."""
     if path == "-":
         data, source = read_stdin(), f"the {what} on stdin"
     else:
@@ -121,10 +126,9 @@ def read_constraint(json_schema_file: str | None, json_object: bool, grammar_fil
             raise FlylocalError(f"cannot read the {what} {path}: {e.strerror}") from None
         source = f"the {what} {path}"
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8"), source
     except UnicodeDecodeError as e:
         raise FlylocalError(f"{source} is not UTF-8 text (bad byte at offset {e.start})") from None
-    return source, G.checked(G.json_schema(text, source) if json_schema_file else G.grammar_text(text, source), source)
 
 
 def compile_constraint(constraint, target):
@@ -440,9 +444,8 @@ def chat_command(session, line: str) -> bool:
 @click.option("--methods", default=None, help=f"Comma-separated subset of: {', '.join(__import__('flylocal.front.bench', fromlist=['METHODS']).METHODS)}. Default: all (those needing --draft only with it).")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
               help="Run every method on every prompt this many times (interleaved).")
-@click.option("--json-schema", "json_schema_file", metavar="FILE", default=None,
-              help="Generate every answer under the JSON schema in FILE, and report the share valid under it "
-                   "(valid), forced tokens per round and the grammar's mask time per round.")
+@click.option("--json-schema", "json_schema_file", metavar="FILE|-", default=None,
+              help="Constrain the output to JSON valid under the JSON schema in FILE (- for stdin).")
 @options("raw")
 @options(*DRAFTING, *LLAMA, *VERIFIER_PARAMS, *SAMPLING)
 def bench(prompts_path, category, per_category, humaneval, humaneval_limit, execute, out_dir, methods, repeat,
@@ -451,8 +454,11 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
 
     Every method runs with the same options; each sets its own verifier and drafter. Writes
     results.json, report.md and speedup.png (with matplotlib) to --out. A method that fails on a
-    prompt has the failure recorded there, and the run goes on."""
+    prompt has the failure recorded there, and the run goes on. Under --json-schema the report
+    adds the share of answers valid under it, forced tokens and the grammar's mask time per round."""
     from flylocal.front import bench as b
+
+    schema = read_input(json_schema_file, "JSON schema") if json_schema_file else None
 
     bar = None
 
@@ -471,7 +477,7 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
         report = b.main(settings_from(opts), prompts_path=prompts_path, humaneval=humaneval,
                         humaneval_limit=humaneval_limit, category=category, per_category=per_category, execute=execute,
                         out_dir=out_dir, methods=methods, repeat=repeat, raw=raw, note=note, progress=progress,
-                        warn=warn, schema_path=json_schema_file)
+                        warn=warn, schema=schema)
         if bar is not None:
             bar.update(bar.length - bar.pos, "done")
     finally:

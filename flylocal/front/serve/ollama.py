@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from flylocal.errors import FlylocalError
+from flylocal.errors import FlylocalError, GrammarError
 from flylocal.front.serve import tools
 from flylocal.front.serve.app import ApiError, Server, collect, failure_message
 from flylocal.front.serve.worker import END
@@ -313,7 +313,7 @@ def routes(app, server: Server) -> None:
             answer = await collect(request, job, queue)
             failed, done, parts = answer.failed, answer.done, answer.parts
             if failed is not None or done is None:
-                status = (400 if isinstance(failed, FlylocalError) else 500) if failed is not None else 503
+                status = (400 if isinstance(failed, GrammarError) else 500) if failed is not None else 503
                 server.answered(request, endpoint, status, started)
                 return error(status, failure_message(failed) if failed else "the server is shutting down")
             _, reason, stats, n_out = done

@@ -23,7 +23,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_seria
                       model_serializer, model_validator)
 
 from flylocal.decoding.engine import KIND_LETTERS
-from flylocal.errors import FlylocalError
+from flylocal.errors import FlylocalError, GrammarError
 from flylocal.front.serve import tools
 from flylocal.front.serve.app import ApiError, Server, collect, failure_message, json_body
 from flylocal.front.serve.worker import END
@@ -554,7 +554,7 @@ def routes(app, server: Server) -> None:
 
         if not req.stream:
             answer = await collect(request, job, queue)
-            if isinstance(answer.failed, FlylocalError):       # a grammar the vocabulary cannot serve
+            if isinstance(answer.failed, GrammarError):        # a grammar the vocabulary cannot serve
                 return error_response(ApiError(400, str(answer.failed)), request, endpoint, started)
             if answer.failed is not None:
                 return error_response(ApiError(500, failure_message(answer.failed), type_="server_error"), request,
