@@ -68,19 +68,7 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     if prompt is not None and prompt_file is not None:
         raise FlylocalError("give either PROMPT or --prompt-file, not both")
     if prompt_file is not None:
-        if prompt_file == "-":
-            data, source = read_stdin(), "the prompt on stdin"
-        else:
-            try:
-                with open(prompt_file, "rb") as f:
-                    data = f.read()
-            except OSError as e:
-                raise FlylocalError(f"cannot read prompt file {prompt_file}: {e.strerror}") from None
-            source = f"prompt file {prompt_file}"
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise FlylocalError(f"{source} is not UTF-8 text (bad byte at offset {e.start})") from None
+        return read_input(prompt_file, "prompt" if prompt_file == "-" else "prompt file")[0]
     if prompt is None:
         raise FlylocalError("no prompt: give PROMPT or --prompt-file FILE (- for stdin)")
     return check_text(prompt, "the prompt")
