@@ -31,8 +31,7 @@ def test_the_fallback_lists_the_functions_and_turns_calls_and_results_into_text(
 
 
 def test_a_template_that_reads_tools_gets_them_and_the_calls_as_objects():
-    import flylocal.llama.runtime  # noqa: F401 - chooses the llama.cpp build before llama_cpp loads
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+    from jinja2.sandbox import ImmutableSandboxedEnvironment      # what renders GGUF chat templates
 
     plan = tools.plan(TALK, [F], "required", template="{{ tools }}")
     assert plan.tools[0]["function"]["name"] == "f"
@@ -40,8 +39,7 @@ def test_a_template_that_reads_tools_gets_them_and_the_calls_as_objects():
     template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
                 "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
                 "{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}")
-    text = Jinja2ChatFormatter(template=template, eos_token="", bos_token="")(messages=plan.messages,
-                                                                              tools=plan.tools).prompt
+    text = ImmutableSandboxedEnvironment().from_string(template).render(messages=plan.messages, tools=plan.tools)
     assert text == '[f]<user>do f<assistant>{"x": 3}<tool>9'
 
 
