@@ -62,8 +62,9 @@ def test_a_named_function_must_be_offered_and_tools_must_be_functions():
 
 
 def test_a_template_with_tagged_calls_gets_a_grammar_for_them():
-    assert "<tool_call>" in tools.plan(TALK, [F], "auto", "{{ tools }} <tool_call>").grammar
-    assert "<tool_call>" not in tools.plan(TALK, [F], "auto", "{{ tools }}").grammar
+    tagged, bare = tools.plan(TALK, [F], "auto", "{{ tools }} <tool_call>"), tools.plan(TALK, [F], "auto", "{{ tools }}")
+    assert "<tool_call>" in tagged.grammar and tagged.call_starts == ("{", "<")
+    assert "<tool_call>" not in bare.grammar and bare.call_starts == ("{",)   # text that begins with "<" streams
 
 
 @pytest.mark.parametrize("text,call", [

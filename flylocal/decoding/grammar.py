@@ -154,7 +154,6 @@ class Constraint:
         self.n_vocab = grammar.n_vocab
         self._words = (grammar.tokenizer.vocab_size + 31) // 32
         self._executor = _executor()
-        self.mask_s = 0.0                 # time spent computing and applying masks
 
     def _check(self) -> None:
         if self.matcher.is_error():
@@ -169,11 +168,6 @@ class Constraint:
     def allowed(self, draft: np.ndarray) -> int:
         """How many of the draft's first tokens the grammar allows in sequence."""
         return int(self.matcher.validate_tokens(draft.tolist())) if len(draft) else 0
-
-    @property
-    def done(self) -> bool:
-        """Whether the grammar allows nothing more but the end of generation."""
-        return self.matcher.is_stopped()
 
     def restrict(self, logits: np.ndarray, draft: np.ndarray) -> None:
         """Row j of `logits` [k+1, n_vocab] follows draft[:j] (a prefix the grammar allows):

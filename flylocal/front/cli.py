@@ -49,9 +49,9 @@ def check_text(text: str, what: str) -> str:
     return text
 
 
-def read_stdin() -> bytes:
+def read_stdin(what: str = "the prompt") -> bytes:
     if sys.stdin is None:
-        raise FlylocalError("stdin is closed: --prompt-file - reads the prompt from it")
+        raise FlylocalError(f"stdin is closed: - reads {what} from it")
     try:
         return sys.stdin.buffer.read()
     except OSError as e:
@@ -105,7 +105,7 @@ def read_constraint(json_schema_file: str | None, json_object: bool, grammar_fil
 def read_input(path: str, what: str) -> tuple[str, str]:
     """(the text of file `path`, or of stdin for "-"; how to name it in a message)."""
     if path == "-":
-        data, source = read_stdin(), f"the {what} on stdin"
+        data, source = read_stdin(f"the {what}"), f"the {what} on stdin"
     else:
         try:
             with open(path, "rb") as f:

@@ -220,7 +220,7 @@ def routes(app, server: Server) -> None:
             find(session, data.get("model"))
             n_ctx = session.target.n_ctx
             run, stops = run_settings(settings, data, n_ctx)
-            grammar, calls = output_grammar(data), False
+            grammar, calls = output_grammar(data), ()     # calls: how an answer that is a tool call begins
             server.check_settings(run, session, param="options")
             stream = data.get("stream", True)
             if not isinstance(stream, bool):
@@ -258,7 +258,7 @@ def routes(app, server: Server) -> None:
                 tool_plan = tools.plan(turns, offered, "auto", session.target.tools_template())
                 ids = session.encode(tool_plan.messages, tool_plan.tools)
                 if tool_plan.grammar is not None:
-                    grammar, calls = ("the tools' grammar", tool_plan.grammar), True
+                    grammar, calls = ("the tools' grammar", tool_plan.grammar), tool_plan.call_starts
             else:
                 if data.get("tools"):
                     raise ApiError(400, "tools: /api/generate calls no tools (/api/chat does)")
@@ -329,7 +329,7 @@ def routes(app, server: Server) -> None:
                 while (item := await queue.get()) is not END:
                     if item[0] == "text":
                         if calls and holding is None and item[1]:
-                            holding = item[1].startswith(tools.CALL_STARTS)
+                            holding = item[1].startswith(calls)
                         if holding:
                             held.append(item[1])
                             continue

@@ -510,14 +510,14 @@ def routes(app, server: Server) -> None:
             run_settings = request_settings(settings, req, session.target.n_vocab)
             server.check_settings(run_settings, session)
             grammar = None
-            calls = False                # the answer may be a tool call
+            calls = ()                   # how an answer that is a tool call begins (none: it is not one)
             try:
                 if chat:
                     turns = [m.turn() for m in req.messages]
                     tool_plan = tools.plan(turns, req.tools or [], req.tool_choice, session.target.tools_template())
                     ids = session.encode(tool_plan.messages, tool_plan.tools)
                     if tool_plan.grammar is not None:
-                        grammar, calls = ("the tools' grammar", tool_plan.grammar), True
+                        grammar, calls = ("the tools' grammar", tool_plan.grammar), tool_plan.call_starts
                     elif req.response_format is not None:
                         grammar = req.response_format.grammar()
                 else:
@@ -610,7 +610,7 @@ def routes(app, server: Server) -> None:
                         break
                     if item[0] == "text":
                         if calls and holding is None and item[1]:
-                            holding = item[1].startswith(tools.CALL_STARTS)
+                            holding = item[1].startswith(calls)
                         if holding:
                             held.append(item)
                             continue

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from flylocal.decoding import grammar as G
 from flylocal.errors import FlylocalError
 
-CALL_STARTS = ("{", "<")     # how an answer that is a call begins
 WRAP = ("<tool_call>", "</tool_call>")   # the tags some templates (Qwen, Hermes) put around a call
 PREAMBLE = ("You can call functions. To call one, answer with only a JSON object "
             '{"name": <the function\'s name>, "arguments": <an object of its arguments>} and nothing else. '
@@ -47,6 +46,7 @@ class Plan:
     messages: list[dict]      # what the template renders
     tools: list[dict] | None  # given to a template that reads them
     grammar: str | None       # the answer's llguidance grammar (None: free text)
+    call_starts: tuple[str, ...] = ()   # how an answer that is a call begins ("{", and "<" with tags)
 
 
 def functions(tools: list, where: str = "tools") -> list[Function]:
@@ -108,11 +108,13 @@ def plan(messages: list[dict], tools: list, choice, template: str | None) -> Pla
     mode, callable_ = chosen(choice, offered)
     if mode == "none" or not offered:
         return Plan(plain_messages(messages), None, None)
-    grammar = call_grammar(callable_, required=mode == "required", wrapped=template is not None and WRAP[0] in template)
+    wrapped = template is not None and WRAP[0] in template
+    grammar = call_grammar(callable_, required=mode == "required", wrapped=wrapped)
+    starts = ("{", "<") if wrapped else ("{",)
     if template is not None:
         return Plan(template_messages(messages), [{"type": "function", "function": {"name": f.name, "description": f.description,
                                                                   "parameters": f.parameters}} for f in offered],
-                    grammar)
+                    grammar, starts)
     listing = "\n".join(json.dumps({"name": f.name, "description": f.description, "parameters": f.parameters})
                         for f in offered)
     preamble = f"{PREAMBLE}\n{listing}"
@@ -121,7 +123,7 @@ def plan(messages: list[dict], tools: list, choice, template: str | None) -> Pla
         rest = [{"role": "system", "content": f"{rest[0]['content']}\n\n{preamble}"}] + rest[1:]
     else:
         rest = [{"role": "system", "content": preamble}] + rest
-    return Plan(rest, None, grammar)
+    return Plan(rest, None, grammar, starts)
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
