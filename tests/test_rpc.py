@@ -361,7 +361,9 @@ def test_killed_server_mid_generation_is_one_line_in_bounded_time():
     assert waited < 5, waited
     assert "Traceback" not in err and "GGML" not in err
     assert err.strip().splitlines() == [err.strip().splitlines()[0]]
-    assert f"lost rpc server {endpoint} (connection refused)" in err
+    # Refused, or reset where the probe reached the socket as the kill closed it (a busy machine).
+    assert (f"lost rpc server {endpoint} (connection refused)" in err
+            or f"lost rpc server {endpoint} (connection reset)" in err), err
 
 
 @pytest.mark.slow

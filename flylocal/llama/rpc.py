@@ -95,9 +95,9 @@ def hello(endpoint: str, timeout: float = HELLO_TIMEOUT) -> tuple[int, int, int]
     except socket.gaierror as e:
         raise Unanswered(endpoint, f"cannot resolve {host}", f"rpc server {endpoint}: cannot resolve {host} "
                          f"({e.strerror})") from None
-    except ConnectionError as e:
-        raise Unanswered(endpoint, "connection refused" if isinstance(e, ConnectionRefusedError)
-                         else e.strerror or str(e)) from None
+    except ConnectionError as e:      # a server dying while it is asked can reset instead of refuse
+        reason = {ConnectionRefusedError: "connection refused", ConnectionResetError: "connection reset"}
+        raise Unanswered(endpoint, reason.get(type(e), e.strerror or str(e))) from None
     except OSError as e:
         raise Unanswered(endpoint, e.strerror or str(e)) from None
     if major != PROTOCOL_MAJOR:
