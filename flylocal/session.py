@@ -27,6 +27,7 @@ from flylocal.settings import Settings
 class Totals:
     turns: int = 0
     tokens: int = 0
+    decode_tokens: int = 0     # tokens after each turn's first round, over decode_s: its tokens/s
     rounds: int = 0
     loose: int = 0
     decode_s: float = 0.0
@@ -36,6 +37,7 @@ class Totals:
     def add(self, s: Stats) -> None:
         self.turns += 1
         self.tokens += s.emitted
+        self.decode_tokens += s.decode_tokens
         self.rounds += s.rounds
         self.loose += s.loose
         self.decode_s += s.decode_s

@@ -57,6 +57,31 @@ def test_logits_only_for_requested_rows_are_views(smol):
     assert smol.n_past == len(ids) + 2
 
 
+def test_a_prompt_tail_decoded_with_the_rows_equals_it_decoded_apart(monkeypatch):
+    """The rows before `logits_from` share the last decode with the requested rows when they
+    fit n_batch: one llama_decode fewer, the same logits bit for bit, the same cache."""
+    from conftest import SMOL, model_path
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
+
+    with Runtime(model_path(SMOL), RuntimeConfig(n_ctx=256, n_batch=16)) as rt:
+        ids = rt.tokenize(TEXT * 3)[:44]
+        assert len(ids) == 44
+        rt.decode(ids[:40])
+        apart = rt.decode(ids[40:], logits_from=0).copy()
+        rt.reset()
+        calls = []
+        real = rt._decode_chunk
+        monkeypatch.setattr(rt, "_decode_chunk", lambda chunk, logits_from: (calls.append((len(chunk), logits_from)),
+                                                                              real(chunk, logits_from)))
+        merged = rt.decode(ids, logits_from=40)
+        assert calls == [(16, 16), (16, 16), (12, 8)]       # 44 tokens in 3 decodes, not 4
+        assert merged.shape == apart.shape and np.array_equal(merged, apart)
+        assert rt.tokens.tolist() == ids.tolist()
+        calls.clear()
+        rt.reset()
+        assert rt.decode(ids) is None and calls == [(16, 16), (16, 16), (12, 12)]
+
+
 def test_batched_rows_equal_single_rows(smol):
     """The CPU build is batch-invariant for this model, also past 256 cache cells: the premise
     of the exact strict tests."""

@@ -184,14 +184,22 @@ class Engine:
         source = None                  # where the target's cost curve came from, once it is known
         try:
             reused = target.reuse_prefix(prompt)
-            target.decode(prompt[reused:-1])
+            stats.prompt_reused, stats.prompt_evaluated = reused, len(prompt) - reused
+            # The prompt but its last token goes in the first round's decode, ahead of the
+            # round's own rows, unless a calibration needs it in the cache first.
+            head = prompt[reused:-1]
+
+            def probe(rows: int) -> float:
+                nonlocal head
+                if len(head):
+                    target.decode(head)
+                    head = head[:0]
+                return timed_decode(target, int(prompt[-1]), rows, clock)
+
             if self.costs is not None:     # from the disk cache, or measured once per process
                 known = self.costs.source != "none"
-                self.costs.ensure(lambda rows: timed_decode(target, int(prompt[-1]), rows, clock), max_rows=cfg.k + 1,
-                                  limit=target.n_batch, recalibrate=cfg.recalibrate)
+                self.costs.ensure(probe, max_rows=cfg.k + 1, limit=target.n_batch, recalibrate=cfg.recalibrate)
                 source = "reused" if known else self.costs.source
-            stats.prompt_reused, stats.prompt_evaluated = reused, len(prompt) - reused
-            stats.prefill_s = clock() - t_start
             while True:
                 if len(out) >= cfg.max_tokens:
                     stats.stop = "max_tokens"
@@ -217,12 +225,16 @@ class Engine:
                     draft = draft[: constraint.allowed(draft)]
                     f = min(f, len(draft))
                 t1 = clock()
-                batch = np.empty(len(draft) + 1, dtype=np.int32)
-                batch[0] = context[n - 1]
-                batch[1:] = draft
-                n_past = target.n_past
-                logits = target.decode(batch, logits_from=0)          # [k+1, n_vocab]
+                h = len(head)
+                batch = np.empty(h + len(draft) + 1, dtype=np.int32)
+                batch[:h] = head
+                batch[h] = context[n - 1]
+                batch[h + 1:] = draft
+                n_past = target.n_past + h
+                logits = target.decode(batch, logits_from=h)          # [k+1, n_vocab]
                 t2 = clock()
+                if not stats.rounds:               # the prompt is in: the first round's tokens are its answer
+                    stats.prefill_s = t2 - t_start
                 masking = 0.0
                 if constraint is not None:          # the target's distribution under the grammar
                     constraint.restrict(logits, draft)
@@ -268,6 +280,8 @@ class Engine:
                 if decision.budget_spent is not None:
                     stats.budget_spent, stats.budget_left = decision.budget_spent, decision.budget_left
                 stats.emitted += m
+                if stats.rounds == 1:
+                    stats.first_tokens = m
                 stats.draft_s += t1 - t0
                 stats.target_s += (t2 - t1) + (t4 - t3)
                 stats.verify_s += t3 - t2
@@ -277,8 +291,9 @@ class Engine:
                     self.length.update(proposal.level if proposal else 0, len(draft) - f, L - f)
                 if self.observe is not None and proposal is not None and min(L, m) >= f:
                     self.observe(proposal, min(L, m) - f)     # drafts that choose their own length
-                if self.costs is not None:      # the decode's cost: a grammar's masks are not the target's
+                if self.costs is not None and not h:    # the decode's cost: a grammar's masks are not the target's
                     self.costs.update(len(draft) + 1, t4 - t1 - masking, emitted=m)
+                head = head[:0]
                 trace = self._trace_row(stats.rounds - 1, n_past, draft, a, logits, decision, emitted,
                                         proposal, f if constraint is not None else None) if cfg.trace else None
                 # Row j scored the position of committed[j] under the prefix committed before it.

@@ -16,10 +16,11 @@ class Stats:
     loose: int = 0               # committed draft tokens that did not match natively
     mismatches: int = 0          # native mismatches seen: loose ones plus each round's rejected one
     emitted: int = 0             # committed tokens: accepted + one correction/bonus per round
+    first_tokens: int = 0        # of those, the first round's: its decode also evaluated the prompt's tail
     forced: int = 0              # under a grammar: accepted draft tokens the grammar forced
     budget_spent: float | None = None   # ASD: the ledger s after this request
     budget_left: float | None = None    # ASD: B - s
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0       # from the start to the end of the first round's decode (the first token)
     wall_s: float = 0.0
     target_s: float = 0.0
     draft_s: float = 0.0
@@ -40,9 +41,14 @@ class Stats:
         return max(self.wall_s - self.prefill_s, 0.0)
 
     @property
+    def decode_tokens(self) -> int:
+        """The tokens committed after the prefill: those of every round but the first."""
+        return self.emitted - self.first_tokens
+
+    @property
     def tokens_per_s(self) -> float:
-        """Generated tokens per second of decoding, prefill excluded."""
-        return self.emitted / self.decode_s if self.decode_s > 0 else 0.0
+        """Tokens per second of decoding: the rounds after the first, over their time."""
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)

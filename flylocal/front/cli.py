@@ -395,7 +395,7 @@ def chat_command(session, line: str) -> bool:
                 note("system prompt cleared; new conversation" if arg == "--clear" else "system prompt set; new conversation")
         elif name == "/stats":
             t = session.totals
-            tps = t.tokens / t.decode_s if t.decode_s > 0 else 0.0
+            tps = t.decode_tokens / t.decode_s if t.decode_s > 0 else 0.0
             tau = t.tokens / t.rounds if t.rounds else 0.0
             note(f"{t.turns} turns, {t.tokens} tokens, {tps:.1f} tok/s, mean accepted length {tau:.2f}, "
                  f"loose {t.loose}, prompt tokens reused {t.prompt_reused}, evaluated {t.prompt_evaluated}")

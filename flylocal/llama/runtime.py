@@ -670,34 +670,36 @@ class Runtime:
         """Append `tokens` to the cache. Return the logits of rows `logits_from:` as a
         zero-copy view `[n_rows, n_vocab] float32`, valid until the next decode.
 
-        Rows before `logits_from` are evaluated in chunks of n_batch without logits, so only
-        the requested rows ever reach the output buffer. `logits_from=None` asks for none.
+        Only the requested rows ever reach the output buffer. The rows before `logits_from` go
+        in chunks of n_batch without logits until the rest fits one decode, which holds them
+        and the requested rows together: a prompt's tail and the first round cost one decode
+        (docs/design.md, "The round"). `logits_from=None` asks for none.
         """
         self._check_open()
         self._sync()
         tokens, start, rows = self._decode_args(tokens, logits_from)
         n = len(tokens)
-        steer = self.thread_control is not None and not self._steady and 0 < rows <= CONTROL_ROWS
+        steer = self.thread_control is not None and not self._steady and start == 0 and 0 < rows <= CONTROL_ROWS
         if start and self.thread_control is not None and not self._steady:
             if not self._probed:
                 self._probe_threads(int(tokens[0]))
             self._use_threads(self.thread_control.home)     # a prompt never runs on a count on trial
         i = 0
-        while i < start:
+        while i < start and (n - i > self.n_batch or start >= n):
             j = min(start, i + self.n_batch)
-            self._decode_chunk(tokens[i:j], want_logits=False)
+            self._decode_chunk(tokens[i:j], logits_from=j - i)
             i = j
         if start >= n:
             return None
         if not steer:
-            self._decode_chunk(tokens[start:], want_logits=True)
+            self._decode_chunk(tokens[i:], logits_from=start - i)
         else:
             self._use_threads(self.thread_control.current)
             t0 = time.perf_counter()
-            self._decode_chunk(tokens[start:], want_logits=True)
+            self._decode_chunk(tokens, logits_from=0)
             self._steer(rows, time.perf_counter() - t0)
         ptr = llama_cpp.llama_get_logits(self._ctx)
-        return np.ctypeslib.as_array(ptr, shape=(n - start, self.n_vocab))
+        return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
 
     def _decode_args(self, tokens, logits_from: int | None) -> tuple[np.ndarray, int, int]:
         """(tokens as int32, the first row with logits, the rows with logits), checked."""
@@ -710,12 +712,14 @@ class Runtime:
             raise ValueError(f"logits requested for {n - start} rows; at most n_batch={self.n_batch}")
         return tokens, start, n - start
 
-    def _decode_chunk(self, chunk: np.ndarray, want_logits: bool) -> None:
+    def _decode_chunk(self, chunk: np.ndarray, logits_from: int) -> None:
+        """One llama_decode of `chunk` (at most n_batch tokens), with logits for rows `logits_from:`."""
         m = len(chunk)
         p0 = self.n_past
         self._b_token[:m] = chunk
         self._b_pos[:m] = np.arange(p0, p0 + m, dtype=np.int32)
-        self._b_logits[:m] = 1 if want_logits else 0
+        self._b_logits[:logits_from] = 0
+        self._b_logits[logits_from:m] = 1
         self._batch.n_tokens = m
         self._tokens[p0 : p0 + m] = chunk      # past n_past: not yet claimed as cached
         self._unsynced = True                  # the cache may hold more than n_past from here ...
@@ -746,7 +750,7 @@ class Runtime:
                 for count in control.counts if i else control.counts[-1:]:
                     self._use_threads(count)
                     t0 = time.perf_counter()
-                    self._decode_chunk(one, want_logits=False)
+                    self._decode_chunk(one, logits_from=1)
                     seconds = time.perf_counter() - t0
                     self.truncate(n_past)
                     if i:                                  # the first decode is a warm-up
