@@ -136,6 +136,7 @@ class Run:
     target: FakeTarget | None = None
     closed: bool = False               # closed by the consumer while it was running
     problem: str | None = None         # the first broken rule, if any
+    decodes: int = 0                   # the target's decodes before the run
 
 
 def check_round(case: Case, event, context: list[int], h: int, n_out: int, target) -> tuple[str | None, list[int]]:
@@ -199,7 +200,7 @@ def run_engine(case: Case, target=None, drafter=None, verifier=None, stop_after:
     verifier = verifier if verifier is not None else make_verifier(case)
     config = EngineConfig(k=case.k, max_tokens=case.max_tokens, adaptive=case.adaptive, trace=True)
     context = list(case.prompt)
-    run = Run([], Stats(), [], [], context, target)
+    run = Run([], Stats(), [], [], context, target, decodes=getattr(target, "decodes", 0))
     ends = []
     try:
         gen = Engine(target, drafter, verifier, config).generate(np.array(case.prompt, dtype=np.int32), ends.append)
@@ -258,6 +259,11 @@ def check_final(case: Case, run: Run, target) -> str | None:
          f"stats.loose {s.loose}"),
         (s.mismatches == s.loose + sum(t["accepted"] < len(t["draft"]) for t in run.traces),
          f"stats.mismatches {s.mismatches}: not the committed loose ones plus each round's rejected one"),
+        # The prompt rides in the first round's decode: a decode a round, none of its own.
+        (not hasattr(target, "decodes") or target.decodes - run.decodes == s.rounds,
+         f"{target.decodes - run.decodes} target decodes for {s.rounds} rounds"),
+        (s.first_tokens == (len(run.committed[0]) if run.committed else 0),
+         f"stats.first_tokens {s.first_tokens}, the first round committed {run.committed[:1]}"),
         (s.prompt_reused + s.prompt_evaluated == len(case.prompt) or (run.closed and not run.traces),
          f"prompt reused {s.prompt_reused} + "
          f"evaluated {s.prompt_evaluated} != {len(case.prompt)}"),
