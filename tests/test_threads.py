@@ -62,6 +62,36 @@ def test_moves_to_fewer_threads_when_rounds_slow_down_and_back_when_they_speed_u
     assert used.index(2) < RECHECK[1] / (BASE / 1) + 10
 
 
+def test_rechecks_that_keep_the_count_grow_rarer_and_a_change_starts_them_short_again():
+    """Each re-check in a row that keeps the count waits twice as long as the last (1, 2, 4,
+    then 8 s of decoding at most); a move starts the doubling again."""
+    control = ThreadControl(candidates(2), 2)
+    rng = random.Random(3)
+    trials = []                              # the decoding clock where each trial began
+
+    def decode(steps: int, busy: int) -> None:
+        for _ in range(steps):
+            before = control.current
+            t = step_time(control.current, 2, busy, rng, 0.0)
+            control.observe(t, t)
+            if control.current != before and control.current != control.home:
+                trials.append(control.clock)
+
+    decode(3000, 0)
+    gaps = [b - a for a, b in zip(trials, trials[1:])]
+    assert [round(g) for g in gaps[:4]] == [1, 2, 4, 8]
+    assert all(RECHECK[1] <= g < RECHECK[1] + 0.1 for g in gaps[3:]) and len(gaps) > 4
+    decode(50, 1)                            # a core gets busy: 1 thread now, found at once
+    assert control.home == 1
+    trials.clear()
+    decode(2000, 1)
+    gaps = [b - a for a, b in zip(trials, trials[1:])]
+    # Short again after the move (a trial of 2 threads now loses more, so the budget asks
+    # for more than 1 s), then doubling up to the longest wait.
+    assert gaps[0] < 4 and all(b > a - 1e-6 for a, b in zip(gaps, gaps[1:])), gaps
+    assert RECHECK[1] <= gaps[-1] < RECHECK[1] + 0.1, gaps
+
+
 @pytest.mark.parametrize("busy", [0, 1])
 def test_rechecks_cost_at_most_their_budget(busy):
     """Trying the other count now and then, idle or with a core busy, loses at most BUDGET of

@@ -12,9 +12,10 @@ way the draft-length controller measures acceptance:
 - now and then the other candidate counts are tried, nearest first, for a few decodes each (one,
   when it is clearly slower), and the fastest is kept if it beats the current one by a margin;
 - a re-check comes early when the current count's speed changes (the load changed); otherwise
-  it waits as long as keeps re-checks within BUDGET of decoding time (between 1 and 8 seconds
-  of decoding), so a count measured slow during a passing load is tried again within a
-  generation, and probing costs little when nothing changes.
+  it waits as long as keeps re-checks within BUDGET of decoding time, and twice as long after
+  each re-check in a row that kept the count (between 1 and 8 seconds of decoding), so a count
+  measured slow during a passing load is tried again within a generation, and probing costs
+  next to nothing on a machine whose load stays as it is.
 
 The clock is the seconds of decoding observed, so the controller is deterministic given its
 timings (tests feed it made-up ones).
@@ -82,6 +83,7 @@ class ThreadControl:
         self.trying: list[int] = []            # counts still to try in this re-check
         self.samples: list[float] = []         # the trial count's steps so far
         self.lost = 0.0                        # seconds this re-check's trials lost so far
+        self.kept = 0                          # re-checks in a row that kept the count
         self.moves = 0
 
     def observe(self, step: float, seconds: float) -> int:
@@ -102,6 +104,8 @@ class ThreadControl:
         if self.reference is None:
             self.reference = now
         changed = not (self.reference / CHANGE < now < self.reference * CHANGE)
+        if changed:
+            self.kept = 0
         if (changed or self.clock >= self.next_check) and len(self.counts) > 1:
             i = self.counts.index(self.home)
             self.trying = sorted((c for c in self.counts if c != self.home),
@@ -123,11 +127,14 @@ class ThreadControl:
         if self.speed[best] < (1 - MARGIN) * self.speed[self.home]:
             self.home = best                   # moved: measure it, then look around again soon
             self.moves += 1
+            self.kept = 0
             self.recent, self.reference = [], None
             self.next_check = self.clock
         else:
             self.reference = self.speed[self.home]
-            self.next_check = self.clock + min(max(self.lost / BUDGET, RECHECK[0]), RECHECK[1])
+            wait = max(self.lost / BUDGET, RECHECK[0] * 2 ** min(self.kept, 8))
+            self.next_check = self.clock + min(wait, RECHECK[1])
+            self.kept += 1
         self.current = self.home
         if self.on_settle is not None:
             self.on_settle(self.home)
