@@ -170,7 +170,8 @@ class Engine:
         n = len(prompt)
         context[:n] = prompt
         commit = getattr(self.verifier, "commit", None)
-        eog_mask = target.eog_mask
+        eog_ids = frozenset(np.flatnonzero(target.eog_mask).tolist())
+        greedy = cfg.sampling.greedy
         constraint = gen.constraint
         # Plain decoding (no drafter) stays plain under a grammar: the baseline drafts nothing.
         forcing = constraint is not None and cfg.forced and getattr(self.drafter, "name", "") != "none"
@@ -242,7 +243,7 @@ class Engine:
                     stats.mask_s += masking
                 # a[0..k]: the target's token at each position, its argmax at temperature 0 and
                 # its speculative-sampling decision otherwise (docs/design.md, "Temperature > 0").
-                if cfg.sampling.greedy:
+                if greedy:
                     a = target_argmax(draft, logits, context[:n], cfg.sampling)   # [k+1]
                 else:
                     a = sample_targets(draft, logits, context[:n], cfg.sampling,
@@ -253,8 +254,9 @@ class Engine:
                 t3 = clock()
 
                 # Cut at the first end-of-generation token, at max_tokens and at the context's end.
-                eog = np.flatnonzero(eog_mask[emitted])
-                m = int(eog[0]) + 1 if eog.size else len(emitted)
+                ids = emitted.tolist()             # a few ids: Python beats numpy's per-call cost here
+                eog = next((j for j, t in enumerate(ids) if t in eog_ids), None)
+                m = eog + 1 if eog is not None else len(ids)
                 m = min(m, cfg.max_tokens - len(out), target.n_ctx - n)
                 committed = emitted[:m]
                 target.truncate(n_past + m)        # [last, *committed[:-1]] stay; committed[-1] is the new last
@@ -264,7 +266,7 @@ class Engine:
 
                 context[n : n + m] = committed
                 n += m
-                ended = bool(eog.size) and int(eog[0]) < m
+                ended = eog is not None and eog < m
                 shown = m - ended                  # the end-of-generation token is not output
                 if constraint is not None:         # (the grammar allowed the end; it ends the generation)
                     constraint.commit(committed[:shown])
@@ -299,7 +301,7 @@ class Engine:
                 # Row j scored the position of committed[j] under the prefix committed before it.
                 logprobs = (tuple(token_logprobs(committed[:shown], logits, context[: n - m], cfg.sampling,
                                                  cfg.logprobs)) if cfg.logprobs is not None else None)
-                tokens = tuple(int(t) for t in committed[:shown])
+                tokens = tuple(ids[:shown])
                 out.extend(tokens)
                 # The stop is known before the last event goes out: a consumer that closes
                 # the generation right after it gets the real reason.

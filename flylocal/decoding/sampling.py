@@ -17,6 +17,7 @@ keeps its regrets on raw logits. FLy and ASD remain lossy.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +50,14 @@ class SamplingParams:
         """Whether logit bias or a penalty changes the logits before anything is chosen."""
         return bool(self.logit_bias) or self.penalizes
 
+    @functools.cached_property
+    def lowered_only(self) -> frozenset[int] | None:
+        """The ids a bias lowers, when a bias only lowers and no penalty applies; None otherwise.
+        Read every round at temperature 0, so made once."""
+        if self.penalizes or any(bias > 0 for _, bias in self.logit_bias):
+            return None
+        return frozenset(token for token, _ in self.logit_bias)
+
 
 def adjust(z: np.ndarray, history: np.ndarray, p: SamplingParams) -> np.ndarray:
     """The logits of one position [n_vocab] float64 (a copy) after logit bias, then the
@@ -75,8 +84,8 @@ def target_argmax(draft: np.ndarray, logits: np.ndarray, committed: np.ndarray, 
         return a
     # A bias that only lowers tokens none of the rows chose changes no argmax. (A set, not
     # np.isin: right after a decode np.isin took 128 µs, against 14 µs called again.)
-    if not p.penalizes and all(bias <= 0 for _, bias in p.logit_bias) \
-            and not {token for token, _ in p.logit_bias}.intersection(a.tolist()):
+    lowered = p.lowered_only
+    if lowered is not None and lowered.isdisjoint(a.tolist()):
         return a
     return np.array([int(adjust(logits[j], np.concatenate([committed, draft[:j]]), p).argmax())
                      for j in range(len(draft) + 1)], dtype=np.int32)

@@ -16,6 +16,7 @@ be rebuilt and compared.
 
 from __future__ import annotations
 
+import _signal
 import contextlib
 import ctypes
 import hashlib
@@ -80,7 +81,7 @@ class _Deferral:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            handler = signal.getsignal(signal.SIGINT)
+            handler = _signal.getsignal(signal.SIGINT)   # without signal's enum lookup, which raises inside
             if handler is signal.default_int_handler:
                 signal.signal(signal.SIGINT, self._handler)
             elif handler != self._handler:
@@ -146,6 +147,12 @@ def _last_log_error() -> str:
             if word in line:
                 return re.sub(r"^(?:\w+: )*(?:error loading model: )?", "", line) or line
     return lines[-1] if lines else "llama.cpp gave no reason"
+
+
+# llama_get_logits with the buffer's address as an int: llama-cpp-python's own binding returns a
+# float pointer, and a cast of it costs more than the call.
+_logits_address = llama_cpp.llama_cpp._lib["llama_get_logits"]
+_logits_address.argtypes, _logits_address.restype = [ctypes.c_void_p], ctypes.c_void_p
 
 
 def interrupts_deferred() -> _Deferral:
@@ -424,6 +431,8 @@ class Runtime:
         self.n_past = 0
         self._unsynced = False
         self._specials = None   # control-token texts, found lazily for chat templates
+        self._views: dict[int, np.ndarray] = {}     # the logits buffer's view, by its address
+        self._pieces: dict[int, bytes] = {}         # each token's text, as read once
         self._formatter = None  # the compiled chat template, made on first use
         # --threads auto: start on every core, then follow how fast decodes run (flylocal.llama.threads).
         # A process starts from the count the last one settled on, when that was recent, and
@@ -650,6 +659,14 @@ class Runtime:
         return np.asarray(ids, dtype=np.int32)
 
     def piece(self, token: int, special: bool = False) -> bytes:
+        if not special:                  # a token's text never changes: read once, the stream's per token
+            text = self._pieces.get(token)
+            if text is None:
+                text = self._pieces[token] = self._read_piece(token, False)
+            return text
+        return self._read_piece(token, True)
+
+    def _read_piece(self, token: int, special: bool) -> bytes:
         self._check_open()
         buf = ctypes.create_string_buffer(64)
         n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
@@ -698,8 +715,20 @@ class Runtime:
             t0 = time.perf_counter()
             self._decode_chunk(tokens, logits_from=0)
             self._steer(rows, time.perf_counter() - t0)
-        ptr = llama_cpp.llama_get_logits(self._ctx)
-        return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
+        return self._logits(rows)
+
+    def _logits(self, rows: int) -> np.ndarray:
+        """The output buffer's first `rows` rows as a view [rows, n_vocab] float32. The view of a
+        buffer address is made once (a ctypes array type and a numpy array each time cost a
+        round tens of microseconds) and sliced; llama.cpp moves the buffer only to grow it."""
+        address = _logits_address(self._ctx)
+        view = self._views.get(address)
+        if view is None or len(view) < rows:
+            n = max(rows, len(view) if view is not None else 0)
+            pointer = ctypes.cast(address, ctypes.POINTER(ctypes.c_float))
+            self._views = {address: np.ctypeslib.as_array(pointer, shape=(n, self.n_vocab))}
+            view = self._views[address]
+        return view[:rows]
 
     def _decode_args(self, tokens, logits_from: int | None) -> tuple[np.ndarray, int, int]:
         """(tokens as int32, the first row with logits, the rows with logits), checked."""

@@ -23,6 +23,8 @@ Verifier = Callable[[np.ndarray, np.ndarray, np.ndarray], Decision]
 def native_prefix(draft: np.ndarray, target_argmax: np.ndarray) -> int:
     """Length of the longest prefix with d[j] == a[j]."""
     k = len(draft)
+    if not k:
+        return 0
     mismatch = np.flatnonzero(draft != target_argmax[:k])
     return int(mismatch[0]) if mismatch.size else k
 
@@ -40,4 +42,7 @@ def regrets(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray) ->
 def emitted_tokens(draft: np.ndarray, target_argmax: np.ndarray, accepted: int) -> np.ndarray:
     """d[0:L] + [a[L]]: the committed draft prefix (loose tokens included, as drafted) and the
     target's correction (L < k) or bonus (L == k) token. [L+1] int32."""
-    return np.append(draft[:accepted], target_argmax[accepted]).astype(np.int32)
+    out = np.empty(accepted + 1, dtype=np.int32)
+    out[:accepted] = draft[:accepted]
+    out[accepted] = target_argmax[accepted]
+    return out
