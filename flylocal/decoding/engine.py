@@ -236,6 +236,7 @@ class Engine:
                 t2 = clock()
                 if not stats.rounds:               # the prompt is in: the first round's tokens are its answer
                     stats.prefill_s = t2 - t_start
+                    head = head[:0]
                 masking = 0.0
                 if constraint is not None:          # the target's distribution under the grammar
                     constraint.restrict(logits, draft)
@@ -295,7 +296,6 @@ class Engine:
                     self.observe(proposal, min(L, m) - f)     # drafts that choose their own length
                 if self.costs is not None and not h:    # the decode's cost: a grammar's masks are not the target's
                     self.costs.update(len(draft) + 1, t4 - t1 - masking, emitted=m)
-                head = head[:0]
                 trace = self._trace_row(stats.rounds - 1, n_past, draft, a, logits, decision, emitted,
                                         proposal, f if constraint is not None else None) if cfg.trace else None
                 # Row j scored the position of committed[j] under the prefix committed before it.

@@ -431,7 +431,7 @@ class Runtime:
         self.n_past = 0
         self._unsynced = False
         self._specials = None   # control-token texts, found lazily for chat templates
-        self._views: dict[int, np.ndarray] = {}     # the logits buffer's view, by its address
+        self._view = (None, None)                   # (the logits buffer's address, a view of it)
         self._pieces: dict[int, bytes] = {}         # each token's text, as read once
         self._formatter = None  # the compiled chat template, made on first use
         # --threads auto: start on every core, then follow how fast decodes run (flylocal.llama.threads).
@@ -718,16 +718,15 @@ class Runtime:
         return self._logits(rows)
 
     def _logits(self, rows: int) -> np.ndarray:
-        """The output buffer's first `rows` rows as a view [rows, n_vocab] float32. The view of a
-        buffer address is made once (a ctypes array type and a numpy array each time cost a
-        round tens of microseconds) and sliced; llama.cpp moves the buffer only to grow it."""
+        """The output buffer's first `rows` rows as a view [rows, n_vocab] float32. A view is made
+        when the buffer moves or more rows are asked for than it covers, and sliced otherwise (a
+        ctypes array type and a numpy array every decode cost a round tens of microseconds)."""
         address = _logits_address(self._ctx)
-        view = self._views.get(address)
-        if view is None or len(view) < rows:
-            n = max(rows, len(view) if view is not None else 0)
+        at, view = self._view
+        if at != address or len(view) < rows:
             pointer = ctypes.cast(address, ctypes.POINTER(ctypes.c_float))
-            self._views = {address: np.ctypeslib.as_array(pointer, shape=(n, self.n_vocab))}
-            view = self._views[address]
+            view = np.ctypeslib.as_array(pointer, shape=(rows, self.n_vocab))
+            self._view = address, view
         return view[:rows]
 
     def _decode_args(self, tokens, logits_from: int | None) -> tuple[np.ndarray, int, int]:
