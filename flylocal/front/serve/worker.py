@@ -24,7 +24,7 @@ from typing import Any, Callable
 from flylocal.session import Session, TextStream
 from flylocal.settings import Settings
 
-SEND_EVERY = 0.025          # seconds between a stream's text events after the first
+SEND_EVERY = 0.1            # seconds between a stream's text events after the first
 END = object()
 
 

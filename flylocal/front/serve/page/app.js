@@ -16,7 +16,11 @@ const KEY = "flylocal.key";                  // sessionStorage: the API key, for
 const KIND_TITLES = { A: "accepted draft token", L: "loose: a draft token the target would not have chosen",
                       T: "from the target" };
 
-const REDRAW = 100;                          // ms between updates of a streaming answer
+// ms between updates of a streaming answer. Every update is a frame the browser lays out, paints
+// and composites, a cost per frame whatever changed, taken from the cores the model decodes on
+// when the server runs on this machine: 4 a second keep the text moving for a reader at a
+// fraction of the cost of 10 (docs/benchmarks.md, "The chat page's cost to decoding").
+const REDRAW = 250;
 
 const $ = (id) => document.getElementById(id);
 const el = (tag, cls, text) => {
@@ -440,7 +444,7 @@ async function stream(view, history, verifier, controller) {
   const started = performance.now();
   let first = null;
   let pending = false;
-  const redraw = () => {                      // at most every REDRAW ms while it streams
+  const redraw = () => {                      // the first tokens at once, then at most every REDRAW ms
     if (pending) return;
     pending = true;
     setTimeout(() => {
@@ -452,7 +456,7 @@ async function stream(view, history, verifier, controller) {
       drawStreaming(view);
       const box = $("messages");
       box.scrollTop = box.scrollHeight;
-    }, REDRAW);
+    }, view.raw ? REDRAW : 0);
   };
   view.node.classList.add("streaming");
   try {

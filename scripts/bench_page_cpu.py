@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""The chat page's own work, without a model competing for the cores: Chromium's CPU time per
+answer while the page reads and draws a recorded stream.
+
+It records real streams first (one `flylocal serve`, the page's request: streamed, usage,
+logprobs with one alternative, fly + prompt lookup, greedy), with the time each event came.
+Then, with the model idle, the page in headless Chromium answers messages whose stream is
+replayed in the page at those times (its `fetch` answers from the recording), and the CPU time
+of Chromium's processes is read from /proc around each answer. `--idle` measures the page open
+and doing nothing for as long, the floor every reader pays. Less CPU here is less taken from
+llama.cpp's threads when the browser and the server share a machine (bench_page.py measures
+that directly, with more noise).
+
+    .venv/bin/python scripts/bench_page_cpu.py [--answers 6] [--max-tokens 256] [--idle]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import http.client
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+REPLAY = """
+const streams = arguments[0];
+let n = 0;
+const real = window.fetch;
+window.fetch = (url, options) => {
+  if (!String(url).includes('/v1/chat/completions')) return real(url, options);
+  const events = streams[n++ % streams.length], encoder = new TextEncoder(), start = performance.now();
+  let i = 0;
+  const body = new ReadableStream({ start(out) {
+    const next = () => {
+      let text = '';
+      while (i < events.length && events[i][0] <= performance.now() - start) text += events[i++][1];
+      if (text) out.enqueue(encoder.encode(text));
+      if (i < events.length) setTimeout(next, Math.max(0, events[i][0] - (performance.now() - start)));
+      else out.close();
+    };
+    next();
+  }});
+  return Promise.resolve(new Response(body, { status: 200, headers: { 'Content-Type': 'text/event-stream' } }));
+};
+"""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--answers", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--idle", action="store_true", help="the page open, doing nothing, as long as an answer")
+    args = ap.parse_args()
+
+    from flylocal.front.bench import load_prompts, per_group
+
+    env = dict(os.environ)
+    from test_page import chrome, quit_chrome      # the tests' helpers (their conftest sets
+    from test_server import free_port, wait_ready  # test-only variables: undone below)
+
+    os.environ.clear()
+    os.environ.update(env)
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "flylocal", "serve", "--port", str(port), "--quiet"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    driver = None
+    try:
+        wait_ready(server, url)
+        firsts = [p.text for p in per_group(load_prompts(str(ROOT / "data" / "spec_bench")), 1)]
+        questions = [firsts[0], firsts[2]]          # two that run to max_tokens
+        streams = [_record(port, q, args.max_tokens) for q in questions]
+        print("recorded:", ", ".join(f"{len(s)} events in {s[-1][0] / 1000:.1f} s" for s in streams))
+        driver = chrome()
+        driver.get(url + "/")
+        driver.execute_script("localStorage.clear();")
+        driver.get(url + "/")
+        driver.execute_script(REPLAY, streams)
+        driver.set_script_timeout(300)
+        cpu, walls = collections.Counter(), []
+        for i in range(args.answers):
+            driver.find_element("id", "new-chat").click()
+            before, start = _ticks(), time.perf_counter()
+            if args.idle:
+                time.sleep(streams[i % len(streams)][-1][0] / 1000)
+            else:
+                _answer(driver, f"message {i}")
+            after = _ticks()
+            walls.append(time.perf_counter() - start)
+            for kind in after:
+                cpu[kind] += after[kind] - before.get(kind, 0)
+            time.sleep(0.3)
+        hz = os.sysconf("SC_CLK_TCK")
+        total = sum(cpu.values()) / hz / args.answers
+        parts = ", ".join(f"{kind} {ticks / hz / args.answers:.3f}" for kind, ticks in cpu.most_common())
+        wall = statistics.mean(walls)
+        print(f"Chromium CPU per answer: {total:.3f} s ({parts}); mean wall {wall:.2f} s, "
+              f"{total / wall:.1%} of a core")
+    finally:
+        if driver is not None:
+            quit_chrome(driver)
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+    return 0
+
+
+def _record(port: int, question: str, max_tokens: int) -> list:
+    body = {"messages": [{"role": "user", "content": question}], "stream": True,
+            "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 1,
+            "max_tokens": max_tokens, "temperature": 0, "verifier": "fly", "drafter": "pld"}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    res = conn.getresponse()
+    start, events = time.perf_counter(), []
+    while line := res.fp.readline():
+        if line.startswith(b"data: "):
+            events.append([round((time.perf_counter() - start) * 1000, 1), line.decode() + "\n"])
+    conn.close()
+    return events
+
+
+def _answer(driver, message: str) -> None:
+    from selenium.webdriver.common.keys import Keys
+
+    box = driver.find_element("id", "input")
+    driver.execute_script("arguments[0].value = arguments[1];", box, message)
+    box.send_keys(Keys.END, Keys.ENTER)
+    driver.execute_async_script("""
+        const done = arguments[arguments.length - 1];
+        const check = () => {
+          const all = document.querySelectorAll('.answer'), last = all[all.length - 1];
+          if (last && !last.classList.contains('streaming')) done(); else setTimeout(check, 500);
+        };
+        setTimeout(check, 500);""")
+
+
+def _ticks() -> collections.Counter:
+    """CPU ticks (user + system) of each kind of Chromium process now running."""
+    out = collections.Counter()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            if not stat[stat.index("(") + 1:].startswith("chrom"):
+                continue
+            words = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").split()
+            kind = next((w[7:] for w in words if w.startswith("--type=")), "browser")
+            fields = stat[stat.rindex(")") + 2:].split()
+            out[kind] += int(fields[11]) + int(fields[12])
+        except (OSError, ValueError):
+            continue                            # a process that ended meanwhile
+    return out
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("SE_OFFLINE", "true")
+    sys.exit(main())
