@@ -180,7 +180,8 @@ class Worker:
                 pending += piece
                 now = time.perf_counter()
                 # Text goes out at once at first, then at most every SEND_EVERY seconds: each send
-                # wakes the event loop, which on a small machine takes a core from llama.cpp.
+                # wakes the event loop, which on a small machine takes a core from llama.cpp, and
+                # is an event for the client to read (a browser on the same cores: design.md).
                 if pending and (first is None or now - sent >= SEND_EVERY):
                     first = first or now
                     job.emit(("text", pending, tokens.release(len(pending)) if tokens else ()))

@@ -456,7 +456,7 @@ async function stream(view, history, verifier, controller) {
       drawStreaming(view);
       const box = $("messages");
       box.scrollTop = box.scrollHeight;
-    }, view.raw ? REDRAW : 0);
+    }, view.raw && view.raw.tokens ? REDRAW : 0);
   };
   view.node.classList.add("streaming");
   try {
