@@ -14,6 +14,7 @@ Medians over the questions, and their ratio.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -21,7 +22,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,31 +40,13 @@ def main() -> int:
 
     from flylocal.front.bench import load_prompts, per_group
 
-    env = dict(os.environ)
-    from test_page import chrome, quit_chrome      # the tests' browser and server helpers (their
-    from test_server import free_port, wait_ready  # conftest sets test-only variables: undone below)
-
-    os.environ.clear()
-    os.environ.update(env)
-
     questions = [p.text for p in per_group(load_prompts(str(ROOT / "data" / "spec_bench")), 1)]
     questions = (questions * (args.questions // max(len(questions), 1) + 1))[: args.questions]
     if not (shutil.which("chromium") and shutil.which("chromedriver") and shutil.which("curl")):
         print("needs chromium, chromedriver and curl", file=sys.stderr)
         return 1
 
-    port = free_port()
-    err = tempfile.TemporaryFile(mode="w+")
-    server = subprocess.Popen([sys.executable, "-m", "flylocal", "serve", "--port", str(port), "--quiet"],
-                              stdout=subprocess.DEVNULL, stderr=err)
-    url = f"http://127.0.0.1:{port}"
-    driver = None
-    try:
-        wait_ready(server, url)
-        driver = chrome()
-        driver.get(url + "/")
-        driver.execute_script("localStorage.clear();")
-        driver.get(url + "/")
+    with page_on_server() as (driver, url):
         _settings(driver, args)
         page, curl = [], []
         for i, q in enumerate(questions):
@@ -73,16 +55,41 @@ def main() -> int:
                 (page if reader == "page" else curl).append(speed)
                 print(f"{i:2d} {reader}: {speed:.1f} tok/s", flush=True)
                 time.sleep(0.5)
-        p, c = statistics.median(page), statistics.median(curl)
-        print(f"\ndecode tok/s, median of {len(questions)}: page {p:.1f}, curl {c:.1f}, page / curl {p / c:.3f}")
-        print(f"mean: page {statistics.mean(page):.1f}, curl {statistics.mean(curl):.1f}, "
-              f"page / curl {statistics.mean(page) / statistics.mean(curl):.3f}")
+    p, c = statistics.median(page), statistics.median(curl)
+    print(f"\ndecode tok/s, median of {len(questions)}: page {p:.1f}, curl {c:.1f}, page / curl {p / c:.3f}")
+    print(f"mean: page {statistics.mean(page):.1f}, curl {statistics.mean(curl):.1f}, "
+          f"page / curl {statistics.mean(page) / statistics.mean(curl):.3f}")
+    return 0
+
+
+@contextlib.contextmanager
+def page_on_server():
+    """A `flylocal serve` (default model and settings) on a free loopback port, and headless
+    Chromium on its page with nothing stored: (driver, url). Both are stopped on the way out."""
+    env = dict(os.environ)
+    from test_page import chrome, quit_chrome      # the tests' browser and server helpers (their
+    from test_server import free_port, wait_ready  # conftest sets test-only variables: undone below)
+
+    os.environ.clear()
+    os.environ.update(env)
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "flylocal", "serve", "--port", str(port), "--quiet"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    driver = None
+    try:
+        wait_ready(server, url)
+        driver = chrome()
+        driver.get(url + "/")
+        driver.execute_script("localStorage.clear();")
+        driver.get(url + "/")
+        yield driver, url
     finally:
         if driver is not None:
             quit_chrome(driver)
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
-    return 0
 
 
 def _settings(driver, args) -> None:

@@ -21,15 +21,14 @@ import collections
 import http.client
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
 REPLAY = """
@@ -64,28 +63,13 @@ def main() -> int:
 
     from flylocal.front.bench import load_prompts, per_group
 
-    env = dict(os.environ)
-    from test_page import chrome, quit_chrome      # the tests' helpers (their conftest sets
-    from test_server import free_port, wait_ready  # test-only variables: undone below)
+    from bench_page import page_on_server
 
-    os.environ.clear()
-    os.environ.update(env)
-
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "flylocal", "serve", "--port", str(port), "--quiet"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    driver = None
-    try:
-        wait_ready(server, url)
-        firsts = [p.text for p in per_group(load_prompts(str(ROOT / "data" / "spec_bench")), 1)]
-        questions = [firsts[0], firsts[2]]          # two that run to max_tokens
-        streams = [_record(port, q, args.max_tokens) for q in questions]
+    firsts = [p.text for p in per_group(load_prompts(str(ROOT / "data" / "spec_bench")), 1)]
+    questions = [firsts[0], firsts[2]]              # two that run to max_tokens
+    with page_on_server() as (driver, url):
+        streams = [_record(url, q, args.max_tokens) for q in questions]
         print("recorded:", ", ".join(f"{len(s)} events in {s[-1][0] / 1000:.1f} s" for s in streams))
-        driver = chrome()
-        driver.get(url + "/")
-        driver.execute_script("localStorage.clear();")
-        driver.get(url + "/")
         driver.execute_script(REPLAY, streams)
         driver.set_script_timeout(300)
         cpu, walls = collections.Counter(), []
@@ -101,25 +85,19 @@ def main() -> int:
             for kind in after:
                 cpu[kind] += after[kind] - before.get(kind, 0)
             time.sleep(0.3)
-        hz = os.sysconf("SC_CLK_TCK")
-        total = sum(cpu.values()) / hz / args.answers
-        parts = ", ".join(f"{kind} {ticks / hz / args.answers:.3f}" for kind, ticks in cpu.most_common())
-        wall = statistics.mean(walls)
-        print(f"Chromium CPU per answer: {total:.3f} s ({parts}); mean wall {wall:.2f} s, "
-              f"{total / wall:.1%} of a core")
-    finally:
-        if driver is not None:
-            quit_chrome(driver)
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=60)
+    hz = os.sysconf("SC_CLK_TCK")
+    total = sum(cpu.values()) / hz / args.answers
+    parts = ", ".join(f"{kind} {ticks / hz / args.answers:.3f}" for kind, ticks in cpu.most_common())
+    wall = statistics.mean(walls)
+    print(f"Chromium CPU per answer: {total:.3f} s ({parts}); mean wall {wall:.2f} s, {total / wall:.1%} of a core")
     return 0
 
 
-def _record(port: int, question: str, max_tokens: int) -> list:
+def _record(url: str, question: str, max_tokens: int) -> list:
     body = {"messages": [{"role": "user", "content": question}], "stream": True,
             "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 1,
             "max_tokens": max_tokens, "temperature": 0, "verifier": "fly", "drafter": "pld"}
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=300)
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     res = conn.getresponse()
     start, events = time.perf_counter(), []
