@@ -22,6 +22,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -74,8 +75,10 @@ def page_on_server():
     os.environ.update(env)
 
     port = free_port()
+    log = tempfile.TemporaryFile(mode="w+")       # the server's stderr: wait_ready shows it if it exits
     server = subprocess.Popen([sys.executable, "-m", "flylocal", "serve", "--port", str(port), "--quiet"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=log)
+    server.log_file = log
     url = f"http://127.0.0.1:{port}"
     driver = None
     try:
@@ -90,6 +93,7 @@ def page_on_server():
             quit_chrome(driver)
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
+        log.close()
 
 
 def _settings(driver, args) -> None:
