@@ -7,11 +7,12 @@ logprobs with one alternative, fly + prompt lookup, greedy), with the time each 
 Then, with the model idle, the page in headless Chromium answers messages whose stream is
 replayed in the page at those times (its `fetch` answers from the recording), and the CPU time
 of Chromium's processes is read from /proc around each answer. `--idle` measures the page open
-and doing nothing for as long, the floor every reader pays. Less CPU here is less taken from
-llama.cpp's threads when the browser and the server share a machine (bench_page.py measures
-that directly, with more noise).
+and doing nothing for as long, the floor every reader pays; `--one-conversation` keeps every
+answer in one conversation, which soon outgrows the window, so the page scrolls to follow. Less
+CPU here is less taken from llama.cpp's threads when the browser and the server share a machine
+(bench_page.py measures that directly, with more noise).
 
-    .venv/bin/python scripts/bench_page_cpu.py [--answers 6] [--max-tokens 256] [--idle]
+    .venv/bin/python scripts/bench_page_cpu.py [--answers 6] [--max-tokens 256] [--idle] [--one-conversation]
 """
 
 from __future__ import annotations
@@ -59,11 +60,13 @@ def main() -> int:
     ap.add_argument("--answers", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--idle", action="store_true", help="the page open, doing nothing, as long as an answer")
+    ap.add_argument("--one-conversation", action="store_true",
+                    help="every answer in the same conversation, so that the list scrolls to follow them")
     args = ap.parse_args()
 
     from flylocal.front.bench import load_prompts, per_group
 
-    from bench_page import page_on_server
+    from bench_page import ask_page, page_on_server
 
     firsts = [p.text for p in per_group(load_prompts(str(ROOT / "data" / "spec_bench")), 1)]
     questions = [firsts[0], firsts[2]]              # two that run to max_tokens
@@ -74,12 +77,13 @@ def main() -> int:
         driver.set_script_timeout(300)
         cpu, walls = collections.Counter(), []
         for i in range(args.answers):
-            driver.find_element("id", "new-chat").click()
+            if not args.one_conversation or i == 0:
+                driver.find_element("id", "new-chat").click()
             before, start = _ticks(), time.perf_counter()
             if args.idle:
                 time.sleep(streams[i % len(streams)][-1][0] / 1000)
             else:
-                _answer(driver, f"message {i}")
+                ask_page(driver, f"message {i}")
             after = _ticks()
             walls.append(time.perf_counter() - start)
             for kind in after:
@@ -106,21 +110,6 @@ def _record(url: str, question: str, max_tokens: int) -> list:
             events.append([round((time.perf_counter() - start) * 1000, 1), line.decode() + "\n"])
     conn.close()
     return events
-
-
-def _answer(driver, message: str) -> None:
-    from selenium.webdriver.common.keys import Keys
-
-    box = driver.find_element("id", "input")
-    driver.execute_script("arguments[0].value = arguments[1];", box, message)
-    box.send_keys(Keys.END, Keys.ENTER)
-    driver.execute_async_script("""
-        const done = arguments[arguments.length - 1];
-        const check = () => {
-          const all = document.querySelectorAll('.answer'), last = all[all.length - 1];
-          if (last && !last.classList.contains('streaming')) done(); else setTimeout(check, 500);
-        };
-        setTimeout(check, 500);""")
 
 
 def _ticks() -> collections.Counter:
