@@ -228,6 +228,43 @@ def test_stop_mid_stream_then_the_next_message_is_answered(site):
     assert until(driver, lambda: cancelled(url) == before + 1, timeout=30)
 
 
+def test_a_reader_who_scrolled_up_stays_there_while_the_answer_grows(site):
+    from selenium.webdriver import ActionChains
+    from selenium.webdriver.common.actions.wheel_input import ScrollOrigin
+    from selenium.webdriver.common.keys import Keys
+
+    driver, url, _ = site
+    fresh(driver, url)
+    driver.set_window_size(375, 600)
+    try:
+        settings(driver, drafter="pld", max_tokens="400")
+        driver.find_element("id", "toggle-settings").click()          # the panel closed again
+        type_and_send(driver, prompt("story-robot"))
+        box = driver.find_element("id", "messages")
+        where = "return [arguments[0].scrollTop, arguments[0].scrollHeight - arguments[0].clientHeight];"
+        tokens = "return document.querySelectorAll('#messages .answer.streaming .tok').length;"
+        # while the reader stays at the end, the end stays in sight as the answer grows past the window
+        until(driver, lambda: driver.execute_script(tokens) and driver.execute_script(where, box)[1] > 150)
+        top, end = driver.execute_script(where, box)
+        assert end - top < 48, (top, end)
+        ActionChains(driver).scroll_from_origin(ScrollOrigin.from_element(box), 0, -5000).perform()
+        until(driver, lambda: driver.execute_script(where, box)[0] == 0, timeout=10)
+        grown = driver.execute_script(tokens) + 20
+        until(driver, lambda: driver.execute_script(tokens) >= grown or not driver.execute_script(tokens))
+        assert driver.execute_script(where, box)[0] == 0            # they read on where they were
+        driver.find_element("tag name", "body").send_keys(Keys.ESCAPE)
+        finished(driver)
+        assert driver.execute_script(where, box)[0] == 0
+        settings(driver, max_tokens="16")
+        driver.find_element("id", "toggle-settings").click()
+        type_and_send(driver, "Say hello.")                          # a new message brings them to the end
+        finished(driver, 2)
+        top, end = driver.execute_script(where, box)
+        assert end - top < 48, (top, end)
+    finally:
+        driver.set_window_size(1280, 900)
+
+
 def cancelled(url: str) -> float:
     page = httpx.get(url + "/metrics", timeout=30).text
     return float(next(line.split()[-1] for line in page.splitlines()

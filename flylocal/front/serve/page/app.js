@@ -453,9 +453,7 @@ async function stream(view, history, verifier, controller) {
       if (first !== null && answer.tokens.length > 1) {
         answer.live = (answer.tokens.length - 1) / ((performance.now() - first) / 1000);
       }
-      drawStreaming(view);
-      const box = $("messages");
-      box.scrollTop = box.scrollHeight;
+      following(() => drawStreaming(view));
     }, view.raw && view.raw.tokens ? REDRAW : 0);
   };
   view.node.classList.add("streaming");
@@ -516,8 +514,18 @@ async function stream(view, history, verifier, controller) {
     answer.seconds = (performance.now() - started) / 1000;
     delete answer.live;
     view.node.classList.remove("streaming");
-    draw(view);
+    following(() => draw(view));
   }
+}
+
+// Runs `change` on the conversation and keeps its end in sight if the reader was there: one who
+// scrolled up to read stays where they are while the answer grows. (Read before the change, the
+// layout is the last frame's and costs nothing.)
+function following(change) {
+  const box = $("messages");
+  const atEnd = box.scrollHeight - box.scrollTop - box.clientHeight < 48;
+  change();
+  if (atEnd) box.scrollTop = box.scrollHeight;
 }
 
 function emptyAnswer(verifier) {
@@ -563,6 +571,7 @@ async function send() {
       const runs = [emptyAnswer("strict"), emptyAnswer(loose)];
       const pair = compareNode(runs);
       box.append(pair.node);
+      box.scrollTop = box.scrollHeight;           // a new message brings the reader to the end
       for (const view of pair.views) {
         if (controller.signal.aborted) { view.answer.stopped = true; draw(view); continue; }
         await stream(view, history, view.answer.verifier, controller);
@@ -573,6 +582,7 @@ async function send() {
       const answer = emptyAnswer($("verifier").value);
       const view = answerNode(answer);
       box.append(view.node);
+      box.scrollTop = box.scrollHeight;
       await stream(view, history, answer.verifier, controller);
       reply = { role: "assistant", answer };
     }
