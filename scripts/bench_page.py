@@ -77,7 +77,7 @@ def main() -> int:
     pairs = sorted(a / b for a, b in zip(page, curl))
     q1, _, q3 = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else (pairs[0],) * 3
     print(f"page / curl per question: median {statistics.median(pairs):.3f}, quartiles {q1:.3f}-{q3:.3f}, "
-          f"{sum(r >= 0.95 for r in pairs)} of {len(pairs)} within 5%")
+          f"{sum(r >= 0.95 for r in pairs)} of {len(pairs)} at 0.95 or more")
     return 0
 
 
@@ -143,9 +143,9 @@ def _by_page(driver, question: str) -> tuple[float, str]:
 
 def ask_page(driver, message: str) -> dict:
     """One message sent, as the Send button sends it; the answer as the page keeps it, once it
-    has ended. While it streams, WebDriver is quiet: one call, which the
-    page answers when the answer's `streaming` mark goes (polling from here would be a round
-    trip through chromedriver, DevTools and the renderer, work the page itself does not do)."""
+    has ended. One WebDriver call, no keystrokes, and nothing polled while the answer streams:
+    a MutationObserver answers the call when the answer's `streaming` mark goes (polling, from
+    here or in the page, is work the page itself does not do)."""
     driver.set_script_timeout(300)
     answer = driver.execute_async_script("""
         const message = arguments[0], done = arguments[arguments.length - 1];

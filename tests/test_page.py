@@ -250,8 +250,15 @@ def test_a_reader_who_scrolled_up_stays_there_while_the_answer_grows(site):
         ActionChains(driver).scroll_from_origin(ScrollOrigin.from_element(box), 0, -5000).perform()
         until(driver, lambda: driver.execute_script(where, box)[0] == 0, timeout=10)
         grown = driver.execute_script(tokens) + 20
-        until(driver, lambda: driver.execute_script(tokens) >= grown or not driver.execute_script(tokens))
-        assert driver.execute_script(where, box)[0] == 0            # they read on where they were
+
+        def grown_or_ended():           # (tokens drawn while streaming, scroll position), read at once
+            n, top = driver.execute_script(
+                "return [document.querySelectorAll('#messages .answer.streaming .tok').length, arguments[0].scrollTop];",
+                box)
+            return (n, top) if n >= grown or not n else None
+        drawn, top = until(driver, grown_or_ended)
+        assert drawn >= grown, "the answer ended before 20 more tokens were drawn: nothing was tested"
+        assert top == 0                                              # they read on where they were
         driver.find_element("tag name", "body").send_keys(Keys.ESCAPE)
         finished(driver)
         assert driver.execute_script(where, box)[0] == 0

@@ -33,6 +33,7 @@ const el = (tag, cls, text) => {
 let conversations = loadConversations();     // [{id, title, messages: [...]}], newest first
 let current = null;                          // the open conversation
 let running = null;                          // the AbortController of the request in flight
+let pinned = true;                           // the reader follows the conversation's end (watchScrolling)
 
 // ----- storage -----
 function loadConversations() {
@@ -181,7 +182,7 @@ function showConversation() {
     else if (m.compare) box.append(compareNode(m.compare));
     else box.append(answerNode(m.answer).node);
   }
-  box.scrollTop = box.scrollHeight;
+  toEnd();
 }
 
 function userNode(text) {
@@ -438,7 +439,7 @@ async function stream(view, history, verifier, controller) {
     body = requestBody(history, verifier);
   } catch (e) {
     answer.error = e.message;
-    draw(view);
+    following(() => draw(view));
     return;
   }
   const started = performance.now();
@@ -518,14 +519,33 @@ async function stream(view, history, verifier, controller) {
   }
 }
 
-// Runs `change` on the conversation and keeps its end in sight if the reader was there: one who
-// scrolled up to read stays where they are while the answer grows. (Read before the change, the
-// layout is the last frame's and costs nothing.)
+// Runs `change` on the conversation and keeps its end in sight while the reader follows it
+// (`pinned`): one who scrolled up to read stays where they are while the answer grows.
 function following(change) {
-  const box = $("messages");
-  const atEnd = box.scrollHeight - box.scrollTop - box.clientHeight < 48;
   change();
-  if (atEnd) box.scrollTop = box.scrollHeight;
+  if (pinned) toEnd();
+}
+
+function toEnd() {
+  const box = $("messages");
+  box.scrollTop = box.scrollHeight;
+  pinned = true;
+}
+
+// The reader follows the end until they scroll up, and again once they are back within 48 px
+// of it. Upward is read from the wheel at once and from the scroll position's direction, so a
+// redraw during a smooth scroll's first pixels does not pull them back; a list made shorter
+// (the settings opened) moves nothing, so it does not stop the following.
+function watchScrolling() {
+  const box = $("messages");
+  let lastTop = box.scrollTop;
+  box.addEventListener("wheel", (e) => { if (e.deltaY < 0) pinned = false; }, { passive: true });
+  box.addEventListener("scroll", () => {
+    const gap = box.scrollHeight - box.scrollTop - box.clientHeight;
+    if (box.scrollTop < lastTop && gap > 1) pinned = false;
+    else if (gap < 48) pinned = true;
+    lastTop = box.scrollTop;
+  }, { passive: true });
 }
 
 function emptyAnswer(verifier) {
@@ -571,18 +591,18 @@ async function send() {
       const runs = [emptyAnswer("strict"), emptyAnswer(loose)];
       const pair = compareNode(runs);
       box.append(pair.node);
-      box.scrollTop = box.scrollHeight;           // a new message brings the reader to the end
+      toEnd();                                    // a new message brings the reader to the end
       for (const view of pair.views) {
-        if (controller.signal.aborted) { view.answer.stopped = true; draw(view); continue; }
+        if (controller.signal.aborted) { view.answer.stopped = true; following(() => draw(view)); continue; }
         await stream(view, history, view.answer.verifier, controller);
-        pair.update();
+        following(() => pair.update());
       }
       reply = { role: "assistant", answer: runs[1], compare: runs };
     } else {
       const answer = emptyAnswer($("verifier").value);
       const view = answerNode(answer);
       box.append(view.node);
-      box.scrollTop = box.scrollHeight;
+      toEnd();
       await stream(view, history, answer.verifier, controller);
       reply = { role: "assistant", answer };
     }
@@ -671,6 +691,7 @@ function compareNode(runs) {
 // ----- wiring -----
 function init() {
   loadSettings();
+  watchScrolling();
   const id = localStorage.getItem(CURRENT);
   current = conversations.find((c) => c.id === id) || null;
   listConversations();
