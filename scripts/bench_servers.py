@@ -9,7 +9,9 @@ idle. Per mode: end-to-end tokens/s (completion tokens over the wall time from t
 the last chunk) and decode tokens/s (the tokens after the first over the time after the
 first), medians over questions; all tokens over all wall time; ratios to llama-server's plain
 mode (or flylocal's plain mode without llama-server); and the median over questions of each
-question's own end-to-end ratio.
+question's own end-to-end ratio, with a 95% bootstrap interval (questions resampled). `--modes`
+runs some of the modes only: two modes over many questions narrow the interval most for the
+device time.
 
 The fast kernels are not batch-invariant, so two servers' greedy answers part at near-ties and
 then differ in length; a short answer's end-to-end speed is mostly its prefill. So by default
@@ -20,6 +22,7 @@ llama-server is built from the llama.cpp source that llama-cpp-python vendors (d
 says how); give its path with --llama-server. Every server is stopped on the way out.
 
     .venv/bin/python scripts/bench_servers.py [--llama-server PATH] [--per-category 4] [--max-tokens 128]
+        [--modes "flylocal plain,llama-server plain"]
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ def servers(args, model_path: str):
     logs = []
     try:
         for name, extra in FLYLOCAL_MODES.items():
+            if name not in args.modes:
+                continue
             port = free_port()
             log = tempfile.TemporaryFile()
             procs.append(subprocess.Popen([sys.executable, "-m", "flylocal", "serve", "--port", str(port), "--quiet",
@@ -75,6 +80,8 @@ def servers(args, model_path: str):
             logs.append(log)
         if args.llama_server:
             for name, extra in LLAMA_MODES.items():
+                if name not in args.modes:
+                    continue
                 port = free_port()
                 log = tempfile.TemporaryFile()
                 procs.append(subprocess.Popen([args.llama_server, "-m", model_path, "--port", str(port),
@@ -145,6 +152,14 @@ def ask(url: str, question: str, max_tokens: int, banned: list[int] = ()) -> dic
     return {"tokens": tokens, "wall": wall, "e2e": tokens / wall if wall > 0 else float("nan"), "decode": decode}
 
 
+def interval(ratios: list[float], draws: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """A 95% bootstrap interval for the median of per-question ratios (questions resampled)."""
+    r = np.asarray(ratios)
+    picks = np.random.default_rng(seed).integers(0, len(r), size=(draws, len(r)))
+    lo, hi = np.percentile(np.median(r[picks], axis=1), [2.5, 97.5])
+    return float(lo), float(hi)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m-instruct")
@@ -156,7 +171,16 @@ def main() -> int:
     ap.add_argument("--natural", action="store_true",
                     help="let answers end where the model ends them; by default its end-of-generation tokens "
                          "get logit_bias -100, so every answer is --max-tokens long in every mode")
+    ap.add_argument("--modes", default=None,
+                    help="comma-separated modes to run, of: " + ", ".join([*FLYLOCAL_MODES, *LLAMA_MODES]))
     args = ap.parse_args()
+    known = [*FLYLOCAL_MODES, *(LLAMA_MODES if args.llama_server else ())]
+    args.modes = [m.strip() for m in args.modes.split(",")] if args.modes else known
+    if unknown := [m for m in args.modes if m not in known]:
+        ap.error(f"--modes: unknown mode {unknown[0]!r}; known: {', '.join(known)}")
+    base = "llama-server plain" if args.llama_server else "flylocal plain"
+    if base not in args.modes:
+        ap.error(f"--modes: the ratios are to {base!r}; include it")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     sys.path.insert(0, str(ROOT))
     from flylocal import models
@@ -173,7 +197,6 @@ def main() -> int:
             for name, url in order[i % len(order):] + order[: i % len(order)]:
                 results.setdefault(name, []).append(ask(url, q, args.max_tokens, banned))
                 time.sleep(args.pause)
-    base = "llama-server plain" if args.llama_server else "flylocal plain"
     med = {name: {k: statistics.median(r[k] for r in rs) for k in ("e2e", "decode")} for name, rs in results.items()}
     for name, rs in results.items():             # all tokens over all the time: long answers weigh more
         med[name]["total"] = sum(r["tokens"] for r in rs) / sum(r["wall"] for r in rs)
@@ -182,15 +205,22 @@ def main() -> int:
           f"medians over questions, and all tokens over all wall time")
     # A question's modes ran back to back: the median of its own ratios is moved less by a
     # machine that drifts between questions than the ratio of medians is.
-    paired = {name: statistics.median(r["e2e"] / b["e2e"] for r, b in zip(rs, results[base]))
-              for name, rs in results.items()}
-    print(f"| mode | tokens | end-to-end tok/s | / {base} | per question / {base} | decode tok/s | / {base} | "
-          f"all tokens / all time | / {base} |")
+    ratios = {name: [r["e2e"] / b["e2e"] for r, b in zip(rs, results[base])] for name, rs in results.items()}
+    print(f"| mode | tokens | end-to-end tok/s | / {base} | per question / {base} (95% interval) | decode tok/s | "
+          f"/ {base} | all tokens / all time | / {base} |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, m in med.items():
+        lo, hi = interval(ratios[name])
         print(f"| {name} | {sum(r['tokens'] for r in results[name])} | {m['e2e']:.1f} | {m['e2e'] / med[base]['e2e']:.2f} | "
-              f"{paired[name]:.2f} | {m['decode']:.1f} | {m['decode'] / med[base]['decode']:.2f} | {m['total']:.1f} | "
+              f"{statistics.median(ratios[name]):.2f} ({lo:.2f}-{hi:.2f}) | {m['decode']:.1f} | "
+              f"{m['decode'] / med[base]['decode']:.2f} | {m['total']:.1f} | "
               f"{m['total'] / med[base]['total']:.2f} |")
+    plain = "flylocal plain"
+    if base != plain and plain in results:       # the drafting modes against flylocal's own plain mode
+        for name in [n for n in FLYLOCAL_MODES if n != plain and n in results]:
+            own = [r["e2e"] / b["e2e"] for r, b in zip(results[name], results[plain])]
+            lo, hi = interval(own)
+            print(f"{name} / {plain}, per question: {statistics.median(own):.2f} ({lo:.2f}-{hi:.2f})")
     return 0
 
 
