@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from flylocal import models
+from flylocal.decoding.adaptive import Learned
+from flylocal.decoding.contracts import Verifier
 from flylocal.decoding.drafters import make_drafter
 from flylocal.decoding.drafters.pld import Corpus
 from flylocal.decoding.engine import Engine, EngineConfig
-from flylocal.decoding.verifiers import Verifier, make_verifier
+from flylocal.decoding.verifiers import make_verifier
 from flylocal.errors import FlylocalError, OptionError
 from flylocal.settings import Settings
 
@@ -32,8 +34,8 @@ class Models:
     corpus: Corpus | None = None      # what lookup searches beyond the context, for the session
     through_text: bool = False        # the draft drafts in its own vocabulary (flylocal.decoding.drafters.text)
     # What draft-length control has measured of acceptance, per method and drafting settings:
-    # numbers only, kept across requests and chat's /reset (flylocal.decoding.engine.Engine._share).
-    learned: dict = field(default_factory=dict)
+    # numbers only, kept across requests and chat's /reset (flylocal.decoding.adaptive.Learned).
+    learned: dict[tuple, Learned] = field(default_factory=dict)
 
     def engine(self, settings: Settings | None = None, verifier: Verifier | None = None,
                private: bool = False) -> Engine:
@@ -47,7 +49,7 @@ class Models:
         key = (settings.drafter_name, settings.verifier, settings.draft_length, settings.k is None,
                settings.pld_ngram, settings.pld_tokens, settings.draft_p_min_value)
         return build_engine(settings, self.target, self.draft, corpus, verifier, self.through_text,
-                            learned=self.learned.setdefault(key, {}))
+                            learned=self.learned.setdefault(key, Learned()))
 
     def reconnect(self) -> list[str]:
         """Start again the models whose rpc servers were lost (flylocal.llama.remote), once they
@@ -216,17 +218,14 @@ def read_corpus(path: str | None, target: Runtime) -> Corpus:
 
 
 def build_engine(settings: Settings, target: Runtime, draft: Runtime | None, corpus: Corpus | None = None,
-                 verifier: Verifier | None = None, through_text: bool = False, learned: dict | None = None) -> Engine:
-    adaptive = settings.k is None
-    p_min = settings.draft_p_min_value
+                 verifier: Verifier | None = None, through_text: bool = False, learned: Learned | None = None) -> Engine:
     drafter = make_drafter(settings.drafter_name, target, draft, pld_ngram=settings.pld_ngram,
-                           pld_tokens=settings.pld_tokens, k_max=settings.draft_length, adaptive=adaptive,
-                           p_min=p_min, corpus=corpus, recalibrate=settings.recalibrate,
-                           through_text=through_text)
+                           pld_tokens=settings.pld_tokens, k_max=settings.draft_length, adaptive=settings.k is None,
+                           p_min=settings.draft_p_min_value, corpus=corpus, recalibrate=settings.recalibrate,
+                           through_text=through_text, learned=learned)
     config = EngineConfig(
         max_tokens=settings.max_tokens,
         k=settings.draft_length,
-        adaptive=adaptive,
         recalibrate=settings.recalibrate,
         trace=settings.trace,
         logprobs=settings.logprobs,
@@ -235,8 +234,7 @@ def build_engine(settings: Settings, target: Runtime, draft: Runtime | None, cor
         # output follows the drafts, and with the fast kernels so can strict's at a near-tie.
         pin_costs=settings.sampling.seed is not None,
     )
-    return Engine(target, drafter, verifier or make_verifier(settings.verifier, settings.verifiers), config,
-                  learned=learned)
+    return Engine(target, drafter, verifier or make_verifier(settings.verifier, settings.verifiers), config)
 
 
 def encode_prompt(target: Runtime, text: str, raw: bool, system: str | None = None,

@@ -113,9 +113,7 @@ class Session:
         rest, when such a server still does not answer."""
         self.messages.clear()
         for v in self._verifiers.values():
-            reset = getattr(v, "reset", None)
-            if reset:
-                reset()
+            v.reset()
         return self.models.reconnect()
 
     # ----- turns -----

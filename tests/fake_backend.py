@@ -8,9 +8,8 @@ flylocal.llama.runtime, flylocal.loader or llama_cpp).
   the logits at a position depend on every earlier token: a stale token left in the cache by
   a wrong rollback changes everything after it. Each row is flat (high entropy), middling or
   peaked, and a share of rows have an end-of-generation (EOG) token as their argmax.
-- `FakeTarget`: the part of `flylocal.llama.runtime.Runtime` that the engine, the drafters and
-  `timed_decode` use (n_ctx, n_batch, n_vocab, n_past, eog_mask, tokens, costs, decode,
-  truncate, reuse_prefix, reset), over a FakeLM.
+- `FakeTarget`: a Target (flylocal.decoding.contracts) over a FakeLM, with `tokens` and
+  `reset` besides.
 - `Machine`: a simulated machine's clock. A decode of n tokens takes `step * (1 + row_cost *
   (n - 1))` seconds, times `stall` in a share `p_stall` of decodes, times `slow` while a load
   lasts. Given to a FakeTarget and to the Engine as its clock, it makes timings deterministic.
@@ -23,9 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from flylocal.decoding.cache import reusable_prefix
+from flylocal.decoding.contracts import Draft, Drafter, Target, reusable_prefix
 from flylocal.decoding.costs import CostCurve
-from flylocal.decoding.drafters import Draft
 from flylocal.errors import FlylocalError
 
 _MASK = (1 << 64) - 1
@@ -126,8 +124,8 @@ class Machine:
         self.decode_s += t
 
 
-class FakeTarget:
-    """The target Runtime's interface over a FakeLM. The cache is the token ids of cells
+class FakeTarget(Target):
+    """The Target contract over a FakeLM. The cache is the token ids of cells
     0..n_past-1 and, per cell, the hash of the prefix up to and including it; the logits of
     a decoded row come from that cell's hash. `high_water` is the most cells ever held."""
 
@@ -153,9 +151,18 @@ class FakeTarget:
     def tokens(self) -> np.ndarray:  # [n_past] int32, a copy
         return self._tokens[: self.n_past].copy()
 
-    def decode(self, tokens, logits_from: int | None = None) -> np.ndarray | None:
+    def tokenize(self, text, add_special: bool = True, parse_special: bool = False) -> np.ndarray:
+        """A byte per token, folded into the vocabulary (the fake has no text of its own)."""
+        data = text if isinstance(text, bytes) else text.encode("utf-8")
+        return np.frombuffer(data, dtype=np.uint8).astype(np.int32) % self.n_vocab
+
+    def cost_key(self) -> dict:
+        return {"fake_lm": self.lm.seed, "n_vocab": self.n_vocab}
+
+    def decode(self, tokens, logits_from: int | None = None, *, seq: int = 0) -> np.ndarray | None:
         """Append `tokens` at n_past; the logits of rows logits_from.. [rows, n_vocab] float32
         (None when logits_from is None or no row is asked for)."""
+        _one_sequence(seq)
         tokens = np.asarray(tokens, dtype=np.int32)
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
@@ -185,8 +192,9 @@ class FakeTarget:
         states = [self._hash[p] % self.lm.n_states for p in range(p0 + start, p0 + n)]
         return self.lm.table[states]                 # fancy indexing: a fresh [rows, n_vocab] array
 
-    def truncate(self, n_keep: int) -> None:
+    def truncate(self, n_keep: int, *, seq: int = 0) -> None:
         """Roll back to the first n_keep cells (a no-op when n_keep >= n_past)."""
+        _one_sequence(seq)
         if n_keep >= self.n_past:
             return
         if n_keep < 0:
@@ -196,12 +204,18 @@ class FakeTarget:
     def reset(self) -> None:
         self.n_past = 0
 
-    def reuse_prefix(self, tokens) -> int:
+    def reuse_prefix(self, tokens, *, seq: int = 0) -> int:
         """Keep the longest cached prefix of `tokens`, leaving at least the last token out of
         the cache; return how many were kept."""
+        _one_sequence(seq)
         keep = reusable_prefix(self._tokens[: self.n_past], np.asarray(tokens, dtype=np.int32))
         self.truncate(keep)
         return keep
+
+
+def _one_sequence(seq: int) -> None:
+    if seq != 0:
+        raise ValueError(f"sequence {seq}: this target holds one sequence (0)")
 
 
 def greedy(lm: FakeLM, prompt, max_tokens: int, n_ctx: int) -> tuple[list[int], str]:
@@ -225,22 +239,22 @@ def greedy(lm: FakeLM, prompt, max_tokens: int, n_ctx: int) -> tuple[list[int], 
         last = token
 
 
-class NoisyOracle:
+class NoisyOracle(Drafter):
     """A drafter that knows the LM: it proposes the greedy continuation of the context (each
     token greedy after the draft so far, so native matches follow a corruption), with each
     token replaced by a random id with probability `p_corrupt` or by an EOG id with
     probability `p_eog`, and a random length 0..k in a share `p_short` of rounds (else k).
-    Deterministic given `seed`."""
+    Deterministic given `seed`. Its proposals carry a random level, so that it can run under
+    draft-length control (`controlled`)."""
 
     name = "oracle"
 
     def __init__(self, lm: FakeLM, seed: int = 0, p_corrupt: float = 0.15, p_eog: float = 0.03,
-                 p_short: float = 0.3, adaptive: bool = False, levels: int = 3):
+                 p_short: float = 0.3, levels: int = 3):
         self.lm = lm
         self.rng = np.random.default_rng(seed)
         self.p_corrupt, self.p_eog, self.p_short = p_corrupt, p_eog, p_short
-        self.adaptive = adaptive
-        self.level_prior = np.linspace(0.3, 0.9, levels)       # [levels]
+        self.level_prior = np.linspace(0.3, 0.9, levels)       # [levels], for LengthControl
 
     def propose(self, context: np.ndarray, k: int) -> Draft:
         rng, lm = self.rng, self.lm
@@ -258,3 +272,10 @@ class NoisyOracle:
             draft.append(t)
             h = mix(h, t)
         return Draft(np.array(draft, dtype=np.int32), level=int(rng.integers(len(self.level_prior))))
+
+
+def controlled(oracle: NoisyOracle, k: int, target: FakeTarget, learned=None):
+    """`oracle` under draft-length control on `target`'s cost curve, as prompt lookup runs."""
+    from flylocal.decoding.drafters.length import LengthControl
+
+    return LengthControl(oracle, oracle.level_prior, k, target.costs, learned)

@@ -10,7 +10,7 @@ PRIOR = np.array([0.2, 0.5, 0.9])
 
 def calibrated(cost_per_extra_row, k_max=8, single=0.01):
     dl = DraftLength(k_max, PRIOR)
-    dl.calibrate(lambda rows: single * (1 + cost_per_extra_row * (rows - 1)))
+    dl.curve.calibrate(lambda rows: single * (1 + cost_per_extra_row * (rows - 1)), k_max + 1)
     return dl
 
 

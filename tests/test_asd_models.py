@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from conftest import prompt
-from flylocal.decoding.drafters import Draft, make_drafter
+from flylocal.decoding.contracts import Draft, Drafter
+from flylocal.decoding.drafters import make_drafter
 from flylocal.decoding.engine import Engine, EngineConfig, generate_all
 from flylocal.decoding.verifiers.asd import Asd, AsdParams
-from flylocal.decoding.verifiers.strict import strict
+from flylocal.decoding.verifiers.strict import Strict
 from flylocal.loader import encode_prompt
 from test_fly_models import PROMPTS, generate, strict_run
 
@@ -66,10 +67,10 @@ def test_every_traced_round_follows_the_rule_and_the_ledger_stays_within_budget(
     assert stats.budget_spent == pytest.approx(spent, abs=1e-6)
 
 
-class Replay:
+class Replay(Drafter):
     """A drafter that proposes a fixed continuation of the prompt."""
 
-    name, adaptive = "replay", False
+    name = "replay"
 
     def __init__(self, prompt_len: int, tokens: list[int]):
         self.prompt_len, self.tokens = prompt_len, tokens
@@ -83,14 +84,14 @@ def test_regret_after_an_end_of_generation_token_is_not_charged(smol):
     """ASD accepts the whole draft, but the answer ends at the end-of-generation token inside
     it: the mismatches drafted after that token are never committed, so they cost nothing."""
     ids, _ = encode_prompt(smol, prompt("qa-france"), raw=False)
-    answer, _, plain_trace = generate(smol, None, strict, ids, drafter="none", k=0)
+    answer, _, plain_trace = generate(smol, None, Strict(), ids, drafter="none", k=0)
     eog = plain_trace[-1]["emitted"][-1]
     assert smol.is_eog(eog)
     junk = [100, 200, 300]
     draft = answer + [eog] + junk
     verifier = Asd(AsdParams(gate=1e9, cap=100, budget=1e9))       # every position is feasible
     engine = Engine(smol, Replay(len(ids), draft), verifier,
-                    EngineConfig(max_tokens=64, k=len(draft), adaptive=False, trace=True))
+                    EngineConfig(max_tokens=64, k=len(draft), trace=True))
     tokens, stats, trace = generate_all(engine, ids)
     assert tokens == answer and stats.stop == "eog" and stats.rounds == 1
     assert trace[0]["accepted"] == len(draft)                       # the junk was accepted ...

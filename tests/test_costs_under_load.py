@@ -15,12 +15,12 @@ import json
 import numpy as np
 import pytest
 
-from fake_backend import FakeLM, FakeTarget, Machine, NoisyOracle
+from fake_backend import FakeLM, FakeTarget, Machine, NoisyOracle, controlled
 from flylocal.decoding import costs as costs_module
 from flylocal.decoding.adaptive import DraftLength, ModelDraftLength, timed_decode
 from flylocal.decoding.costs import EXPLORE, CostCurve, read_record
 from flylocal.decoding.engine import Engine, EngineConfig, generate_all
-from flylocal.decoding.verifiers.strict import strict
+from flylocal.decoding.verifiers.strict import Strict
 
 LM = FakeLM(seed=7, n_vocab=48, eog=(), p_eog=0.0)
 KEY = {"model": "/sim.gguf", "threads": 2}
@@ -62,8 +62,8 @@ class NeverAgreeing:
 def engine_on(machine: Machine, curve: CostCurve, p_corrupt: float = 0.0, seed: int = 0, k: int = 8,
               max_tokens: int = 300, n_ctx: int = 4096):
     target = FakeTarget(LM, n_ctx=n_ctx, costs=curve, machine=machine)
-    drafter = NoisyOracle(LM, seed=seed, p_corrupt=p_corrupt, p_eog=0.0, p_short=0.0, adaptive=True)
-    return target, Engine(target, drafter, strict, EngineConfig(max_tokens=max_tokens, k=k, trace=True), clock=machine)
+    drafter = controlled(NoisyOracle(LM, seed=seed, p_corrupt=p_corrupt, p_eog=0.0, p_short=0.0), k, target)
+    return target, Engine(target, drafter, Strict(), EngineConfig(max_tokens=max_tokens, k=k, trace=True), clock=machine)
 
 
 def prompt(seed: int, n: int = 12) -> np.ndarray:

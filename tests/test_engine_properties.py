@@ -19,14 +19,15 @@ from pathlib import Path
 
 import numpy as np
 
-from fake_backend import FakeLM, FakeTarget, NoisyOracle, fixed_costs, greedy, mix, prefix_hash
+from fake_backend import FakeLM, FakeTarget, NoisyOracle, controlled, fixed_costs, greedy, mix, prefix_hash
 from flylocal.decoding.drafters import NoDraft
-from flylocal.decoding.drafters.pld import PromptLookup
+from flylocal.decoding.drafters.length import LengthControl
+from flylocal.decoding.drafters.pld import PromptLookup, level_prior
 from flylocal.decoding.engine import ACCEPTED, LOOSE, TARGET, Engine, EngineConfig
 from flylocal.decoding.stats import Stats
 from flylocal.decoding.verifiers.asd import Asd, AsdParams
 from flylocal.decoding.verifiers.fly import Fly, FlyParams
-from flylocal.decoding.verifiers.strict import strict
+from flylocal.decoding.verifiers.strict import Strict
 
 N_CASES = 1000
 
@@ -111,17 +112,20 @@ def make_target(case: Case, cls=FakeTarget) -> FakeTarget:
     return cls(LMS[case.lm], case.n_ctx, costs=fixed_costs(case.row_cost))
 
 
-def make_drafter(case: Case):
+def make_drafter(case: Case, target: FakeTarget):
+    """The case's drafter; an adaptive case's oracle or lookup under draft-length control."""
     lm = LMS[case.lm]
     if case.drafter == "oracle":
-        return NoisyOracle(lm, seed=case.seed, p_corrupt=case.p_corrupt, p_eog=case.p_eog, adaptive=True)
+        oracle = NoisyOracle(lm, seed=case.seed, p_corrupt=case.p_corrupt, p_eog=case.p_eog)
+        return controlled(oracle, case.k, target) if case.adaptive else oracle
     if case.drafter == "pld":
-        return PromptLookup(lm.eog_mask, max_ngram=case.ngram)
+        lookup = PromptLookup(lm.eog_mask, max_ngram=case.ngram)
+        return LengthControl(lookup, level_prior(case.ngram), case.k, target.costs) if case.adaptive else lookup
     return NoDraft()
 
 
 def make_verifier(case: Case):
-    return {"strict": lambda: strict, "fly": lambda: Fly(case.fly), "asd": lambda: Asd(case.asd)}[case.verifier]()
+    return {"strict": Strict, "fly": lambda: Fly(case.fly), "asd": lambda: Asd(case.asd)}[case.verifier]()
 
 
 # ---------------------------------------------------------------- one checked run
@@ -196,9 +200,9 @@ def run_engine(case: Case, target=None, drafter=None, verifier=None, stop_after:
     and the final stats; with `stop_after`, close the Generation after that many rounds (if
     it is still running). Exceptions are reported as the run's problem."""
     target = target if target is not None else make_target(case)
-    drafter = drafter if drafter is not None else make_drafter(case)
+    drafter = drafter if drafter is not None else make_drafter(case, target)
     verifier = verifier if verifier is not None else make_verifier(case)
-    config = EngineConfig(k=case.k, max_tokens=case.max_tokens, adaptive=case.adaptive, trace=True)
+    config = EngineConfig(k=case.k, max_tokens=case.max_tokens, trace=True)
     context = list(case.prompt)
     run = Run([], Stats(), [], [], context, target, decodes=getattr(target, "decodes", 0))
     ends = []
@@ -623,8 +627,8 @@ def test_seeded_sampling_is_plain_sampling_whatever_the_drafts():
         sampling = SamplingParams(temperature=0.9, top_k=0, top_p=0.95, min_p=0.0, seed=seed)
 
         def out(drafter, k, s=sampling):
-            engine = Engine(make_target(case), drafter, strict, EngineConfig(max_tokens=case.max_tokens, k=k,
-                                                                            adaptive=False, sampling=s))
+            engine = Engine(make_target(case), drafter, Strict(), EngineConfig(max_tokens=case.max_tokens, k=k,
+                                                                              sampling=s))
             return generate_all(engine, np.asarray(case.prompt, dtype=np.int32))[0]
 
         plain = out(NoDraft(), 0)

@@ -13,7 +13,7 @@ import pytest
 from conftest import prompt
 from flylocal.decoding.drafters import make_drafter
 from flylocal.decoding.engine import Engine, EngineConfig, generate_all
-from flylocal.decoding.verifiers.strict import strict
+from flylocal.decoding.verifiers.strict import Strict
 from flylocal.loader import encode_prompt
 
 SMOL_PROMPTS = {
@@ -29,9 +29,9 @@ SMOL_PROMPTS = {
 def run(target, drafter, prompt_ids, k=None, max_tokens=64, draft_model=None):
     engine = Engine(
         target,
-        make_drafter(drafter, target, draft_model),
-        strict,
-        EngineConfig(max_tokens=max_tokens, k=8 if k is None else k, adaptive=k is None, trace=True),
+        make_drafter(drafter, target, draft_model, adaptive=k is None),
+        Strict(),
+        EngineConfig(max_tokens=max_tokens, k=8 if k is None else k, trace=True),
     )
     return generate_all(engine, prompt_ids)
 
@@ -212,7 +212,7 @@ def test_model_drafters_that_choose_their_length_stay_exact(smol, smol_draft, dr
             ids, _ = encode_prompt(smol, SMOL_PROMPTS[name], raw=False)
             smol_draft.reset()
             engine = Engine(smol, make_drafter(drafter, smol, smol_draft, k_max=8, adaptive=True, p_min=0.3),
-                            strict, EngineConfig(max_tokens=64, k=8, adaptive=True))
+                            Strict(), EngineConfig(max_tokens=64, k=8))
             tokens, stats, _ = generate_all(engine, ids)
             assert tokens == plain(smol, ids), name
             if machine == "gpu_like":

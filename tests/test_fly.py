@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from flylocal.decoding.verifiers import emitted_tokens
+from flylocal.decoding.verifiers.base import emitted_tokens
 from flylocal.decoding.verifiers.fly import FlyParams, fly, topk_entropy
 from flylocal.decoding.verifiers.strict import strict
 

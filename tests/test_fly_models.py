@@ -9,7 +9,7 @@ from conftest import prompt
 from flylocal.decoding.drafters import make_drafter
 from flylocal.decoding.engine import Engine, EngineConfig, generate_all
 from flylocal.decoding.verifiers.fly import Fly, FlyParams
-from flylocal.decoding.verifiers.strict import strict
+from flylocal.decoding.verifiers.strict import Strict
 from flylocal.loader import encode_prompt
 
 PROMPTS = {"summarise": prompt("summarise-report"), "reply": prompt("reply-email"), "chat": prompt("chat-focus")}
@@ -17,7 +17,7 @@ PROMPTS = {"summarise": prompt("summarise-report"), "reply": prompt("reply-email
 
 def generate(target, draft, verifier, ids, drafter="model", k=10, max_tokens=64):
     engine = Engine(target, make_drafter(drafter, target, draft), verifier,
-                    EngineConfig(max_tokens=max_tokens, k=k, adaptive=False, trace=True))
+                    EngineConfig(max_tokens=max_tokens, k=k, trace=True))
     return generate_all(engine, ids)
 
 
@@ -29,7 +29,7 @@ def strict_run(target, draft, name: str):
     per process: the FLy and ASD tests both compare with it."""
     if name not in _STRICT:
         ids, _ = encode_prompt(target, PROMPTS[name], raw=False)
-        tokens, stats, _ = generate(target, draft, strict, ids)
+        tokens, stats, _ = generate(target, draft, Strict(), ids)
         _STRICT[name] = ids, tokens, stats
     return _STRICT[name]
 

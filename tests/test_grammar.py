@@ -19,12 +19,13 @@ import pytest
 
 from fake_backend import FakeLM, FakeTarget, NoisyOracle, fixed_costs
 from flylocal.decoding import grammar as G
-from flylocal.decoding.drafters import Draft, NoDraft
+from flylocal.decoding.contracts import Draft, Drafter
+from flylocal.decoding.drafters import NoDraft
 from flylocal.decoding.engine import Engine, EngineConfig
 from flylocal.decoding.sampling import SamplingParams
 from flylocal.decoding.verifiers.asd import Asd, AsdParams
 from flylocal.decoding.verifiers.fly import Fly, FlyParams
-from flylocal.decoding.verifiers.strict import strict
+from flylocal.decoding.verifiers.strict import Strict
 from flylocal.errors import FlylocalError
 
 PIECES = [b"<eos>", b"{", b"}", b'"', b":", b",", b" ", b"a", b"b", b"c", b"0", b"1", b"2", b"3", b"-", b"x",
@@ -88,13 +89,11 @@ def text(tokens) -> str:
     return b"".join(PIECES[t] for t in tokens).decode()
 
 
-class GrammarOracle:
+class GrammarOracle(Drafter):
     """Proposes the LM's greedy continuation under the grammar, a token replaced by a random
     allowed one with probability p_corrupt, and by any random token with probability p_wild."""
 
     name = "oracle"
-    adaptive = False
-    level_prior = np.array([0.5])
 
     def __init__(self, grammar: G.Grammar, seed: int, p_corrupt: float = 0.2, p_wild: float = 0.05):
         self.grammar, self.rng = grammar, np.random.default_rng(seed)
@@ -146,7 +145,7 @@ def constrained_greedy(grammar: G.Grammar, max_tokens: int) -> list[int]:
 def random_verifier(rng):
     kind = rng.integers(3)
     if kind == 0:
-        return strict
+        return Strict()
     if kind == 1:
         return Fly(FlyParams(window=int(rng.integers(1, 4)), entropy=float(rng.choice([0.0, 0.3, 1.0])),
                              use_window=bool(rng.integers(2))))
@@ -160,7 +159,7 @@ def test_the_state_after_each_round_is_a_fresh_matcher_fed_the_committed_tokens(
     drafter = (GrammarOracle(grammar, seed) if seed % 3 else
                NoisyOracle(LM, seed=seed, p_corrupt=0.3, p_eog=0.05))
     sampling = SamplingParams(temperature=0.8, seed=seed) if seed % 4 == 1 else SamplingParams()
-    config = EngineConfig(k=int(rng.integers(1, 9)), max_tokens=48, adaptive=False, trace=True, sampling=sampling)
+    config = EngineConfig(k=int(rng.integers(1, 9)), max_tokens=48, trace=True, sampling=sampling)
     target = FakeTarget(LM, n_ctx=128, costs=fixed_costs())
     gen = Engine(target, drafter, random_verifier(rng), config).generate(PROMPT, grammar=grammar)
     for event in gen:
@@ -176,17 +175,16 @@ def test_strict_under_a_grammar_is_plain_constrained_greedy(index, drafter):
     grammar = GRAMMARS[index]
     reference = constrained_greedy(grammar, 48)
     d = {"oracle": GrammarOracle(grammar, 1), "noisy": NoisyOracle(LM, seed=1, p_corrupt=0.3), "none": NoDraft()}[drafter]
-    gen = Engine(FakeTarget(LM, n_ctx=128), d, strict, EngineConfig(k=6, max_tokens=48, adaptive=False)) \
+    gen = Engine(FakeTarget(LM, n_ctx=128), d, Strict(), EngineConfig(k=6, max_tokens=48)) \
         .generate(PROMPT, grammar=grammar).run()
     assert gen.tokens == reference
     jsonschema.validate(json.loads(text(gen.tokens)), SCHEMAS[index])
 
 
-class Scripted:
+class Scripted(Drafter):
     """Proposes the same tokens every round."""
 
     name = "scripted"
-    adaptive = False
 
     def __init__(self, tokens):
         self.tokens = np.array(tokens, dtype=np.int32)
@@ -206,7 +204,7 @@ X = 15                                                 # 'x': no integer has it
                                       Asd(AsdParams(gate=1e9, cap=8, budget=1e9))])
 def test_a_forbidden_draft_token_ends_the_draft_and_is_never_accepted(verifier):
     # These verifiers accept any mismatch: without the grammar the forbidden 'x' is committed.
-    config = EngineConfig(k=6, max_tokens=8, adaptive=False, trace=True, forced=False)
+    config = EngineConfig(k=6, max_tokens=8, trace=True, forced=False)
     loose = Engine(FakeTarget(LM, n_ctx=64), Scripted(OPEN + [X, 11]), verifier, config).generate(PROMPT).run()
     assert loose.tokens[4] == X
     verifier.reset()
@@ -220,15 +218,15 @@ def test_a_forbidden_draft_token_ends_the_draft_and_is_never_accepted(verifier):
 def test_the_target_chooses_among_the_tokens_the_grammar_allows():
     # The fake target's first choice after the prompt is not '{' or '{"'; the answer starts with one.
     assert FakeTarget(LM, n_ctx=8).decode(PROMPT, logits_from=3)[0].argmax() not in (1, 18)
-    gen = Engine(FakeTarget(LM, n_ctx=64), NoDraft(), strict, EngineConfig(max_tokens=1, adaptive=False)) \
+    gen = Engine(FakeTarget(LM, n_ctx=64), NoDraft(), Strict(), EngineConfig(max_tokens=1)) \
         .generate(PROMPT, grammar=OBJ_A).run()
     assert gen.tokens[0] in (1, 18)
 
 
 def test_forced_tokens_are_drafted_first_and_counted():
-    config = EngineConfig(k=6, max_tokens=12, adaptive=False, trace=True)
+    config = EngineConfig(k=6, max_tokens=12, trace=True)
     empty = Scripted([])
-    gen = Engine(FakeTarget(LM, n_ctx=64), empty, strict, config).generate(PROMPT, grammar=OBJ_A)
+    gen = Engine(FakeTarget(LM, n_ctx=64), empty, Strict(), config).generate(PROMPT, grammar=OBJ_A)
     first = next(iter(gen))
     # '{"a": ' is forced; the last forced token may still merge with what follows, so the
     # grammar may hold it back.
@@ -237,10 +235,10 @@ def test_forced_tokens_are_drafted_first_and_counted():
     assert list(first.tokens[:forced]) == OPEN[:forced]
     gen.run()
     assert gen.stats.forced >= forced
-    plain = Engine(FakeTarget(LM, n_ctx=64), NoDraft(), strict, EngineConfig(k=6, max_tokens=12, adaptive=False)) \
+    plain = Engine(FakeTarget(LM, n_ctx=64), NoDraft(), Strict(), EngineConfig(k=6, max_tokens=12)) \
         .generate(PROMPT, grammar=OBJ_A).run()
     assert gen.tokens == plain.tokens and plain.stats.forced == 0 and plain.stats.rounds > gen.stats.rounds
-    off = Engine(FakeTarget(LM, n_ctx=64), empty, strict, EngineConfig(k=6, max_tokens=12, adaptive=False, forced=False)) \
+    off = Engine(FakeTarget(LM, n_ctx=64), empty, Strict(), EngineConfig(k=6, max_tokens=12, forced=False)) \
         .generate(PROMPT, grammar=OBJ_A).run()
     assert off.stats.forced == 0 and off.tokens == plain.tokens
 

@@ -1,17 +1,18 @@
 """What draft-length control learns of acceptance is kept per method across requests (and
-chat's /reset), as numbers: an engine built for the same models and settings takes over the
-controllers of the last one (flylocal.decoding.engine.Engine._share). On a simulated machine."""
+chat's /reset), as numbers: a drafter built for the same models and settings takes over the
+controllers of the last one (flylocal.decoding.adaptive.Learned). On a simulated machine."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from fake_backend import FakeLM, FakeTarget, Machine, NoisyOracle
-from flylocal.decoding.adaptive import PRIOR_WEIGHT
+from fake_backend import FakeLM, FakeTarget, Machine, NoisyOracle, controlled
+from flylocal.decoding.adaptive import PRIOR_WEIGHT, Learned
 from flylocal.decoding.costs import CostCurve
+from flylocal.decoding.drafters.length import LengthControl
 from flylocal.decoding.drafters.pld import PromptLookup
 from flylocal.decoding.engine import Engine, EngineConfig, generate_all
-from flylocal.decoding.verifiers.strict import strict
+from flylocal.decoding.verifiers.strict import Strict
 from flylocal.loader import Models
 from flylocal.settings import Settings
 
@@ -23,33 +24,34 @@ def test_engines_for_the_same_method_share_what_they_learned_and_others_do_not()
     target = FakeTarget(LM, n_ctx=512, costs=CostCurve(seconds=0.01 * SHAPE, fixed=True))   # no real timings
     models = Models(Settings(drafter="pld", verifier="strict"), target, None)
     first = models.engine(private=True)
-    assert isinstance(first.drafter, PromptLookup) and first.length is not None
+    assert isinstance(first.drafter, LengthControl) and isinstance(first.drafter.drafter, PromptLookup)
     prompt = np.tile(np.arange(1, 9, dtype=np.int32), 6)            # a copy lookup can follow
     stats = generate_all(first, prompt)[1]
     assert stats.drafted > 0
-    learned = first.length.tries.copy()                             # drafts tried, accepted or not
+    learned = first.drafter.length.tries.copy()                     # drafts tried, accepted or not
     assert not np.allclose(learned, PRIOR_WEIGHT)                   # it measured something
     second = models.engine(private=True)
-    assert second.length is first.length                            # the next request starts from it
-    assert np.array_equal(second.length.tries, learned)
+    assert second.drafter.length is first.drafter.length            # the next request starts from it
+    assert np.array_equal(second.drafter.length.tries, learned)
     other = models.engine(Settings(drafter="pld", verifier="fly"), private=True)
-    assert other.length is not first.length                         # another method learns its own
+    assert other.drafter.length is not first.drafter.length         # another method learns its own
     fixed = models.engine(Settings(drafter="pld", verifier="strict", k=4), private=True)
-    assert fixed.length is None                                     # an explicit --k: nothing to learn
+    assert not fixed.drafter.controllers()                          # an explicit --k: nothing to learn
 
 
 def test_a_new_request_does_not_inherit_the_last_rounds_streak():
     target = FakeTarget(LM, n_ctx=512, costs=CostCurve(seconds=0.01 * SHAPE, fixed=True))   # no real timings
-    learned: dict = {}
-    engine = Engine(target, NoisyOracle(LM, p_corrupt=0.0, p_eog=0.0, p_short=0.0, adaptive=True), strict,
-                    EngineConfig(max_tokens=40, k=8), learned=learned)
+    learned = Learned()
+    engine = Engine(target, controlled(NoisyOracle(LM, p_corrupt=0.0, p_eog=0.0, p_short=0.0), 8, target, learned),
+                    Strict(), EngineConfig(max_tokens=40, k=8))
     generate_all(engine, np.arange(1, 13, dtype=np.int32))
-    engine.length.streak = True                                     # as after a round that took its whole draft
-    again = Engine(target, NoisyOracle(LM, adaptive=True), strict, EngineConfig(max_tokens=8, k=8), learned=learned)
-    assert again.length is engine.length
+    length = engine.drafter.length
+    length.streak = True                                            # as after a round that took its whole draft
+    again = Engine(target, controlled(NoisyOracle(LM), 8, target, learned), Strict(), EngineConfig(max_tokens=8, k=8))
+    assert again.drafter.length is length
     seen = []
-    choose = again.length.choose
-    again.length.choose = lambda level, available: seen.append(again.length.streak) or choose(level, available)
+    choose = length.choose
+    length.choose = lambda level, available: seen.append(length.streak) or choose(level, available)
     target.reset()
     generate_all(again, np.arange(2, 14, dtype=np.int32))
     assert seen and seen[0] is False
@@ -63,11 +65,11 @@ def test_keeping_what_was_learned_pays_over_many_short_requests():
         for seed in range(6):
             machine = Machine(step=0.01, seed=seed)
             target = FakeTarget(LM, n_ctx=4096, costs=CostCurve(seconds=0.01 * SHAPE), machine=machine)
-            learned: dict = {}
+            learned = Learned()
             for r in range(20):
-                drafter = NoisyOracle(LM, seed=seed * 100 + r, p_corrupt=0.3, p_eog=0.0, p_short=0.0, adaptive=True)
-                engine = Engine(target, drafter, strict, EngineConfig(max_tokens=64, k=8), clock=machine,
-                                learned=learned if shared else None)
+                oracle = NoisyOracle(LM, seed=seed * 100 + r, p_corrupt=0.3, p_eog=0.0, p_short=0.0)
+                drafter = controlled(oracle, 8, target, learned if shared else None)
+                engine = Engine(target, drafter, Strict(), EngineConfig(max_tokens=64, k=8), clock=machine)
                 target.reset()
                 start = machine.decode_s
                 _, stats, _ = generate_all(engine, np.random.default_rng(r).integers(1, 48, 12).astype(np.int32))

@@ -243,10 +243,10 @@ def remote(endpoints, tensor_split=(), n_ctx=2048, rpc_timeout=60.0, output="her
 def strict_run(target, drafter, ids, k, draft=None, max_tokens=32):
     from flylocal.decoding.drafters import make_drafter
     from flylocal.decoding.engine import Engine, EngineConfig, generate_all
-    from flylocal.decoding.verifiers.strict import strict
+    from flylocal.decoding.verifiers.strict import Strict
 
-    engine = Engine(target, make_drafter(drafter, target, draft), strict,
-                    EngineConfig(max_tokens=max_tokens, k=8 if k is None else k, adaptive=k is None))
+    engine = Engine(target, make_drafter(drafter, target, draft, adaptive=k is None and drafter == "pld"), Strict(),
+                    EngineConfig(max_tokens=max_tokens, k=8 if k is None else k))
     tokens, stats, _ = generate_all(engine, ids)
     return tokens, stats
 

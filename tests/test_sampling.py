@@ -18,8 +18,8 @@ from flylocal.decoding.drafters import make_drafter
 from flylocal.decoding.engine import Engine, EngineConfig, generate_all
 from flylocal.decoding.sampling import (SamplingParams, _sample_among_top, adjust, position_noise, processed_probs,
                                        sample_targets, target_argmax)
-from flylocal.decoding.verifiers.base import Decision
-from flylocal.decoding.verifiers.strict import strict
+from flylocal.decoding.contracts import Decision
+from flylocal.decoding.verifiers.strict import Strict
 
 
 def critical(df: int, z: float = 3.09) -> float:
@@ -224,8 +224,8 @@ def test_strict_with_penalties_and_bias_is_plain_greedy_with_them_and_logprobs_a
     raw, _ = plain_adjusted(lm, prompt, SamplingParams(), 40)
     assert raw != reference                                    # the penalties changed something
     drafter = NoisyOracle(lm, seed=seed, p_corrupt=0.2, p_eog=0.0)
-    engine = Engine(FakeTarget(lm, n_ctx=256), drafter, strict,
-                    EngineConfig(max_tokens=40, k=5, adaptive=False, sampling=PENALTIES, logprobs=2))
+    engine = Engine(FakeTarget(lm, n_ctx=256), drafter, Strict(),
+                    EngineConfig(max_tokens=40, k=5, sampling=PENALTIES, logprobs=2))
     gen = engine.generate(prompt)
     logprobs = [lp for event in gen for lp in event.logprobs]
     assert gen.tokens == reference and gen.stats.drafted > 0
@@ -336,7 +336,7 @@ def sample_pairs(target, drafter, verifier, ids, k, settings, n=N):
     pairs, long_drafts = Counter(), 0
     for i in range(n):
         engine = Engine(target, drafter, verifier,
-                        EngineConfig(max_tokens=3, k=k, adaptive=False, trace=True,
+                        EngineConfig(max_tokens=3, k=k, trace=True,
                                      sampling=dataclasses.replace(settings, seed=settings.seed + i)))
         tokens, stats, trace = generate_all(engine, ids)
         pairs[tuple(tokens[:2])] += 1
@@ -354,7 +354,7 @@ def test_strict_speculative_sampling_matches_plain_sampling(smol, smol_draft, ca
     text, settings = CASES[case]
     ids = smol.tokenize(text)
     expected = expected_pairs(smol, ids, settings)
-    pairs, long_drafts = sample_pairs(smol, make_drafter(drafter, smol, smol_draft), strict, ids, k, settings)
+    pairs, long_drafts = sample_pairs(smol, make_drafter(drafter, smol, smol_draft), Strict(), ids, k, settings)
     assert long_drafts > N // 4
     stat, df = chi_square(pairs, expected, N)
     assert df >= 3 and stat < critical(df), (stat, df)
@@ -384,8 +384,8 @@ def test_seeded_strict_is_plain_sampling_for_every_drafter_and_draft_length(smol
     def run(drafter, k, sampling=SEEDED):
         smol.reset()
         smol_draft.reset()
-        engine = Engine(smol, make_drafter(drafter, smol, smol_draft, k_max=max(k, 1)), strict,
-                        EngineConfig(max_tokens=40, k=k, adaptive=False, sampling=sampling))
+        engine = Engine(smol, make_drafter(drafter, smol, smol_draft, k_max=max(k, 1)), Strict(),
+                        EngineConfig(max_tokens=40, k=k, sampling=sampling))
         return generate_all(engine, ids)[0]
 
     plain = run("none", 0)

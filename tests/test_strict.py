@@ -3,7 +3,7 @@
 import numpy as np
 
 from flylocal.decoding.verifiers import make_verifier
-from flylocal.decoding.verifiers.strict import strict
+from flylocal.decoding.verifiers.strict import Strict, strict
 
 V = 10
 
@@ -36,4 +36,4 @@ def test_later_matches_do_not_count_after_a_mismatch():
 
 
 def test_registry():
-    assert make_verifier("strict") is strict
+    assert isinstance(make_verifier("strict"), Strict)

@@ -183,7 +183,7 @@ def test_the_thread_count_changes_at_run_time_and_the_logits_do_not():
         assert np.array_equal(seen[0], seen[1]) and np.array_equal(seen[0], seen[2])
         # Calibration holds the count the cost curve is keyed by, and gives the count back after.
         rt.set_threads(1)
-        with rt.steady_threads():
+        with rt.steady():
             assert llama_cpp.llama_n_threads(rt._ctx) == rt.calibration_threads
         assert llama_cpp.llama_n_threads(rt._ctx) == 1 == rt.n_threads
     with Runtime(model_path(SMOL), RuntimeConfig(n_ctx=256, n_threads=2)) as fixed:

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from conftest import GEMMA_Q8_0, SMOL, prompt
+from flylocal.decoding.adaptive import Learned
 from flylocal.decoding.drafters.text import TextBridge
 from flylocal.decoding.engine import generate_all
 from flylocal.errors import FlylocalError
@@ -154,12 +155,13 @@ def test_engines_through_text_keep_what_the_last_measured(smol, gemma_q8, drafte
     draft.reset()
     ids = prompt_ids(target, COPY)
     settings = Settings(drafter=drafter, verifier="strict", max_tokens=24)
-    learned: dict = {}
+    learned = Learned()
     first = build_engine(settings, target, draft, through_text=True, learned=learned)
     generate_all(first, ids)
     second = build_engine(settings, target, draft, through_text=True, learned=learned)
-    inner_first, inner_second = first.drafter.inner, second.drafter.inner
+    inner_first, inner_second = first.drafter.drafter, second.drafter.drafter
     assert inner_second.plan is inner_first.plan and second.drafter.plan is inner_first.plan
     if drafter == "mla":
-        assert inner_second.inner is inner_first.inner
-    assert second.controllers and all(c in first.controllers for c in second.controllers)
+        assert inner_second.guess_length is inner_first.guess_length
+    later, earlier = second.drafter.controllers(), first.drafter.controllers()
+    assert later and all(c in earlier for c in later)

@@ -21,11 +21,11 @@ within a budget, so that a wrong curve cannot keep drafting switched off.
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import numpy as np
 
+from flylocal.decoding.contracts import Target
 from flylocal.decoding.costs import STALE, CostCurve, median
 
 # A drafter's prior acceptance per confidence level is worth PRIOR_WEIGHT observations;
@@ -62,9 +62,8 @@ class DraftLength:
         self._prior_hits = self.hits.copy()
         self.curve = curve if curve is not None else CostCurve()
 
-    @property
-    def calibrated(self) -> bool:
-        return self.curve.calibrated
+    def curves(self) -> tuple[CostCurve, ...]:
+        return (self.curve,)
 
     def fits(self, other: DraftLength) -> bool:
         """Whether `other`'s statistics are about the same choices (to be kept in its place)."""
@@ -73,10 +72,6 @@ class DraftLength:
     def begin(self) -> None:
         """A new request: its first round follows no other."""
         self.streak = False
-
-    def calibrate(self, timed_decode) -> None:
-        """Measure the cost curve now (see CostCurve.calibrate)."""
-        self.curve.calibrate(timed_decode, self.k_max + 1)
 
     def rates(self, level: int, available: int) -> np.ndarray:
         """Expected committed tokens per second for verifying 0..k of the `available` proposed
@@ -118,14 +113,14 @@ class DraftLength:
             self.curve.update(k + 1, seconds, emitted=accepted + 1)
 
 
-def timed_decode(runtime, token: int, rows: int, clock=time.perf_counter) -> float:
+def timed_decode(runtime: Target, token: int, rows: int, clock=time.perf_counter) -> float:
     """Seconds for one decode of `rows` copies of `token` with logits on every row, rolled back
     after: a calibration probe for CostCurve. NaN when the context has no room."""
     n_past = runtime.n_past
     if n_past + rows > runtime.n_ctx:
         return float("nan")
     # Measured at the thread count the curve is keyed by, whatever --threads auto chose now.
-    with getattr(runtime, "steady_threads", contextlib.nullcontext)():
+    with runtime.steady():
         t0 = clock()
         logits = runtime.decode(np.full(rows, token, dtype=np.int32), logits_from=0)
         logits.argmax(axis=1)
@@ -159,10 +154,10 @@ class ModelDraftLength:
     the draft costs as much as a target step it never pays, and rounds fall back to lookup or
     plain steps; on a flat (GPU-like) curve with a cheap draft it drafts long."""
 
-    def __init__(self, k_max: int, target: CostCurve, draft: CostCurve, p_min: float = 0.0):
+    def __init__(self, k_max: int, target_costs: CostCurve, draft_costs: CostCurve, p_min: float = 0.0):
         self.k_max = k_max
-        self.target = target
-        self.draft = draft
+        self.target_costs = target_costs
+        self.draft_costs = draft_costs
         self.p_min = p_min
         self.hits = P_PRIOR * PRIOR_WEIGHT          # [levels]
         self.tries = np.full(len(P_PRIOR), PRIOR_WEIGHT)
@@ -178,7 +173,10 @@ class ModelDraftLength:
 
     def fits(self, other: ModelDraftLength) -> bool:
         return (isinstance(other, ModelDraftLength) and other.k_max == self.k_max and other.p_min == self.p_min
-                and other.target is self.target and other.draft is self.draft)
+                and other.target_costs is self.target_costs and other.draft_costs is self.draft_costs)
+
+    def curves(self) -> tuple[CostCurve, ...]:
+        return self.target_costs, self.draft_costs
 
     def begin(self) -> None:
         pass
@@ -188,12 +186,12 @@ class ModelDraftLength:
         the target's single step (the median of its last drafts within STALE seconds of
         decoding), times the target's speed now; before that, or once those drafts are old,
         the two calibrations' ratio. A fixed or pinned draft curve gives its single step as is."""
-        if self.draft.fixed or self.draft.pinned:
-            return float(self.draft.cost(1)[0])
-        fresh = [r for c, r in self._steps if self.target.clock - c <= STALE]
+        if self.draft_costs.fixed or self.draft_costs.pinned:
+            return float(self.draft_costs.cost(1)[0])
+        fresh = [r for c, r in self._steps if self.target_costs.clock - c <= STALE]
         if fresh:
-            return median(fresh) * self.target.speed()
-        return self.draft.calibrated_step() / self.target.calibrated_step() * self.target.speed()
+            return median(fresh) * self.target_costs.speed()
+        return self.draft_costs.calibrated_step() / self.target_costs.calibrated_step() * self.target_costs.speed()
 
     def best(self, k: int) -> tuple[float, int]:
         """(expected tokens per second, draft length) of the best model draft of at most k
@@ -202,7 +200,7 @@ class ModelDraftLength:
         a = self.all_hits / self.all_tries
         j = np.arange(k + 1)
         expected = (1 - a ** (j + 1)) / (1 - a) if a < 1 else j + 1.0
-        rate = expected / (j * self.step_s() + self.target.cost(k + 1))
+        rate = expected / (j * self.step_s() + self.target_costs.cost(k + 1))
         best = int(np.argmax(rate))
         return float(rate[best]), best
 
@@ -217,7 +215,7 @@ class ModelDraftLength:
         alpha = self.hits[levels] / self.tries[levels]
         reach = np.cumprod(alpha)                                   # P(first i+1 accepted)
         a_next = self.hits[self.level(p)] / self.tries[self.level(p)]
-        t, c = self.target.cost(j + 2), self.step_s()
+        t, c = self.target_costs.cost(j + 2), self.step_s()
         now = (1 + reach.sum()) / (j * c + t[j])
         more = (1 + reach.sum() + reach[-1] * a_next) / ((j + 1) * c + t[j + 1])
         return more > now
@@ -235,5 +233,23 @@ class ModelDraftLength:
             self.all_tries = PRIOR_WEIGHT + DECAY * (self.all_tries - PRIOR_WEIGHT) + reached
             self.all_hits = 0.6 * PRIOR_WEIGHT + DECAY * (self.all_hits - 0.6 * PRIOR_WEIGHT) + min(accepted, k)
             if seconds is not None and seconds > 0:
-                ratio = seconds / k / self.target.speed()
-                self._steps = (self._steps + [(self.target.clock, ratio)])[-STEPS:]
+                ratio = seconds / k / self.target_costs.speed()
+                self._steps = (self._steps + [(self.target_costs.clock, ratio)])[-STEPS:]
+
+
+class Learned:
+    """The draft-length controllers of earlier engines with the same models and settings, by
+    role: what they measured of acceptance (numbers, never text) outlives a request and chat's
+    /reset. A drafter takes a controller over when it decides the same choices on the same
+    curves (`fits`), and leaves its own for the next one otherwise."""
+
+    def __init__(self):
+        self._kept: dict[str, DraftLength | ModelDraftLength] = {}
+
+    def keep(self, role: str, fresh):
+        """The controller to use for `role`: the kept one if `fresh` fits it, else `fresh`."""
+        kept = self._kept.get(role)
+        if kept is not None and fresh.fits(kept):
+            return kept
+        self._kept[role] = fresh
+        return fresh

@@ -1,13 +1,15 @@
-"""The round loop: draft, score on the target in one decode, decide, commit, roll back
+"""The round loop: draft, score on the target in one decode, decide, commit, account
 (docs/design.md, "The round").
 
-    context -> drafter.propose -> target.decode([last, *draft], all k+1 rows)
-            -> verifier(draft, a, logits) -> target.truncate(n_past + m)
+    context -> drafter.propose -> target.decode([last, *draft], k+1 rows of logits)
+            -> verifier.decide(draft, a, logits) -> target.truncate(n_past + m) -> stats, feedback
 
+Each step is a method over a small record of the round (`Round`); the loop is `Engine._rounds`.
 The target's cache always holds the committed tokens but the last one (`last`), which is
 decoded at the head of the next round's batch. `Engine.generate` returns a Generation: an
 iterable of RoundEvents that owns the request's stats, its output tokens and its stop reason.
-The engine prints nothing.
+The engine prints nothing, and knows its parts only through their contracts
+(flylocal.decoding.contracts).
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
-from flylocal.decoding.adaptive import DraftLength, ModelDraftLength, timed_decode
+from flylocal.decoding.adaptive import timed_decode
+from flylocal.decoding.contracts import EMPTY, NO_DRAFT, Decision, Draft, Drafter, Target, Verifier
 from flylocal.decoding.sampling import SamplingParams, position_noise, sample_targets, target_argmax, token_logprobs
 from flylocal.decoding.stats import Stats
-from flylocal.decoding.verifiers import Decision, Verifier, emitted_tokens, regrets
+from flylocal.decoding.trace import trace_row
+from flylocal.decoding.verifiers.base import emitted_tokens
 from flylocal.errors import FlylocalError
 
 if TYPE_CHECKING:
-    from flylocal.decoding.grammar import Grammar
+    from flylocal.decoding.grammar import Constraint, Grammar
 
 # How each committed token came to be, and the letter a stream marks it with (docs/design.md, "Server").
 ACCEPTED, LOOSE, TARGET = "accepted", "loose", "target"
@@ -36,8 +40,7 @@ KIND_LETTERS = {ACCEPTED: "A", LOOSE: "L", TARGET: "T"}
 @dataclass(frozen=True)
 class EngineConfig:
     max_tokens: int = 256
-    k: int = 8                 # draft length (the most, when adaptive)
-    adaptive: bool = True      # let measured cost and acceptance shorten drafts (adaptive drafters only)
+    k: int = 8                 # the most draft tokens a round verifies
     recalibrate: bool = False  # measure the target's cost curve again instead of reading the cache
     trace: bool = False        # attach trace rows (docs/design.md) to round events
     sampling: SamplingParams = field(default_factory=SamplingParams)   # temperature 0: greedy
@@ -56,6 +59,58 @@ class RoundEvent:
     trace: dict | None = None
     logprobs: tuple | None = None   # per token of `tokens` (with EngineConfig.logprobs): (log-probability,
                                     # ((id, log-probability), ...) most likely first), from the round's rows
+
+
+@dataclass(slots=True)
+class Round:
+    """One round, filled in step by step. Positions j index the draft; `forced` of its first
+    tokens came from the grammar, the rest from the drafter (`proposal`)."""
+
+    index: int
+    proposal: Draft                   # the drafter's proposal, as it came
+    draft: np.ndarray                 # [k] int32: the tokens the target scores after `last`
+    forced: int = 0                   # f: the draft's first tokens the grammar forced
+    head: int = 0                     # rows of the prompt's tail decoded ahead of the round's own
+    n_past: int = 0                   # the target's committed length before the round's rows
+    logits: np.ndarray | None = None  # [k+1, n_vocab] float32: the target's rows, valid until the next decode
+    target: np.ndarray | None = None  # [k+1] int32: a, the target's token at each position
+    decision: Decision | None = None
+    emitted: np.ndarray | None = None     # [L+1] int32
+    committed: int = 0                # m: of `emitted`, what the cache keeps (cut at the first
+                                      # end-of-generation token, max_tokens and the context's end)
+    ended: bool = False               # an end-of-generation token was committed
+    draft_s: float = 0.0              # seconds drafting,
+    score_s: float = 0.0              # in the target's decode,
+    mask_s: float = 0.0               # applying a grammar to its rows,
+    decide_s: float = 0.0             # deciding,
+    commit_s: float = 0.0             # rolling the cache back
+
+    @property
+    def accepted(self) -> int:
+        """Draft tokens committed: L, cut where the committed tokens end."""
+        return min(self.decision.accepted, self.committed)
+
+    @property
+    def shown(self) -> int:
+        """Committed tokens that are output: all but an end-of-generation token."""
+        return self.committed - self.ended
+
+
+class Request:
+    """What a generation carries from round to round."""
+
+    def __init__(self, target: Target, prompt: np.ndarray, gen: Generation, seed: int):
+        self.prompt = prompt
+        self.context = np.zeros(target.n_ctx, dtype=np.int32)   # [n_ctx] prompt + committed
+        self.context[: len(prompt)] = prompt
+        self.n = len(prompt)                    # tokens of `context` in use
+        self.stats = gen.stats
+        self.out = gen.tokens
+        self.constraint: Constraint | None = gen.constraint
+        self.head = prompt[:0]                  # the prompt's tail, decoded ahead of the first round's rows
+        self.seed = seed                        # a position's randomness: (seed, position)
+        self.eog_ids = frozenset(np.flatnonzero(target.eog_mask).tolist())
+        self.started = 0.0
 
 
 class Generation:
@@ -102,53 +157,19 @@ class Generation:
         self.close()
 
 
-# The draft-length controllers an engine and its drafter may hold: (role, where, attribute).
-CONTROLLERS = (("length", "engine", "length"), ("plan", "drafter", "plan"),
-               ("lookup", "drafter", "lookup_length"), ("inner", "drafter", "inner"))
-
-
 class Engine:
-    def __init__(self, target, drafter, verifier: Verifier, config: EngineConfig = EngineConfig(),
-                 clock: Callable[[], float] = time.perf_counter, learned: dict | None = None):
-        self.target = target          # Runtime, or anything with its decode/truncate/reuse_prefix interface
+    def __init__(self, target: Target, drafter: Drafter, verifier: Verifier, config: EngineConfig = EngineConfig(),
+                 clock: Callable[[], float] = time.perf_counter):
+        self.target = target
         self.drafter = drafter
         self.verifier = verifier
         self.config = config
         self.clock = clock            # seconds; tests give a simulated machine's
-        self.length = (DraftLength(config.k, drafter.level_prior, target.costs)
-                       if config.adaptive and drafter.adaptive else None)
-        # The target's cost curve is needed by the engine's draft-length control and by drafters
-        # that weigh a draft model against lookup (they hold a `plan`).
-        self.costs = target.costs if self.length is not None or getattr(drafter, "plan", None) else None
         # Every cost curve a decision here reads: pinned for a run whose output must not depend
-        # on timings (a seeded run; docs/design.md, "Temperature > 0").
-        model = getattr(drafter, "model", None)
-        self.curves = [c for c in (target.costs, getattr(model, "costs", None)) if c is not None]
-        self.observe = getattr(drafter, "observe", None)
-        self.corpus = getattr(drafter, "corpus", None)     # lookup remembers what was generated
-        self.controllers = self._share(learned if learned is not None else {})
-
-    def _share(self, learned: dict) -> list:
-        """Take over the draft-length controllers `learned` holds from earlier engines with the
-        same models and settings (what they measured of acceptance: numbers, never text), and
-        put this engine's there where it holds none. The controllers in use."""
-        used = []
-        drafter = self.drafter
-        while hasattr(getattr(drafter, "inner", None), "propose"):    # a drafter wrapping one (through text)
-            drafter = drafter.inner
-        for role, where, attr in CONTROLLERS:
-            owner = self if where == "engine" else drafter
-            mine = getattr(owner, attr, None)
-            if not isinstance(mine, (DraftLength, ModelDraftLength)):   # none here
-                continue
-            kept = learned.get(role)
-            if kept is not None and mine.fits(kept):
-                setattr(owner, attr, kept)
-                mine = kept
-            else:
-                learned[role] = mine
-            used.append(mine)
-        return used
+        # on timings (a seeded run; docs/design.md, "Temperature > 0"). The target's is
+        # calibrated before the first round and refined by every round's timing.
+        self.curves = drafter.cost_curves()
+        self.costs = target.costs if any(c is target.costs for c in self.curves) else None
 
     def generate(self, prompt: np.ndarray, on_end: Callable[[Generation], None] | None = None,
                  grammar: Grammar | None = None) -> Generation:
@@ -164,198 +185,187 @@ class Engine:
         return Generation(self, prompt, on_end, grammar)
 
     def _rounds(self, prompt: np.ndarray, gen: Generation) -> Iterator[RoundEvent]:
-        cfg, target, stats, out, clock = self.config, self.target, gen.stats, gen.tokens, self.clock
-        t_start = clock()
-        context = np.zeros(target.n_ctx, dtype=np.int32)    # [n_ctx] prompt + committed
-        n = len(prompt)
-        context[:n] = prompt
-        commit = getattr(self.verifier, "commit", None)
-        eog_ids = frozenset(np.flatnonzero(target.eog_mask).tolist())
-        greedy = cfg.sampling.greedy
-        constraint = gen.constraint
-        # Plain decoding (no drafter) stays plain under a grammar: the baseline drafts nothing.
-        forcing = constraint is not None and cfg.forced and getattr(self.drafter, "name", "") != "none"
         # The randomness of a position depends on the seed and the position only (no seed: a
         # fresh one per request), so drafting cannot change what is sampled.
-        seed = cfg.sampling.seed if cfg.sampling.seed is not None else secrets.randbits(64)
+        seed = self.config.sampling.seed
+        req = Request(self.target, prompt, gen, seed if seed is not None else secrets.randbits(64))
+        req.started = self.clock()
         for curve in self.curves:
-            curve.pin(cfg.pin_costs)
-        for controller in self.controllers:
-            controller.begin()
+            curve.pin(self.config.pin_costs)
+        self.drafter.begin()
         source = None                  # where the target's cost curve came from, once it is known
         try:
-            reused = target.reuse_prefix(prompt)
-            stats.prompt_reused, stats.prompt_evaluated = reused, len(prompt) - reused
-            # The prompt but its last token goes in the first round's decode, ahead of the
-            # round's own rows, unless a calibration needs it in the cache first.
-            head = prompt[reused:-1]
-
-            def probe(rows: int) -> float:
-                nonlocal head
-                if len(head):
-                    target.decode(head)
-                    head = head[:0]
-                return timed_decode(target, int(prompt[-1]), rows, clock)
-
-            if self.costs is not None:     # from the disk cache, or measured once per process
-                known = self.costs.source != "none"
-                self.costs.ensure(probe, max_rows=cfg.k + 1, limit=target.n_batch, recalibrate=cfg.recalibrate)
-                source = "reused" if known else self.costs.source
-            while True:
-                if len(out) >= cfg.max_tokens:
-                    stats.stop = "max_tokens"
-                    break
-                if n >= target.n_ctx:
-                    stats.stop = "context"
-                    break
-                # Room: the batch [last, *draft] needs k+1 cells, and drafting past max_tokens is waste.
-                k = max(0, min(cfg.k, target.n_ctx - n, cfg.max_tokens - len(out) - 1))
-                t0 = clock()
-                forced = constraint.forced(k) if forcing else context[:0]        # [f]
-                f = len(forced)
-                if f:
-                    ahead = np.concatenate([context[:n], forced])
-                    proposal = self.drafter.propose(ahead, k - f) if k > f else None
-                else:
-                    proposal = self.drafter.propose(context[:n], k) if k else None
-                draft = proposal.tokens[: k - f] if proposal is not None else context[:0]
-                if self.length is not None and len(draft):
-                    draft = draft[: self.length.choose(proposal.level, len(draft))]
-                if constraint is not None:          # a token the grammar forbids ends the draft
-                    draft = np.concatenate([forced, draft]) if f else draft
-                    draft = draft[: constraint.allowed(draft)]
-                    f = min(f, len(draft))
-                t1 = clock()
-                h = len(head)
-                batch = np.empty(h + len(draft) + 1, dtype=np.int32)
-                batch[:h] = head
-                batch[h] = context[n - 1]
-                batch[h + 1:] = draft
-                n_past = target.n_past + h
-                logits = target.decode(batch, logits_from=h)          # [k+1, n_vocab]
-                t2 = clock()
-                if not stats.rounds:               # the prompt is in: the first round's tokens are its answer
-                    stats.prefill_s = t2 - t_start
-                    head = head[:0]
-                masking = 0.0
-                if constraint is not None:          # the target's distribution under the grammar
-                    constraint.restrict(logits, draft)
-                    masking = clock() - t2
-                    stats.mask_s += masking
-                # a[0..k]: the target's token at each position, its argmax at temperature 0 and
-                # its speculative-sampling decision otherwise (docs/design.md, "Temperature > 0").
-                if greedy:
-                    a = target_argmax(draft, logits, context[:n], cfg.sampling)   # [k+1]
-                else:
-                    a = sample_targets(draft, logits, context[:n], cfg.sampling,
-                                       position_noise(seed, np.arange(n, n + len(draft) + 1)))
-                decision = self.verifier(draft, a, logits)
-                L = decision.accepted
-                emitted = emitted_tokens(draft, a, L)                    # [L+1]
-                t3 = clock()
-
-                # Cut at the first end-of-generation token, at max_tokens and at the context's end.
-                ids = emitted.tolist()             # a few ids: Python beats numpy's per-call cost here
-                eog = next((j for j, t in enumerate(ids) if t in eog_ids), None)
-                m = eog + 1 if eog is not None else len(ids)
-                m = min(m, cfg.max_tokens - len(out), target.n_ctx - n)
-                committed = emitted[:m]
-                target.truncate(n_past + m)        # [last, *committed[:-1]] stay; committed[-1] is the new last
-                if commit is not None:             # a ledger pays only for what was committed
-                    decision = commit(decision, min(L, m))
-                t4 = clock()
-
-                context[n : n + m] = committed
-                n += m
-                ended = eog is not None and eog < m
-                shown = m - ended                  # the end-of-generation token is not output
-                if constraint is not None:         # (the grammar allowed the end; it ends the generation)
-                    constraint.commit(committed[:shown])
-                loose = set(decision.loose)
-                kinds = tuple(LOOSE if j in loose else ACCEPTED if j < L else TARGET for j in range(shown))
-                stats.rounds += 1
-                stats.drafted += len(draft)
-                stats.accepted += min(L, m)
-                stats.forced += min(f, L, m)
-                committed_loose = sum(1 for j in loose if j < m)
-                stats.loose += committed_loose
-                stats.mismatches += committed_loose + (L < len(draft))
-                if decision.budget_spent is not None:
-                    stats.budget_spent, stats.budget_left = decision.budget_spent, decision.budget_left
-                stats.emitted += m
-                if stats.rounds == 1:
-                    stats.first_tokens = m
-                stats.draft_s += t1 - t0
-                stats.target_s += (t2 - t1) + (t4 - t3)
-                stats.verify_s += t3 - t2
-                # The drafter's share of the round: its tokens after the forced ones, judged
-                # only where the target reached them.
-                if self.length is not None and L >= f:
-                    self.length.update(proposal.level if proposal else 0, len(draft) - f, L - f)
-                if self.observe is not None and proposal is not None and min(L, m) >= f:
-                    self.observe(proposal, min(L, m) - f)     # drafts that choose their own length
-                if self.costs is not None and not h:    # the decode's cost: a grammar's masks are not the target's
-                    self.costs.update(len(draft) + 1, t4 - t1 - masking, emitted=m)
-                trace = self._trace_row(stats.rounds - 1, n_past, draft, a, logits, decision, emitted,
-                                        proposal, f if constraint is not None else None) if cfg.trace else None
-                # Row j scored the position of committed[j] under the prefix committed before it.
-                logprobs = (tuple(token_logprobs(committed[:shown], logits, context[: n - m], cfg.sampling,
-                                                 cfg.logprobs)) if cfg.logprobs is not None else None)
-                tokens = tuple(ids[:shown])
-                out.extend(tokens)
-                # The stop is known before the last event goes out: a consumer that closes
-                # the generation right after it gets the real reason.
-                if ended:
-                    stats.stop = "eog"
-                elif len(out) >= cfg.max_tokens:
-                    stats.stop = "max_tokens"
-                elif n >= target.n_ctx:
-                    stats.stop = "context"
-                yield RoundEvent(stats.rounds - 1, tokens, kinds, trace, logprobs)
-                if stats.stop:
-                    break
+            source = self._prefill(req)
+            while not self._finished(req):
+                r = self._draft(req)
+                self._score(req, r)
+                self._decide(req, r)
+                self._commit(req, r)
+                yield self._account(req, r)
         except GeneratorExit:
-            stats.stop = stats.stop or "interrupted"     # closed after its last event: it had ended
+            req.stats.stop = req.stats.stop or "interrupted"     # closed after its last event: it had ended
             raise
         except KeyboardInterrupt:
-            stats.stop = "interrupted"
+            req.stats.stop = "interrupted"
             raise
         except BaseException:
-            stats.stop = "error"
+            req.stats.stop = "error"
             raise
         finally:
             for curve in self.curves:
                 curve.pin(False)
             if source is not None:
-                stats.cost_curve = self.costs.report() | {"source": source}
-            stats.wall_s = clock() - t_start
-            if self.corpus is not None:
-                self.corpus.add(out)
+                req.stats.cost_curve = self.costs.report() | {"source": source}
+            req.stats.wall_s = self.clock() - req.started
+            self.drafter.end(req.out)
             gen._end()
 
-    def _trace_row(self, index, n_past, draft, a, logits, decision: Decision, emitted, proposal,
-                   forced: int | None) -> dict:
-        k = len(draft)
-        entropy = decision.entropy
-        row = {
-            "round": index,
-            "n_past": int(n_past),
-            "draft": [int(t) for t in draft],
-            "target_argmax": [int(t) for t in a],
-            "entropy": [None if entropy is None or np.isnan(e) else float(e) for e in
-                        (entropy if entropy is not None else [np.nan] * k)],
-            "regret": [float(r) for r in regrets(draft, a, logits)],
-            "accepted": int(decision.accepted),
-            "loose": [int(j) for j in decision.loose],
-            "emitted": [int(t) for t in emitted],
-        }
-        if decision.budget_spent is not None:
-            row["budget_spent"], row["budget_left"] = decision.budget_spent, decision.budget_left
-        if forced is not None:
-            row["forced"] = forced              # under a grammar: the draft's first tokens it forced
-        if proposal is not None and proposal.text is not None:
-            row["draft_text"] = proposal.text       # a draft through text: the text it came from
-        return row
+    # ----- before the first round -----
+    def _prefill(self, req: Request) -> str | None:
+        """Keep what the cache holds of the prompt; the rest but its last token goes in the first
+        round's decode, ahead of the round's own rows, unless a calibration of the target's
+        cost curve needs it in the cache first. Returns where that curve came from ("reused":
+        known in this process already), None when no decision reads it."""
+        target, prompt, stats = self.target, req.prompt, req.stats
+        reused = target.reuse_prefix(prompt)
+        stats.prompt_reused, stats.prompt_evaluated = reused, len(prompt) - reused
+        req.head = prompt[reused:-1]
+        if self.costs is None:
+            return None
+
+        def probe(rows: int) -> float:
+            if len(req.head):
+                target.decode(req.head)
+                req.head = req.head[:0]
+            return timed_decode(target, int(prompt[-1]), rows, self.clock)
+
+        known = self.costs.source != "none"
+        self.costs.ensure(probe, max_rows=self.config.k + 1, limit=target.n_batch, recalibrate=self.config.recalibrate)
+        return "reused" if known else self.costs.source
+
+    def _finished(self, req: Request) -> bool:
+        stats = req.stats
+        if not stats.stop:
+            if len(req.out) >= self.config.max_tokens:
+                stats.stop = "max_tokens"
+            elif req.n >= self.target.n_ctx:
+                stats.stop = "context"
+        return bool(stats.stop)
+
+    # ----- the round's steps -----
+    def _draft(self, req: Request) -> Round:
+        """The grammar's forced tokens (under a grammar), then the drafter's, cut where the
+        grammar forbids one. The batch [last, *draft] needs k+1 cells, and drafting past
+        max_tokens is waste."""
+        cfg, clock, n, constraint = self.config, self.clock, req.n, req.constraint
+        t0 = clock()
+        k = max(0, min(cfg.k, self.target.n_ctx - n, cfg.max_tokens - len(req.out) - 1))
+        forced = constraint.forced(k) if constraint is not None and cfg.forced and self.drafter.drafts else EMPTY
+        f = len(forced)
+        if k > f:
+            context = np.concatenate([req.context[:n], forced]) if f else req.context[:n]
+            proposal = self.drafter.propose(context, k - f)
+        else:
+            proposal = NO_DRAFT
+        draft = proposal.tokens[: k - f]
+        if constraint is not None:          # a token the grammar forbids ends the draft
+            draft = np.concatenate([forced, draft]) if f else draft
+            draft = draft[: constraint.allowed(draft)]
+            f = min(f, len(draft))
+        return Round(req.stats.rounds, proposal, draft, forced=f, draft_s=clock() - t0)
+
+    def _score(self, req: Request, r: Round) -> None:
+        """One decode of [prompt's tail on the first round, last, *draft], with logits for the
+        round's k+1 rows; under a grammar, the rows restricted to what it allows."""
+        target, clock = self.target, self.clock
+        t0 = clock()
+        h = len(req.head)
+        batch = np.empty(h + len(r.draft) + 1, dtype=np.int32)
+        batch[:h] = req.head
+        batch[h] = req.context[req.n - 1]
+        batch[h + 1:] = r.draft
+        r.head, r.n_past = h, target.n_past + h
+        r.logits = target.decode(batch, logits_from=h)          # [k+1, n_vocab]
+        t1 = clock()
+        r.score_s = t1 - t0
+        if not r.index:                # the prompt is in: the first round's tokens are its answer
+            req.stats.prefill_s = t1 - req.started
+            req.head = req.head[:0]
+        if req.constraint is not None:
+            req.constraint.restrict(r.logits, r.draft)
+            r.mask_s = clock() - t1
+
+    def _decide(self, req: Request, r: Round) -> None:
+        """a[0..k]: the target's token at each position, its argmax at temperature 0 and its
+        speculative-sampling decision otherwise (docs/design.md, "Temperature > 0"); then the
+        verifier's decision and the tokens it emits."""
+        t0 = self.clock()
+        sampling, history = self.config.sampling, req.context[: req.n]
+        if sampling.greedy:
+            r.target = target_argmax(r.draft, r.logits, history, sampling)              # [k+1]
+        else:
+            positions = np.arange(req.n, req.n + len(r.draft) + 1)
+            r.target = sample_targets(r.draft, r.logits, history, sampling, position_noise(req.seed, positions))
+        r.decision = self.verifier.decide(r.draft, r.target, r.logits)
+        r.emitted = emitted_tokens(r.draft, r.target, r.decision.accepted)             # [L+1]
+        r.decide_s = self.clock() - t0
+
+    def _commit(self, req: Request, r: Round) -> None:
+        """Cut the emitted tokens at the first end-of-generation token, at max_tokens and at the
+        context's end; roll the cache back to keep [last, *committed[:-1]] (committed[-1] is
+        the new last); charge the verifier for what was committed."""
+        t0 = self.clock()
+        eog_ids = req.eog_ids
+        ids = r.emitted.tolist()          # a few ids: Python beats numpy's per-call cost here
+        eog = next((j for j, t in enumerate(ids) if t in eog_ids), None)
+        m = eog + 1 if eog is not None else len(ids)
+        m = min(m, self.config.max_tokens - len(req.out), self.target.n_ctx - req.n)
+        self.target.truncate(r.n_past + m)
+        r.committed, r.ended = m, eog is not None and eog < m
+        r.decision = self.verifier.commit(r.decision, min(r.decision.accepted, m))   # a ledger pays for what stays
+        r.commit_s = self.clock() - t0
+        req.context[req.n : req.n + m] = r.emitted[:m]
+        req.n += m
+        if req.constraint is not None:    # (the grammar allowed the end; it ends the generation)
+            req.constraint.commit(r.emitted[: r.shown])
+
+    def _account(self, req: Request, r: Round) -> RoundEvent:
+        """Stats, the drafter's feedback, the cost curve's timing, trace and logprobs; the
+        event that carries the round's output."""
+        cfg, stats = self.config, req.stats
+        stats.add(r)
+        # The drafter's share of the round: its tokens after the forced ones, judged where the
+        # target reached them.
+        if r.accepted >= r.forced:
+            own = r.draft[r.forced:]
+            verified = r.proposal if len(own) == len(r.proposal.tokens) else _cut(r.proposal, own)
+            self.drafter.observe(verified, r.accepted - r.forced)
+        if self.costs is not None and not r.head:    # the decode's cost (a grammar's masks are not the target's)
+            self.costs.update(len(r.draft) + 1, r.score_s + r.decide_s + r.commit_s, emitted=r.committed)
+        shown = r.shown
+        tokens = tuple(r.emitted[:shown].tolist())
+        loose = r.decision.loose
+        kinds = tuple(LOOSE if j in loose else ACCEPTED if j < r.decision.accepted else TARGET for j in range(shown))
+        trace = trace_row(r, grammar=req.constraint is not None) if cfg.trace else None
+        # Row j scored the position of committed[j] under the prefix committed before it.
+        logprobs = (tuple(token_logprobs(r.emitted[:shown], r.logits, req.context[: req.n - r.committed],
+                                         cfg.sampling, cfg.logprobs)) if cfg.logprobs is not None else None)
+        req.out.extend(tokens)
+        # The stop is known before the event goes out: a consumer that closes the generation
+        # right after it gets the real reason.
+        if r.ended:
+            stats.stop = "eog"
+        elif len(req.out) >= cfg.max_tokens:
+            stats.stop = "max_tokens"
+        elif req.n >= self.target.n_ctx:
+            stats.stop = "context"
+        return RoundEvent(r.index, tokens, kinds, trace, logprobs)
+
+
+def _cut(proposal: Draft, tokens: np.ndarray) -> Draft:
+    """`proposal` with only `tokens`, a prefix of its own (the rest was never verified)."""
+    levels = proposal.levels[: len(tokens)] if proposal.levels is not None else None
+    return Draft(tokens, proposal.level, proposal.source, levels, proposal.seconds, proposal.text)
 
 
 def generate_all(engine: Engine, prompt: np.ndarray, grammar: Grammar | None = None) -> tuple[list[int], Stats, list[dict]]:

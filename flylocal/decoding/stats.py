@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flylocal.decoding.engine import Round
 
 
 @dataclass
@@ -30,6 +34,26 @@ class Stats:
     cost_curve: dict | None = None   # the target's cost curve (CostCurve.report): its "source" ("cache",
                                      # read from disk; "measured" now; "reused", known in this process),
                                      # "state", shape, single step and exploration; None when not used
+
+    def add(self, r: Round) -> None:
+        """Count a finished round."""
+        decision, m = r.decision, r.committed
+        self.rounds += 1
+        self.drafted += len(r.draft)
+        self.accepted += r.accepted
+        self.forced += min(r.forced, r.accepted)
+        loose = sum(1 for j in decision.loose if j < m)
+        self.loose += loose
+        self.mismatches += loose + (decision.accepted < len(r.draft))
+        if decision.budget_spent is not None:
+            self.budget_spent, self.budget_left = decision.budget_spent, decision.budget_left
+        self.emitted += m
+        if self.rounds == 1:
+            self.first_tokens = m
+        self.draft_s += r.draft_s
+        self.target_s += r.score_s + r.commit_s
+        self.verify_s += r.mask_s + r.decide_s
+        self.mask_s += r.mask_s
 
     @property
     def mean_accepted_length(self) -> float:

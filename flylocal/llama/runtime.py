@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flylocal.decoding.cache import reusable_prefix
+from flylocal.decoding.contracts import reusable_prefix
 from flylocal.decoding.costs import CostCurve
 from flylocal.errors import FlylocalError, ModelError
 from flylocal.llama import kernels, memory
@@ -448,7 +448,7 @@ class Runtime:
         self.calibration_threads = threads
         # What a decode of n rows costs here, shared by everything that drafts for this model;
         # keyed for the disk cache by what it depends on (docs/design.md, "Cost model").
-        self.costs = CostCurve(key=self._cost_key())
+        self.costs = CostCurve(key=self.cost_key())
         self.costs.on_key = self.n_threads == self.calibration_threads
         self.bos = llama_cpp.llama_vocab_bos(self._vocab)
         self.eos = llama_cpp.llama_vocab_eos(self._vocab)
@@ -460,7 +460,7 @@ class Runtime:
                 self._eog[t] = True
 
     # ----- lifetime -----
-    def _cost_key(self) -> dict:
+    def cost_key(self) -> dict:
         st = self.path.stat()
         system = llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip()
         return {
@@ -806,7 +806,7 @@ class Runtime:
         self.costs.on_key = n == self.calibration_threads     # rounds at another count refine, unsaved
 
     @contextlib.contextmanager
-    def steady_threads(self):
+    def steady(self):
         """Hold the thread count at the one the cost curve is keyed by (a calibration)."""
         held = self.n_threads
         self._steady += 1

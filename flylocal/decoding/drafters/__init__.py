@@ -1,40 +1,24 @@
 """Drafters: where the k proposed tokens of a round come from (docs/design.md, "Drafters").
 
-Every drafter has one method,
+A drafter satisfies `Drafter` (flylocal.decoding.contracts): `propose(context, k) -> Draft`,
+and the hooks it needs of `observe`, `begin`, `end`, `controllers`. A drafter that holds a model
+keeps its own KV cache and catches up on whatever it has not seen (`Target.reuse_prefix`), so
+no separate accept step is needed.
 
-    propose(context, k) -> Draft
-
-where `context` [n] int32 is the prompt plus everything committed so far (its last token is
-not yet in the target's cache) and `k` is the most tokens the round may verify. A drafter
-that holds a model keeps its own KV cache and catches up on whatever it has not seen
-(`Runtime.reuse_prefix`), so no separate accept step is needed.
+- `none`: no draft; every round is a plain step.
+- `pld` (flylocal.decoding.drafters.pld): prompt lookup, under draft-length control
+  (flylocal.decoding.drafters.length) unless --k is given.
+- `model` and `mla` (flylocal.decoding.drafters.model, .mla): a draft model, MLA sped up by
+  prompt lookup; they choose their own lengths. Through text (flylocal.decoding.drafters.text)
+  when the draft's vocabulary is not the target's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
-
 import numpy as np
 
-EMPTY = np.zeros(0, dtype=np.int32)
-
-
-@dataclass(frozen=True)
-class Draft:
-    tokens: np.ndarray      # [k'] int32, k' <= k
-    level: int = 0          # confidence bucket for draft-length control (PLD: n-gram size)
-    source: str = ""        # "pld" or "model" where a drafter chose between them this round
-    levels: list | None = None    # a model draft: each token's confidence level
-    seconds: float | None = None  # a model draft: the time it took
-    text: str | None = None       # a draft through text: the draft model's text it came from
-
-
-class Drafter(Protocol):
-    name: str
-    adaptive: bool          # whether the engine may shorten its drafts from measured cost
-
-    def propose(self, context: np.ndarray, k: int) -> Draft: ...
+from flylocal.decoding.adaptive import Learned
+from flylocal.decoding.contracts import NO_DRAFT, Draft, Drafter, Target
 
 
 def stop_at_eog(tokens: np.ndarray, eog: np.ndarray) -> np.ndarray:
@@ -43,33 +27,41 @@ def stop_at_eog(tokens: np.ndarray, eog: np.ndarray) -> np.ndarray:
     return tokens[: hits[0] + 1] if hits.size else tokens
 
 
-class NoDraft:
+class NoDraft(Drafter):
     """Every round is a plain autoregressive step."""
 
     name = "none"
-    adaptive = False
+    drafts = False
 
     def propose(self, context: np.ndarray, k: int) -> Draft:
-        return Draft(EMPTY)
+        return NO_DRAFT
 
 
-def make_drafter(name: str, target, draft_model=None, *, pld_ngram: int = 4, pld_tokens: int | None = None,
-                 k_max: int = 8, adaptive: bool = False, p_min: float = 0.0, corpus=None,
-                 recalibrate: bool = False, through_text: bool = False):
-    """Build a drafter by name. `target` and `draft_model` are Runtimes. With `adaptive`, the
-    model drafters weigh the draft model against prompt lookup alone each round, on the
-    target's cost curve (flylocal.decoding.drafters.model). With `through_text` a model drafter drafts
-    in the draft model's own vocabulary and its drafts reach the target through their text
+def make_drafter(name: str, target: Target, draft_model: Target | None = None, *, pld_ngram: int = 4,
+                 pld_tokens: int | None = None, k_max: int = 8, adaptive: bool = False, p_min: float = 0.0,
+                 corpus=None, recalibrate: bool = False, through_text: bool = False,
+                 learned: Learned | None = None) -> Drafter:
+    """Build a drafter by name. With `adaptive`, draft lengths follow measured cost and
+    acceptance on the target's cost curve: prompt lookup's under LengthControl, and the model
+    drafters weigh the draft model against prompt lookup alone each round
+    (flylocal.decoding.drafters.model). `learned` holds the controllers of earlier engines with
+    the same settings, to take over. With `through_text` a model drafter drafts in the draft
+    model's own vocabulary and its drafts reach the target through their text
     (flylocal.decoding.drafters.text)."""
+    from flylocal.decoding.drafters.length import LengthControl
     from flylocal.decoding.drafters.mla import MLADrafter
     from flylocal.decoding.drafters.model import ModelDrafter
-    from flylocal.decoding.drafters.pld import PromptLookup
+    from flylocal.decoding.drafters.pld import PromptLookup, level_prior
     from flylocal.decoding.drafters.text import TextBridge, ThroughText
 
+    learned = learned if learned is not None else Learned()
     if name == "none":
         return NoDraft()
     if name == "pld":
-        return PromptLookup(target.eog_mask, max_ngram=pld_ngram, max_tokens=pld_tokens, corpus=corpus)
+        lookup = PromptLookup(target.eog_mask, max_ngram=pld_ngram, max_tokens=pld_tokens, corpus=corpus)
+        if not adaptive:
+            return lookup
+        return LengthControl(lookup, level_prior(pld_ngram), k_max, target.costs, learned)
     if draft_model is None:
         raise ValueError(f"drafter {name} needs a draft model (--draft)")
     if name not in ("model", "mla"):
@@ -78,7 +70,8 @@ def make_drafter(name: str, target, draft_model=None, *, pld_ngram: int = 4, pld
     # every id it has, and no lookup corpus (that holds target ids).
     vocab = (draft_model.n_vocab, draft_model.eog_mask) if through_text else (target.n_vocab, target.eog_mask)
     common = dict(k_max=k_max, p_min=p_min, target_costs=target.costs if adaptive else None,
-                  corpus=None if through_text else corpus, recalibrate=recalibrate, max_ngram=pld_ngram)
+                  corpus=None if through_text else corpus, recalibrate=recalibrate, max_ngram=pld_ngram,
+                  learned=learned)
     if name == "model":
         drafter = ModelDrafter(draft_model, *vocab, **common)
     else:

@@ -18,22 +18,29 @@ import time
 
 import numpy as np
 
-from flylocal.decoding.adaptive import DraftLength, ModelDraftLength, top_probability
-from flylocal.decoding.drafters import Draft, stop_at_eog
+from flylocal.decoding.adaptive import DraftLength, Learned, ModelDraftLength, top_probability
+from flylocal.decoding.contracts import Draft
+from flylocal.decoding.drafters import stop_at_eog
 from flylocal.decoding.drafters.model import ModelBased
 from flylocal.decoding.drafters.pld import confidence_level, find_match, level_prior
-from flylocal.decoding.verifiers import native_prefix
+from flylocal.decoding.verifiers.base import native_prefix
 
 
 class MLADrafter(ModelBased):
     name = "mla"
 
     def __init__(self, model, target_vocab: int, eog: np.ndarray, max_ngram: int = 4, max_tokens: int = 6,
-                 adaptive_lookup: bool = True, **kw):
-        super().__init__(model, target_vocab, eog, max_ngram=max_ngram, **kw)
+                 adaptive_lookup: bool = True, learned: Learned | None = None, **kw):
+        learned = learned if learned is not None else Learned()
+        super().__init__(model, target_vocab, eog, max_ngram=max_ngram, learned=learned, **kw)
         self.max_ngram = max_ngram
         self.max_tokens = max_tokens      # P
-        self.inner = DraftLength(max_tokens, level_prior(max_ngram), model.costs) if adaptive_lookup else None
+        # How much of a lookup guess the draft model checks, on the draft model's cost curve.
+        self.guess_length = (learned.keep("guess", DraftLength(max_tokens, level_prior(max_ngram), model.costs))
+                             if adaptive_lookup else None)
+
+    def controllers(self) -> tuple:
+        return super().controllers() + ((self.guess_length,) if self.guess_length is not None else ())
 
     def _lookup(self, seq: np.ndarray, room: int) -> tuple[np.ndarray, int]:
         end, n = find_match(seq, self.max_ngram)
@@ -47,21 +54,21 @@ class MLADrafter(ModelBased):
     def _draft(self, context: np.ndarray, k: int, keep) -> Draft:
         draft = np.zeros(0, dtype=np.int32)
         levels: list[int] = []
-        if self.inner is not None:
+        if self.guess_length is not None:
             self._ensure_costs(context)
         feed = self._catch_up(context)
         while len(draft) < k:
             room = min(self.max_tokens, k - len(draft) - 1)   # one slot for the model's own token
             guess, level = self._lookup(np.concatenate([context, draft]), room)
-            if self.inner is not None and len(guess):
-                guess = guess[: self.inner.choose(level, len(guess))]
+            if self.guess_length is not None and len(guess):
+                guess = guess[: self.guess_length.choose(level, len(guess))]
             t0 = time.perf_counter()
             logits = self.model.decode(np.concatenate([feed, guess]), logits_from=len(feed) - 1)
             choice = logits.argmax(axis=1).astype(np.int32)    # [len(guess)+1]
             m = native_prefix(guess, choice)
             self.model.truncate(self.model.n_past - (len(guess) - m))
-            if self.inner is not None:
-                self.inner.update(level, len(guess), m, time.perf_counter() - t0)
+            if self.guess_length is not None:
+                self.guess_length.update(level, len(guess), m, time.perf_counter() - t0)
             new = np.append(guess[:m], choice[m]).astype(np.int32)
             # [m+1] the draft's confidence in each
             p = top_probability(logits[: m + 1]) if keep is not None else np.ones(m + 1)

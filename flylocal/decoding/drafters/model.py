@@ -18,21 +18,21 @@ import time
 
 import numpy as np
 
-from flylocal.decoding.adaptive import DraftLength, ModelDraftLength, timed_decode, top_probability
-from flylocal.decoding.drafters import EMPTY, Draft
-from flylocal.decoding.drafters.pld import PromptLookup
+from flylocal.decoding.adaptive import DraftLength, Learned, ModelDraftLength, timed_decode, top_probability
+from flylocal.decoding.contracts import NO_DRAFT, Draft, Drafter, Target
+from flylocal.decoding.drafters.pld import PromptLookup, level_prior
 
 
-class ModelBased:
+class ModelBased(Drafter):
     """What `model` and `mla` share: catching the draft's cache up, the confidence stop, and
     the round's choice between the draft model, prompt lookup alone and a plain step."""
 
     name = ""
-    adaptive = False          # the engine takes these drafts as they come; the choice is made here
 
-    def __init__(self, model, target_vocab: int, eog: np.ndarray, *, k_max: int = 8, p_min: float = 0.0,
-                 target_costs=None, max_ngram: int = 4, corpus=None, recalibrate: bool = False):
-        self.model = model                # Runtime of the draft model
+    def __init__(self, model: Target, target_vocab: int, eog: np.ndarray, *, k_max: int = 8, p_min: float = 0.0,
+                 target_costs=None, max_ngram: int = 4, corpus=None, recalibrate: bool = False,
+                 learned: Learned | None = None):
+        self.model = model                # the draft model
         self.target_vocab = target_vocab
         self.eog = eog                    # [n_vocab] bool, the target's end-of-generation ids
         self.p_min = p_min
@@ -40,10 +40,18 @@ class ModelBased:
         self.corpus = corpus
         self.recalibrate = recalibrate
         self._costs_ready = False
+        learned = learned if learned is not None else Learned()
         if target_costs is not None:      # draft-length control
-            self.plan = ModelDraftLength(k_max, target_costs, model.costs, p_min)
+            self.plan = learned.keep("plan", ModelDraftLength(k_max, target_costs, model.costs, p_min))
             self.lookup = PromptLookup(eog, max_ngram=max_ngram, corpus=corpus)
-            self.lookup_length = DraftLength(k_max, self.lookup.level_prior, target_costs)
+            self.lookup_length = learned.keep("lookup", DraftLength(k_max, level_prior(max_ngram), target_costs))
+
+    def controllers(self) -> tuple:
+        return tuple(c for c in (self.plan, self.lookup_length) if c is not None)
+
+    def end(self, output: list[int]) -> None:
+        if self.corpus is not None:
+            self.corpus.add(output)
 
     def _catch_up(self, context: np.ndarray) -> np.ndarray:
         """Roll the draft's cache back to what it shares with `context`; return the tokens it
@@ -70,7 +78,7 @@ class ModelBased:
     def propose(self, context: np.ndarray, k: int) -> Draft:
         k = min(k, self.model.n_ctx - len(context))
         if k <= 0:
-            return Draft(EMPTY)
+            return NO_DRAFT
         if self.plan is None:           # an explicit --k: k tokens, ended early only by p_min
             return self._draft(context, k, (lambda levels, p: p >= self.p_min) if self.p_min > 0 else None)
         self._ensure_costs(context)
@@ -86,7 +94,6 @@ class ModelBased:
         return Draft(draft.tokens, source="model", levels=draft.levels, seconds=time.perf_counter() - t0)
 
     def observe(self, draft: Draft, accepted: int) -> None:
-        """Feedback after the round that verified `draft`."""
         if self.plan is None:
             return
         if draft.source == "model":

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from flylocal.decoding.drafters import EMPTY, Draft, stop_at_eog
+from flylocal.decoding.contracts import EMPTY, NO_DRAFT, Draft, Drafter
+from flylocal.decoding.drafters import stop_at_eog
 
 
 def find_match(tokens: np.ndarray, max_ngram: int) -> tuple[int, int]:
@@ -116,9 +117,11 @@ def level_prior(max_ngram: int) -> np.ndarray:
     return np.concatenate([[0.2], short, [0.75, 0.85, 0.92]])
 
 
-class PromptLookup:
+class PromptLookup(Drafter):
+    """Lookup in the context, then in the corpus. Its `level` is `confidence_level`'s, for
+    draft-length control (flylocal.decoding.drafters.length)."""
+
     name = "pld"
-    adaptive = True
 
     def __init__(self, eog: np.ndarray, max_ngram: int = 4, max_tokens: int | None = None,
                  corpus: Corpus | None = None):
@@ -126,12 +129,15 @@ class PromptLookup:
         self.max_ngram = max_ngram
         self.max_tokens = max_tokens    # None: up to the round's k
         self.corpus = corpus
-        self.level_prior = level_prior(max_ngram)     # [levels] float64
+
+    def end(self, output: list[int]) -> None:
+        if self.corpus is not None:
+            self.corpus.add(output)
 
     def propose(self, context: np.ndarray, k: int) -> Draft:
         cap = k if self.max_tokens is None else min(k, self.max_tokens)
         if cap <= 0:
-            return Draft(EMPTY)
+            return NO_DRAFT
         end, n = find_match(context, self.max_ngram)
         if n < self.max_ngram and self.corpus is not None:
             c_end, c_n = self.corpus.find(context, self.max_ngram)
@@ -139,7 +145,7 @@ class PromptLookup:
                 tokens = self.corpus.tokens[c_end + 1 : c_end + 1 + cap]
                 return Draft(stop_at_eog(tokens, self.eog), level=min(c_n, self.max_ngram))
         if n == 0:
-            return Draft(EMPTY)
+            return NO_DRAFT
         tokens = context[end + 1 : end + 1 + cap]
         level = confidence_level(context, end, n, self.max_ngram)
         return Draft(stop_at_eog(tokens, self.eog), level=level)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flylocal.decoding.drafters import EMPTY, Draft
+from flylocal.decoding.contracts import EMPTY, NO_DRAFT, Draft, Drafter
 
 BACK = 4          # draft ids behind the end of the text that may still change
 MAX_SPAN = 64     # draft ids between checkpoints before one is forced at a target token boundary
@@ -273,35 +273,39 @@ class TextBridge:
         return piece
 
 
-class ThroughText:
+class ThroughText(Drafter):
     """A model drafter (`model` or `mla`) that drafts in its own vocabulary for a target with
     another: prompt lookup inside it (MLA, and the lookup it weighs the model against) runs on
-    the draft's ids too. Its draft-length plan counts draft tokens; the feedback it gets is
-    the number of draft tokens inside the accepted target tokens' text."""
+    the draft's ids too, and the session's lookup corpus (target ids) is not searched. Its
+    draft-length plan counts draft tokens; the feedback it gets is the number of draft tokens
+    inside the accepted target tokens' text."""
 
-    adaptive = False
-    corpus = None          # the session's lookup corpus holds target ids: not searched here
-
-    def __init__(self, inner, bridge: TextBridge):
-        self.inner = inner
+    def __init__(self, drafter, bridge: TextBridge):
+        self.drafter = drafter            # the model drafter, in the draft's vocabulary
         self.bridge = bridge
-        self.name = inner.name
-        self.model = inner.model
+        self.name = drafter.name
+        self.model = drafter.model
         self._last: tuple[Draft, Proposal] | None = None
 
     @property
     def plan(self):
-        """The inner drafter's draft-length plan (the one that decides, and that engines share)."""
-        return self.inner.plan
+        """The drafter's draft-length plan (the one that decides, and that engines share)."""
+        return self.drafter.plan
+
+    def controllers(self) -> tuple:
+        return self.drafter.controllers()
+
+    def begin(self) -> None:
+        self.drafter.begin()
 
     def propose(self, context: np.ndarray, k: int) -> Draft:
         self._last = None
         if k <= 0:
-            return Draft(EMPTY)
+            return NO_DRAFT
         ids = self.bridge.sync(context)
         if self.bridge.held or not len(ids):          # nothing would line up, or nothing to go on
-            return Draft(EMPTY)
-        inner = self.inner.propose(ids, k + 1)        # one more: the trailing token is dropped
+            return NO_DRAFT
+        inner = self.drafter.propose(ids, k + 1)      # one more: the trailing token is dropped
         proposal = self.bridge.proposal(inner.tokens)
         self._last = (inner, proposal)
         return Draft(proposal.tokens[:k], inner.level, source=inner.source, seconds=inner.seconds,
@@ -309,11 +313,12 @@ class ThroughText:
 
     def observe(self, draft: Draft, accepted: int) -> None:
         """Feedback in draft tokens, over the draft tokens the target was shown: the dropped
-        trailing text, and what lay past k, was never tried and is not counted as rejected."""
+        trailing text, and what lay past what was verified, was never tried and is not counted
+        as rejected."""
         if self._last is None:
             return
         inner, proposal = self._last
         shown = proposal.draft_tokens_within(len(draft.tokens))
         tried = dataclasses.replace(inner, tokens=inner.tokens[:shown],
                                     levels=inner.levels[:shown] if inner.levels is not None else None)
-        self.inner.observe(tried, min(proposal.draft_tokens_within(accepted), shown))
+        self.drafter.observe(tried, min(proposal.draft_tokens_within(accepted), shown))

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flylocal.decoding.verifiers.base import Decision, regrets
+from flylocal.decoding.contracts import Decision, Verifier
+from flylocal.decoding.verifiers.base import regrets
 
 
 @dataclass(frozen=True)
@@ -49,12 +50,10 @@ def asd(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray, params
     return Decision(accepted=accepted, loose=loose), cost[:accepted]
 
 
-class Asd:
+class Asd(Verifier):
     """ASD with its ledger: one object per request (or conversation); `reset()` empties it.
-
-    The engine calls `commit(decision, n)` once it knows how many draft tokens it really
-    committed (an end-of-generation token or max_tokens may cut the accepted prefix); only
-    their regret is charged."""
+    `commit(decision, n)` charges the regret of the n draft tokens really committed (an
+    end-of-generation token or max_tokens may cut the accepted prefix)."""
 
     name = "asd"
 
@@ -63,7 +62,7 @@ class Asd:
         self.spent = 0.0
         self._cost = np.zeros(0)
 
-    def __call__(self, draft, target_argmax, logits) -> Decision:
+    def decide(self, draft, target_argmax, logits) -> Decision:
         decision, self._cost = asd(draft, target_argmax, logits, self.params, self.spent)
         return decision
 

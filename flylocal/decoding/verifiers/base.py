@@ -1,23 +1,8 @@
-"""What every verifier shares: the Decision it returns and the round arithmetic (docs/design.md)."""
+"""The round arithmetic every verifier shares (docs/design.md, "Words")."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import numpy as np
-
-
-@dataclass(frozen=True)
-class Decision:
-    accepted: int                              # L: committed draft prefix, 0 <= L <= k
-    loose: tuple[int, ...] = ()                # positions j < L with d[j] != a[j], accepted anyway
-    entropy: np.ndarray | None = None          # [k] float64, NaN where not computed
-    budget_spent: float | None = None          # ASD's ledger s after this round's charge
-    budget_left: float | None = None           # B - s
-
-
-Verifier = Callable[[np.ndarray, np.ndarray, np.ndarray], Decision]
 
 
 def native_prefix(draft: np.ndarray, target_argmax: np.ndarray) -> int:

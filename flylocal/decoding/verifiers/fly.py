@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flylocal.decoding.verifiers.base import Decision
+from flylocal.decoding.contracts import Decision, Verifier
 
 
 @dataclass(frozen=True)
@@ -68,16 +68,13 @@ def fly(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray, params
     return Decision(accepted=accepted, loose=tuple(loose), entropy=entropy)
 
 
-class Fly:
-    """FLy as a verifier object (stateless), holding its parameters."""
+class Fly(Verifier):
+    """FLy with its parameters (no state across rounds)."""
 
     name = "fly"
 
     def __init__(self, params: FlyParams = FlyParams()):
         self.params = params
 
-    def __call__(self, draft, target_argmax, logits) -> Decision:
+    def decide(self, draft, target_argmax, logits) -> Decision:
         return fly(draft, target_argmax, logits, self.params)
-
-    def reset(self) -> None:
-        pass

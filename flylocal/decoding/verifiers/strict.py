@@ -8,9 +8,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from flylocal.decoding.verifiers.base import Decision, native_prefix
+from flylocal.decoding.contracts import Decision, Verifier
+from flylocal.decoding.verifiers.base import native_prefix
 
 
 def strict(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray) -> Decision:
     """draft [k] int32, target_argmax [k+1] int32, logits [k+1, n_vocab] float32 (unused)."""
     return Decision(accepted=native_prefix(draft, target_argmax))
+
+
+class Strict(Verifier):
+    name = "strict"
+
+    def decide(self, draft, target_argmax, logits) -> Decision:
+        return Decision(accepted=native_prefix(draft, target_argmax))

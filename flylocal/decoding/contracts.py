@@ -1,0 +1,182 @@
+"""The contracts of the decoding core (docs/design.md, "Contracts"): what the round loop
+(flylocal.decoding.engine) asks of the model it verifies on (`Target`), of where drafts come
+from (`Drafter`) and of what decides how much of a draft to keep (`Verifier`), and the records
+they pass: `Draft` and `Decision`.
+
+A round, in these words:
+
+    drafter.propose(context, k) -> Draft                          draft
+    target.decode([last, *draft], logits for its k+1 rows)        score
+    verifier.decide(draft, target_argmax, logits) -> Decision     decide
+    target.truncate(n_past + m); verifier.commit(decision, n)     commit
+    drafter.observe(draft as verified, accepted)                  account
+
+A hook a part has nothing to say in has a no-op default here: a class that subclasses the
+Protocol implements what it needs and inherits the rest. The engine calls every hook, always:
+it never asks an object what it happens to have.
+
+This module imports numpy and the standard library only: the llama.cpp edge (flylocal.llama)
+reaches the core through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ContextManager, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from flylocal.decoding.costs import CostCurve
+
+EMPTY = np.zeros(0, dtype=np.int32)
+
+
+# ----- the target -----
+
+def reusable_prefix(cached: np.ndarray, tokens: np.ndarray) -> int:
+    """How many leading `tokens` [n] a cache holding `cached` [n_past] can keep: their common
+    prefix, leaving at least the last of `tokens` to be decoded (its logits are needed). What
+    `Target.reuse_prefix` keeps."""
+    limit = min(len(cached), len(tokens) - 1)
+    if limit <= 0:
+        return 0
+    diff = np.flatnonzero(cached[:limit] != tokens[:limit])
+    return int(diff[0]) if diff.size else limit
+
+
+class Target(Protocol):
+    """A loaded model with a KV cache: the target, and a draft model too. `Runtime`
+    (flylocal.llama.runtime), the rpc-placed model (flylocal.llama.remote) and the tests'
+    in-memory target satisfy it.
+
+    The cache holds the first `n_past` tokens of a sequence. A sequence is named by `seq`; the
+    targets here hold one (seq 0), and the id is in the contract so that a later change can
+    decode several sequences in one batch."""
+
+    n_ctx: int                 # cells of the cache: prompt and output together
+    n_batch: int               # most rows with logits one decode gives
+    n_vocab: int
+    eog_mask: np.ndarray       # [n_vocab] bool: the end-of-generation ids
+    n_past: int                # tokens the cache holds (of sequence 0)
+    costs: CostCurve           # what a decode of n rows costs here (flylocal.decoding.costs), keyed
+                               # by cost_key(); shared by everything that drafts for this model
+
+    def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> np.ndarray:
+        """Token ids [n] int32 of `text`. Special-token text is plain text unless
+        `parse_special`: text from a user never becomes control tokens."""
+        ...
+
+    def decode(self, tokens, logits_from: int | None = None, *, seq: int = 0) -> np.ndarray | None:
+        """Append `tokens` [n] to the cache in one decode (chunked past n_batch); the logits of
+        rows `logits_from:` as [rows, n_vocab] float32, valid until the next decode; None when
+        `logits_from` is None. Only the requested rows are computed."""
+        ...
+
+    def truncate(self, n_keep: int, *, seq: int = 0) -> None:
+        """Roll the cache back to its first `n_keep` tokens: the one way a round rolls back."""
+        ...
+
+    def reuse_prefix(self, tokens: np.ndarray, *, seq: int = 0) -> int:
+        """Keep the longest cached prefix of `tokens` (`reusable_prefix`); return its length.
+        tokens[kept:] still need decoding."""
+        ...
+
+    def cost_key(self) -> dict:
+        """What the cost of a decode depends on (model file, build, device, threads, batch):
+        the key its cost curve is cached under."""
+        ...
+
+    def steady(self) -> ContextManager:
+        """Hold the decodes in the block to the conditions `cost_key` names (the thread count
+        a calibration is keyed by)."""
+        return contextlib.nullcontext()
+
+
+# ----- drafters -----
+
+@dataclass(frozen=True)
+class Draft:
+    """A proposal: the tokens, and what the drafter wants back with them in `observe`."""
+
+    tokens: np.ndarray      # [k'] int32, k' <= k
+    level: int = 0          # confidence bucket for draft-length control (prompt lookup: n-gram size)
+    source: str = ""        # "pld" or "model" where a drafter chose between them this round
+    levels: list | None = None    # a model draft: each token's confidence level
+    seconds: float | None = None  # a model draft: the time it took
+    text: str | None = None       # a draft through text: the draft model's text it came from
+
+
+NO_DRAFT = Draft(EMPTY)
+
+
+class Drafter(Protocol):
+    """Where a round's draft comes from (docs/design.md, "Adding a drafter"). `propose` is the
+    one method a drafter must write; the hooks default to doing nothing.
+
+    The engine calls, per request: `begin()`; per round: `propose`, then `observe` once the
+    target has reached the drafter's tokens; at the end: `end(output)`."""
+
+    name: str
+    drafts: bool = True         # False: a drafter that never proposes (plain decoding)
+
+    def propose(self, context: np.ndarray, k: int) -> Draft:
+        """At most k tokens to verify after `context` [n] int32 (the prompt and every committed
+        token; the last is not yet in the target's cache)."""
+        ...
+
+    def observe(self, draft: Draft, accepted: int) -> None:
+        """Feedback after the round: `draft` as verified (its tokens cut to those the target
+        scored; empty when nothing was proposed) and how many of them were committed."""
+
+    def begin(self) -> None:
+        """A new request: its first round follows no other."""
+        for controller in self.controllers():
+            controller.begin()
+
+    def end(self, output: list[int]) -> None:
+        """The request ended with these output ids (prompt lookup remembers them)."""
+
+    def controllers(self) -> tuple:
+        """The draft-length controllers this drafter decides with (flylocal.decoding.adaptive),
+        taken over from earlier engines where they fit (`Learned`)."""
+        return ()
+
+    def cost_curves(self) -> tuple:
+        """Every cost curve its decisions read: pinned for a run whose output must not follow
+        this run's timings, and the target's calibrated before the first round."""
+        return tuple(curve for controller in self.controllers() for curve in controller.curves())
+
+
+# ----- verifiers -----
+
+@dataclass(frozen=True)
+class Decision:
+    accepted: int                              # L: committed draft prefix, 0 <= L <= k
+    loose: tuple[int, ...] = ()                # positions j < L with d[j] != a[j], accepted anyway
+    entropy: np.ndarray | None = None          # [k] float64, NaN where not computed
+    budget_spent: float | None = None          # ASD's ledger s after this round's charge
+    budget_left: float | None = None           # B - s
+
+
+class Verifier(Protocol):
+    """How much of a draft to commit (docs/design.md, "Verifiers"). `decide` is a pure function
+    of the round's arrays; `commit` and `reset` are for a verifier with state across rounds (a
+    ledger)."""
+
+    name: str
+
+    def decide(self, draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray) -> Decision:
+        """draft [k] int32, target_argmax [k+1] int32 (the target's token at each draft position
+        and at the bonus position), logits [k+1, n_vocab] float32 (the target's raw logits for
+        exactly those rows)."""
+        ...
+
+    def commit(self, decision: Decision, n: int) -> Decision:
+        """The first n draft tokens of `decision` were committed (an end-of-generation token or
+        the token limit may cut its accepted prefix); the decision as it stands after."""
+        return decision
+
+    def reset(self) -> None:
+        """A new conversation."""
