@@ -18,7 +18,7 @@ from flylocal.decoding.drafters import make_drafter
 from flylocal.decoding.engine import Engine, EngineConfig, generate_all
 from flylocal.decoding.sampling import (SamplingParams, _sample_among_top, adjust, position_noise, processed_probs,
                                        sample_targets, target_argmax)
-from flylocal.decoding.contracts import Decision
+from flylocal.decoding.contracts import Decision, Verifier
 from flylocal.decoding.verifiers.strict import Strict
 
 
@@ -305,9 +305,13 @@ CASES = {"T=1": (RAW, SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=
 N = 250
 
 
-def accept_all(draft, target_argmax, logits):
+class AcceptAll(Verifier):
     """A deliberately wrong rule: commit every draft token."""
-    return Decision(accepted=len(draft))
+
+    name = "accept-all"
+
+    def decide(self, draft, target_argmax, logits):
+        return Decision(accepted=len(draft))
 
 
 def expected_pairs(rt, ids, p: SamplingParams, top: int = 6) -> dict:
@@ -364,7 +368,7 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(smol):
     text, settings = CASES["T=1"]                 # the test has power: it rejects a wrong rule
     ids = smol.tokenize(text)
     expected = expected_pairs(smol, ids, settings)
-    pairs, long_drafts = sample_pairs(smol, make_drafter("pld", smol), accept_all, ids, 4, settings)
+    pairs, long_drafts = sample_pairs(smol, make_drafter("pld", smol), AcceptAll(), ids, 4, settings)
     assert long_drafts > 0
     stat, df = chi_square(pairs, expected, N)
     assert stat > critical(df)
