@@ -107,6 +107,11 @@ class Draft:
     seconds: float | None = None  # a model draft: the time it took
     text: str | None = None       # a draft through text: the draft model's text it came from
 
+    def cut(self, n: int) -> Draft:
+        """This draft with its first n tokens only (and their levels)."""
+        levels = self.levels[:n] if self.levels is not None else None
+        return Draft(self.tokens[:n], self.level, self.source, levels, self.seconds, self.text)
+
 
 NO_DRAFT = Draft(EMPTY)
 

@@ -78,22 +78,14 @@ class Round:
     emitted: np.ndarray | None = None     # [L+1] int32
     committed: int = 0                # m: of `emitted`, what the cache keeps (cut at the first
                                       # end-of-generation token, max_tokens and the context's end)
+    accepted: int = 0                 # draft tokens committed: min(L, m)
+    shown: int = 0                    # committed tokens that are output: all but an end-of-generation one
     ended: bool = False               # an end-of-generation token was committed
     draft_s: float = 0.0              # seconds drafting,
     score_s: float = 0.0              # in the target's decode,
     mask_s: float = 0.0               # applying a grammar to its rows,
     decide_s: float = 0.0             # deciding,
     commit_s: float = 0.0             # rolling the cache back
-
-    @property
-    def accepted(self) -> int:
-        """Draft tokens committed: L, cut where the committed tokens end."""
-        return min(self.decision.accepted, self.committed)
-
-    @property
-    def shown(self) -> int:
-        """Committed tokens that are output: all but an end-of-generation token."""
-        return self.committed - self.ended
 
 
 class Request:
@@ -321,8 +313,9 @@ class Engine:
         m = eog + 1 if eog is not None else len(ids)
         m = min(m, self.config.max_tokens - len(req.out), self.target.n_ctx - req.n)
         self.target.truncate(r.n_past + m)
-        r.committed, r.ended = m, eog is not None and eog < m
-        r.decision = self.verifier.commit(r.decision, min(r.decision.accepted, m))   # a ledger pays for what stays
+        ended = eog is not None and eog < m
+        r.committed, r.ended, r.shown, r.accepted = m, ended, m - ended, min(r.decision.accepted, m)
+        r.decision = self.verifier.commit(r.decision, r.accepted)      # a ledger pays for what stays
         r.commit_s = self.clock() - t0
         req.context[req.n : req.n + m] = r.emitted[:m]
         req.n += m
@@ -336,16 +329,17 @@ class Engine:
         stats.add(r)
         # The drafter's share of the round: its tokens after the forced ones, judged where the
         # target reached them.
-        if r.accepted >= r.forced:
-            own = r.draft[r.forced:]
-            verified = r.proposal if len(own) == len(r.proposal.tokens) else _cut(r.proposal, own)
-            self.drafter.observe(verified, r.accepted - r.forced)
+        accepted, f, proposal = r.accepted, r.forced, r.proposal
+        if accepted >= f:
+            own = len(r.draft) - f
+            verified = proposal if own == len(proposal.tokens) else proposal.cut(own)
+            self.drafter.observe(verified, accepted - f)
         if self.costs is not None and not r.head:    # the decode's cost (a grammar's masks are not the target's)
             self.costs.update(len(r.draft) + 1, r.score_s + r.decide_s + r.commit_s, emitted=r.committed)
         shown = r.shown
         tokens = tuple(r.emitted[:shown].tolist())
-        loose = r.decision.loose
-        kinds = tuple(LOOSE if j in loose else ACCEPTED if j < r.decision.accepted else TARGET for j in range(shown))
+        loose, L = r.decision.loose, r.decision.accepted
+        kinds = tuple(LOOSE if j in loose else ACCEPTED if j < L else TARGET for j in range(shown))
         trace = trace_row(r, grammar=req.constraint is not None) if cfg.trace else None
         # Row j scored the position of committed[j] under the prefix committed before it.
         logprobs = (tuple(token_logprobs(r.emitted[:shown], r.logits, req.context[: req.n - r.committed],
@@ -360,12 +354,6 @@ class Engine:
         elif req.n >= self.target.n_ctx:
             stats.stop = "context"
         return RoundEvent(r.index, tokens, kinds, trace, logprobs)
-
-
-def _cut(proposal: Draft, tokens: np.ndarray) -> Draft:
-    """`proposal` with only `tokens`, a prefix of its own (the rest was never verified)."""
-    levels = proposal.levels[: len(tokens)] if proposal.levels is not None else None
-    return Draft(tokens, proposal.level, proposal.source, levels, proposal.seconds, proposal.text)
 
 
 def generate_all(engine: Engine, prompt: np.ndarray, grammar: Grammar | None = None) -> tuple[list[int], Stats, list[dict]]:

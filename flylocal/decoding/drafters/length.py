@@ -6,8 +6,6 @@ can."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from flylocal.decoding.adaptive import DraftLength, Learned
@@ -31,7 +29,7 @@ class LengthControl(Drafter):
         if not n:
             return proposal
         keep = self.length.choose(proposal.level, n)
-        return proposal if keep == n else dataclasses.replace(proposal, tokens=proposal.tokens[:keep])
+        return proposal if keep == n else proposal.cut(keep)
 
     def observe(self, draft: Draft, accepted: int) -> None:
         self.length.update(draft.level, len(draft.tokens), accepted)
