@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from conftest import GEMMA_Q8_0, SMOL, model_path, prompt
+from flylocal.decoding.costs import store
 
 PROMPT = "Name three colours."
 
@@ -316,7 +317,7 @@ def test_a_poisoned_cost_cache_is_repaired_and_speculation_drafts(tmp_path, smol
     fresh = json.loads(flylocal(*args, env=env).stdout)
     assert fresh["stats"]["drafted"] > 0
     key = smol.costs.key                      # the command's own curve: same file, build, threads, batch
-    path = tmp_path / "costs" / smol.costs._path().name
+    path = tmp_path / "costs" / store.path_for(key).name
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps({"format": 1, "key": key, **POISONED}))
     listing = flylocal("doctor", env=env)

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 from fake_backend import FakeLM, FakeTarget, Machine, NoisyOracle, controlled
-from flylocal.decoding import costs as costs_module
+from flylocal.decoding.costs import curve as costs_module
+from flylocal.decoding.costs import meter as meter_module
+from flylocal.decoding.costs import store
 from flylocal.decoding.adaptive import DraftLength, ModelDraftLength, timed_decode
 from flylocal.decoding.costs import EXPLORE, CostCurve, read_record
 from flylocal.decoding.engine import Engine, EngineConfig, generate_all
@@ -40,7 +42,7 @@ class Quiet:
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FLYLOCAL_COSTS", str(tmp_path / "costs"))
-    monkeypatch.setattr(costs_module, "CpuLoad", Quiet)
+    monkeypatch.setattr(meter_module, "CpuLoad", Quiet)
     return tmp_path / "costs"
 
 
@@ -83,7 +85,7 @@ def test_a_curve_poisoned_like_the_busy_hours_cache_drafts_again_within_a_few_ro
     refined = [0.0114, 1.620, 1.724, None, 1.622, None, None, None, 1.656] + [None] * 7 + [0.0772]
     curve = CostCurve(key=KEY)
     cache.mkdir()
-    path = curve._path()
+    path = store.path_for(KEY)
     path.write_text(json.dumps({"format": 1, "key": KEY, "seconds": refined, "base": base}))
     assert curve.load() and curve.state == "repaired" and "distorted" in curve.problem
     assert curve.shape(9) == pytest.approx(0.046 / single)          # the calibration stands
@@ -107,7 +109,7 @@ def test_a_cache_whose_calibration_breaks_physics_is_measured_again(cache):
     measured again when first needed, and the file replaced."""
     curve = CostCurve(key=KEY)
     cache.mkdir()
-    curve._path().write_text(json.dumps({"format": 1, "key": KEY, "base": [0.159, 0.021, 0.026],
+    store.path_for(KEY).write_text(json.dumps({"format": 1, "key": KEY, "base": [0.159, 0.021, 0.026],
                                          "seconds": [0.159, 0.021, 0.026]}))
     assert not curve.load() and curve.state == "repaired"
     machine = Machine(step=0.017)
@@ -372,13 +374,13 @@ def test_a_refinement_measured_while_other_work_was_busy_is_used_but_not_saved(c
     curve = CostCurve(key=KEY)
     curve.calibrate(lambda rows: 0.01 * (1 + 0.4 * (rows - 1)), max_rows=9)
     curve.save()
-    monkeypatch.setattr(costs_module, "CpuLoad", Busy)
+    monkeypatch.setattr(meter_module, "CpuLoad", Busy)
     refine(curve)
     assert curve.shape(9) == pytest.approx(3.0)            # this process decides on it
     curve.save()
     again = CostCurve(key=KEY)
     assert again.load() and again.shape(9) == pytest.approx(TRUE_SHAPE[8])
-    monkeypatch.setattr(costs_module, "CpuLoad", Quiet)
+    monkeypatch.setattr(meter_module, "CpuLoad", Quiet)
     refine(again)
     again.save()
     third = CostCurve(key=KEY)

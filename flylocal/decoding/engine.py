@@ -23,6 +23,7 @@ import numpy as np
 
 from flylocal.decoding.adaptive import timed_decode
 from flylocal.decoding.contracts import EMPTY, NO_DRAFT, Decision, Draft, Drafter, Target, Verifier
+from flylocal.decoding.costs import Source
 from flylocal.decoding.sampling import SamplingParams, position_noise, sample_targets, target_argmax, token_logprobs
 from flylocal.decoding.stats import Stats
 from flylocal.decoding.trace import trace_row
@@ -231,9 +232,9 @@ class Engine:
                 req.head = req.head[:0]
             return timed_decode(target, int(prompt[-1]), rows, self.clock)
 
-        known = self.costs.source != "none"
+        known = self.costs.source != Source.NONE
         self.costs.ensure(probe, max_rows=self.config.k + 1, limit=target.n_batch, recalibrate=self.config.recalibrate)
-        return "reused" if known else self.costs.source
+        return "reused" if known else self.costs.source.value
 
     def _finished(self, req: Request) -> bool:
         stats = req.stats

@@ -29,6 +29,8 @@ import os
 import time
 from pathlib import Path
 
+from flylocal.paths import costs_dir
+
 PROBES = 5              # decodes measured at a count being tried: their median counts
 ABORT = 1.5             # a trial decode this much slower than the current count's median ends the trial
 MARGIN = 0.3            # another count must be this much faster to move to it: a load that
@@ -161,8 +163,6 @@ class ThreadControl:
 # ---- what the last process settled on, kept on disk (the cost curves' folder)
 
 def _known_path() -> Path:
-    from flylocal.decoding.costs import costs_dir
-
     return costs_dir() / "threads.json"
 
 

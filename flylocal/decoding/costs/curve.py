@@ -4,18 +4,19 @@
 
 - `shape(n) = t(n) / t(1)` is a property of the model, the build and the device. It is
   calibrated once per key (model file, build, device, threads, batch size), only from
-  measurements that agree with each other on a quiet machine, and cached on disk.
+  measurements that agree with each other on a quiet machine (flylocal.decoding.costs.calibration),
+  and cached on disk (flylocal.decoding.costs.store).
 - `speed` is the seconds of a single-row step now. It follows the load of the moment, so it is
   measured from every round (a median: one stalled round is not a change of load) and never
   saved.
 
 Rounds refine the shape: a round of n rows, divided by the single-row rounds just before it,
-is a sample of shape(n). A sample that breaks physics (n rows dearer than PHYSICS * n single
-steps, or cheaper than FLOOR of one) or lies FAR from the calibration is a stall, not a shape,
-and is dropped. Fresh samples (the median of at least 3 within STALE seconds of decoding)
-correct the calibrated shape; older ones expire, so evidence taken under a load that has gone
-does not outlive it. Only a refinement that is consistent (SAVE_SAMPLES samples whose middle
-half lies within AGREE_REFINED) is saved, as a low quantile.
+is a sample of shape(n). A sample that breaks physics (flylocal.decoding.costs.shape) or lies
+FAR from the calibration is a stall, not a shape, and is dropped. Fresh samples (the median of
+at least 3 within STALE seconds of decoding) correct the calibrated shape; older ones expire,
+so evidence taken under a load that has gone does not outlive it. Only a refinement that is
+consistent (SAVE_SAMPLES samples whose middle half lies within AGREE_REFINED) is saved, as a
+low quantile.
 
 Draft-length control may try a size whose evidence is stale (`explore`), when the round is
 expected to lose at most what the exploration budget has left: EXPLORE of the decoding time
@@ -24,41 +25,22 @@ observed. A wrong curve, however it got there, is corrected that way within a ge
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
+import enum
 import math
-import os
-import resource
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
-CALIBRATION_SIZES = (1, 2, 3, 5, 9, 17)
-COST_FORMAT = 2
-PRIOR_ROW_COST = 0.4     # extra cost of one more row relative to a single-row decode (CPU-like)
+from flylocal.decoding.costs import meter as meters
+from flylocal.decoding.costs import store
+from flylocal.decoding.costs.calibration import CALIBRATION_SIZES, calibrate
+from flylocal.decoding.costs.shape import PHYSICS, distortion, interpolate, median, plausible, prior_shape
+
 SWITCH_PRIOR = 0.07      # single steps the round after a draft pays to go back to one row, where
                          # a curve has no measurement of it: llama.cpp rebuilds its compute graph
                          # when a decode's row count changes (0.6 ms of a 9.1 ms step, 2 cores)
-
-# Calibration: passes over every size until the two lowest times of each agree.
-MIN_PASSES, MAX_PASSES = 3, 8
-AGREE = 0.30             # the two lowest samples of a size within 30% (or ABS_AGREE seconds): a
-                         # busy spell stalls decodes by 2-100x; on an idle 2-core VM a decode's
-                         # time varies by 10-15%, and the two lowest of 8 by up to 27% at times
-ABS_AGREE = 2e-4
-QUIET = 0.25             # cores busy with other work during calibration above which it was loaded
-MIN_WALL = 0.1           # seconds a load measurement needs
-SLOWER = 1.5             # a calibrated single step this much slower than the rounds before it: loaded
 RETRY = 30.0             # wall seconds before a calibration taken under load is tried again (doubling),
 RETRIES = 3              # at most 3 times per process: each costs a request ~1-2 s of waiting
-
-# Physics: what a decode of n rows can cost, in single steps.
-PHYSICS = 1.5            # at most 1.5 * n: batching never makes a row dearer than a step of its own
-FLOOR = 0.7              # at least 0.7: more rows are never much cheaper than one
-FAR = 3.0                # a refined shape more than 3x from the calibrated one (either way)
 
 # Refinement from rounds.
 RECENT = 7               # speed: the median of the last 7 rounds, each in single steps
@@ -71,90 +53,24 @@ AGREE_REFINED = 0.25     # (q75 - q25) / median of a size's samples, to be saved
 EXPLORE = 0.015          # share of decoding time that trying stale sizes may lose
 
 
-def costs_dir() -> Path:
-    return Path(os.environ.get("FLYLOCAL_COSTS") or Path.home() / ".cache" / "flylocal" / "costs")
+class State(str, enum.Enum):
+    NONE = "none"                  # nothing known yet
+    SETTLED = "settled"            # calibrated consistently on a quiet machine (and saved)
+    PROVISIONAL = "provisional"    # measured under load or inconsistently: used, never saved, measured again
+    REPAIRED = "repaired"          # the cached file was distorted (`problem` says how); measured again
+
+    def __str__(self) -> str:
+        return self.value
 
 
-def prior_shape(rows: int) -> np.ndarray:
-    """The CPU-like shape assumed before anything is measured: [rows] float64."""
-    return 1 + PRIOR_ROW_COST * np.arange(rows, dtype=np.float64)
+class Source(str, enum.Enum):
+    NONE = "none"                  # nothing known yet
+    CACHE = "cache"                # read from the disk cache
+    MEASURED = "measured"          # calibrated in this process
+    GIVEN = "given"                # given by hand (tests, a fixed cost model)
 
-
-def interpolate(values: np.ndarray, rows: int) -> np.ndarray:
-    """t(1..rows) [rows] float64 from measured values [m] (NaN where not measured): interpolated
-    between measured sizes, along the last slope past the largest, the prior's shape with fewer
-    than two."""
-    n = np.arange(1, rows + 1, dtype=np.float64)
-    seen = np.flatnonzero(~np.isnan(values))
-    if seen.size >= 2:
-        x, y = seen + 1.0, values[seen]
-        cost = np.interp(n, x, y)
-        slope = max((y[-1] - y[-2]) / (x[-1] - x[-2]), 0.0)
-        beyond = n > x[-1]
-        cost[beyond] = y[-1] + slope * (n[beyond] - x[-1])
-        return cost
-    return prior_shape(rows) * ((values[seen[0]] / (1 + PRIOR_ROW_COST * seen[0])) if seen.size else 0.01)
-
-
-def distortion(seconds: np.ndarray) -> str | None:
-    """Why calibrated times [m] (NaN where not measured) cannot be a decode's cost curve, or None."""
-    seen = np.flatnonzero(~np.isnan(seconds))
-    if seen.size < 2 or seen[0] != 0:
-        return "no single-row time" if seen.size else "nothing measured"
-    shape = seconds[seen] / seconds[0]
-    for n, s in zip(seen + 1, shape):
-        if s > PHYSICS * n:
-            return f"{n} rows cost {s:.1f} single steps (at most {PHYSICS:g} x {n} can be real)"
-        if s < FLOOR:
-            return f"{n} rows cost {s:.2f} of a single step (a single row measured slow)"
-    return None
-
-
-def plausible(rows: int, r: float, calibrated: float) -> bool:
-    """Whether r single steps can be what `rows` rows cost, the calibration saying `calibrated`."""
-    return FLOOR <= r <= PHYSICS * rows and calibrated / FAR <= r <= calibrated * FAR
-
-
-def median(values) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
-
-
-class CpuLoad:
-    """Cores kept busy by other processes while a measurement runs: the CPU time /proc/stat
-    counts on this process's cores, less this process's own, over the wall time. None where
-    /proc/stat cannot be read (not Linux)."""
-
-    def __init__(self):
-        self._start = None
-
-    @staticmethod
-    def _read():
-        try:
-            cores = {f"cpu{c}" for c in os.sched_getaffinity(0)}
-            busy = 0
-            with open("/proc/stat") as f:
-                for line in f:
-                    parts = line.split()
-                    if parts and parts[0] in cores:
-                        v = [int(x) for x in parts[1:9]]
-                        busy += sum(v) - v[3] - v[4]           # all but idle and iowait
-            own = resource.getrusage(resource.RUSAGE_SELF)
-            return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), own.ru_utime + own.ru_stime
-        except (OSError, ValueError, AttributeError, IndexError):
-            return None
-
-    def start(self) -> None:
-        self._start = self._read()
-
-    def stop(self) -> float | None:
-        end = self._read()
-        if self._start is None or end is None:
-            return None
-        wall = end[0] - self._start[0]
-        if wall < MIN_WALL:               # /proc/stat counts in ticks of 10 ms: too short to tell
-            return None
-        return max((end[1] - self._start[1]) - (end[2] - self._start[2]), 0.0) / wall
+    def __str__(self) -> str:
+        return self.value
 
 
 class CostCurve:
@@ -162,9 +78,8 @@ class CostCurve:
 
     `base` [m] holds the calibrated t(1..m), NaN where not measured; `meta` says when, in how
     many passes and under what load. `refined` [m] holds the saved refinement of the shape,
-    NaN where none. `state` is "settled" (calibrated consistently on a quiet machine, and
-    saved), "provisional" (measured under load or inconsistently: used, never saved, measured
-    again later) or "repaired" (the cached file was distorted; `problem` says how). A `fixed`
+    NaN where none. `state` (State) says how far to trust it, `source` (Source) where it came
+    from, `problem` why it is provisional or was repaired. A `fixed`
     curve never changes (tests, a cost model given by hand). A `pinned` curve answers from
     `base` alone, ignores rounds and never explores, so that decisions made on it do not depend
     on this run's timings (a seeded run)."""
@@ -178,8 +93,8 @@ class CostCurve:
             self._set_base(seconds)
         self.refined = np.full(len(self.base), np.nan)
         self.meta: dict = {}
-        self.source = "given" if seconds is not None else "none"   # "cache", "measured", "given"
-        self.state = "settled" if seconds is not None else "none"
+        self.source = Source.GIVEN if seconds is not None else Source.NONE
+        self.state = State.SETTLED if seconds is not None else State.NONE
         self.problem: str | None = None
         self.dirty = False
         self._ensured = 0
@@ -195,7 +110,7 @@ class CostCurve:
         # kept by the runtime), in a period other work left the cores alone (`_period`).
         self.on_key = True
         self.keep: dict[int, list[float]] = {}
-        self._period: CpuLoad | None = None
+        self._period: meters.CpuLoad | None = None
         self.rejected = 0                                    # round times dropped as stalls
         self.explored = 0                                    # rounds run at a stale size
         self.spent = 0.0                                     # seconds those rounds lost
@@ -295,7 +210,7 @@ class CostCurve:
         """Single steps a single-row decode right after a larger one costs over a steady one:
         llama.cpp builds its compute graph again whenever the row count changes (a larger
         decode after single rows pays it too, and its calibration and samples include it)."""
-        if self.fixed or self.source == "given":
+        if self.fixed or self.source == Source.GIVEN:
             return 0.0
         measured = self.meta.get("switch")
         if isinstance(measured, (int, float)) and self.calibrated and measured >= 0:
@@ -334,7 +249,7 @@ class CostCurve:
         self.clock += seconds
         self._speed = None
         if self._period is None and self.key is not None:
-            self._period = CpuLoad()
+            self._period = meters.CpuLoad()
             self._period.start()
         if rows == 1:
             self.anchors = (self.anchors + [(self.clock, seconds)])[-ANCHORS:]
@@ -375,69 +290,21 @@ class CostCurve:
             self._pending = float(rates[best])
         return choice
 
-    # ---- calibration
+    # ---- calibration and the disk cache
     def calibrate(self, timed_decode, max_rows: int, limit: int | None = None, meter=None) -> None:
-        """Measure t at the usual sizes and at `max_rows`, none above `limit` (the batch size).
-        On a CPU the step from 1 to 2 rows is the steepest (a matrix-vector kernel gives way to
-        a matrix-matrix one), so the small sizes are all measured. `timed_decode(n)` decodes n
-        rows, rolls them back and returns the seconds taken. After one warm-up decode, every
-        size is measured in passes until the two lowest times of each agree (at least
-        MIN_PASSES, at most MAX_PASSES), and the lowest counts: a stall only ever adds time.
-        The result is settled when the passes agreed, the shape obeys physics, other work kept
-        under QUIET cores busy meanwhile and (where rounds ran before it) the single step is
-        not SLOWER than theirs; otherwise it is provisional."""
-        sizes = sorted(s for s in set(CALIBRATION_SIZES) | {max_rows} if limit is None or s <= limit)
-        meter = meter if meter is not None else CpuLoad()
-        timed_decode(sizes[0])                  # the first decode pays for pages and buffers
-        meter.start()
-        samples: dict[int, list[float]] = {rows: [] for rows in sizes}
-        back: list[float] = []                  # single steps right after a larger decode
-        steady: list[float] = []                # single steps right after a single step
-        passes = 0
-        while passes < MAX_PASSES:
-            # 1, 2, 1, 1, 3, 1, 1, ...: each size after a single step, as a draft's round comes;
-            # after it a single step, which pays for changing the row count back, and another.
-            for rows in sizes:
-                t = timed_decode(rows)
-                if t > 0 and math.isfinite(t):
-                    samples[rows].append(t)
-                if rows > 1 and sizes[0] == 1:
-                    for kind in (back, steady):
-                        t = timed_decode(1)
-                        if t > 0 and math.isfinite(t):
-                            kind.append(t)
-            passes += 1
-            if passes >= MIN_PASSES and all(_agree(v) for v in samples.values()):
-                break
-        busy = meter.stop()
-        best = {rows: min(v) for rows, v in samples.items() if v}
-        if len(best) < 2:
+        """Measure the curve now (flylocal.decoding.costs.calibration): settled, or provisional
+        when it was taken under load, disagreed or broke physics."""
+        done = calibrate(timed_decode, max_rows, limit, meter, anchor=self._anchor())
+        if done is None:
             return
-        values = np.full(max(best), np.nan)
-        for rows, t in best.items():
-            values[rows - 1] = t
-        spread = max((sorted(v)[1] / sorted(v)[0] - 1) for v in samples.values() if len(v) >= 2)
-        problem = distortion(values)
-        if not all(_agree(v) for v in samples.values()):
-            problem = problem or f"passes disagree by up to {spread:.0%}"
-        if busy is not None and busy > QUIET:
-            problem = problem or f"{busy:.2f} cores were busy with other work"
-        recent = self._anchor()              # single-row rounds just before, when there were any
-        if recent is not None and best[sizes[0]] > SLOWER * recent:
-            problem = problem or f"a single step took {best[sizes[0]] / recent:.1f}x the rounds' just before"
-        self.base = np.full(len(values), np.nan)
-        self._set_base(values)
+        self.base = np.full(len(done.seconds), np.nan)
+        self._set_base(done.seconds)
         self.refined = np.full(len(self.base), np.nan)
         self._changed()
-        # Medians of as many samples each: the lowest of many is lower than the lowest of few.
-        switch = max(median(back) - median(steady), 0.0) if back and steady else None
-        self.meta = {"measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "passes": passes,
-                     **({"switch": switch} if switch is not None else {}),
-                     "spread": round(float(spread), 4), "busy_cores": None if busy is None else round(busy, 3),
-                     "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
-        self.source = "measured"
-        self.state, self.problem = ("settled", None) if problem is None else ("provisional", problem)
-        self.dirty = self.state == "settled"
+        self.meta = done.meta
+        self.source = Source.MEASURED
+        self.state, self.problem = (State.SETTLED, None) if done.problem is None else (State.PROVISIONAL, done.problem)
+        self.dirty = self.state == State.SETTLED
 
     def ensure(self, timed_decode, max_rows: int, limit: int | None = None, recalibrate: bool = False,
                meter=None) -> None:
@@ -448,21 +315,22 @@ class CostCurve:
         RETRY seconds have passed (then twice as long), at most RETRIES times."""
         if self.fixed:
             return
-        retry = (self.state == "provisional" and self._retries < RETRIES
+        retry = (self.state == State.PROVISIONAL and self._retries < RETRIES
                  and time.monotonic() >= self._retry_at)
         if max_rows <= self._ensured and not retry:
             return
-        if (self.source == "none" or retry) and not recalibrate:
+        if (self.source == Source.NONE or retry) and not recalibrate:
             before = self.state, self.problem
             if self.load() and self.largest() >= min(max_rows, limit or max_rows):
                 self._ensured = max(max_rows, self._ensured)
                 return
-            if retry and self.state != "settled":       # nothing usable cached: still provisional
+            if retry and self.state != State.SETTLED:       # nothing usable cached: still provisional
                 self.state, self.problem = before
-            retry = retry and self.state == "provisional"
+            retry = retry and self.state == State.PROVISIONAL
         if retry or not (self.calibrated and self.largest() >= min(max_rows, limit or max_rows)):
-            keep = self.calibrated and not recalibrate and self.state != "provisional"
-            kept, kept_meta, repaired = self.base.copy(), self.meta, self.problem if self.state == "repaired" else None
+            keep = self.calibrated and not recalibrate and self.state != State.PROVISIONAL
+            kept, kept_meta = self.base.copy(), self.meta
+            repaired = self.problem if self.state == State.REPAIRED else None
             self.calibrate(timed_decode, max_rows, limit, meter)
             if keep:                 # a larger size was asked for: the calibration so far stands,
                 n = min(len(kept), len(self.base))      # and the new sizes join it in its units
@@ -472,9 +340,9 @@ class CostCurve:
                     self.base = merged
                     self.meta = kept_meta | {"extended": self.meta.get("measured")}
                     self._changed()
-            if self.state == "settled":
+            if self.state == State.SETTLED:
                 if repaired:
-                    self.state, self.problem = "repaired", repaired
+                    self.state, self.problem = State.REPAIRED, repaired
                 self.save()
             else:
                 self._retries += retry
@@ -482,40 +350,28 @@ class CostCurve:
                 self._retry_wait *= 2
         self._ensured = max(max_rows, self._ensured)
 
-    # ---- the disk cache
-    def _path(self) -> Path | None:
-        if self.key is None:
-            return None
-        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:20]
-        return costs_dir() / f"{digest}.json"
-
     def load(self) -> bool:
         """Read the cached curve for this key, if there is a valid one. A file whose
         calibration is distorted is not obeyed (the curve is measured again: `state` becomes
-        "repaired" once it is); a refinement that is distorted is dropped and the file is
+        REPAIRED once it is); a refinement that is distorted is dropped and the file is
         rewritten without it."""
-        path = self._path()
-        try:
-            data = json.loads(path.read_text()) if path else None
-        except (OSError, ValueError):
+        record = store.read(self.key) if self.key is not None else None
+        if record is None:
             return False
-        record = read_record(data)
-        if record is None or record["key"] != self.key:
-            return False
-        base, refined, meta, problem = record["base"], record["refined"], record["meta"], record["problem"]
+        base, refined, problem = record["base"], record["refined"], record["problem"]
         if record["calibration_problem"] is not None:
-            self.state, self.problem = "repaired", f"cached calibration distorted: {record['calibration_problem']}"
+            self.state, self.problem = State.REPAIRED, f"cached calibration distorted: {record['calibration_problem']}"
             return False
         self.base = np.full(len(base), np.nan)
         self._set_base(base)
         self.refined = np.full(len(self.base), np.nan)
         self.refined[: min(len(refined), len(self.base))] = refined[: len(self.base)]
         self._changed()
-        self.meta = meta
-        self.source = "cache"
-        self.state, self.problem = ("repaired", problem) if problem else ("settled", None)
+        self.meta = record["meta"]
+        self.source = Source.CACHE
+        self.state, self.problem = (State.REPAIRED, problem) if problem else (State.SETTLED, None)
         self.dirty = False
-        if problem or record["format"] != COST_FORMAT:
+        if problem or record["format"] != store.COST_FORMAT:
             self._write()
         return True
 
@@ -527,7 +383,7 @@ class CostCurve:
         out = np.full(max(len(self.base), max(self.keep, default=0)), np.nan)
         busy = self._period.stop() if self._period is not None else None
         self._period = None
-        if busy is not None and busy > QUIET:
+        if busy is not None and busy > meters.QUIET:
             self.keep.clear()
             return out
         for n, values in self.keep.items():
@@ -540,12 +396,12 @@ class CostCurve:
         return out
 
     def save(self) -> None:
-        """Write the curve to the disk cache, if it is settled (atomically; a cache that cannot
-        be written only means measuring again next time)."""
-        if self.key is None or not self.calibrated or self.fixed or self.state == "provisional":
+        """Write the curve to the disk cache, if it is settled (a cache that cannot be written
+        only means measuring again next time)."""
+        if self.key is None or not self.calibrated or self.fixed or self.state == State.PROVISIONAL:
             return
         new = self._consistent_refinement()
-        if np.isnan(new).all() and self.source == "cache":
+        if np.isnan(new).all() and self.source == Source.CACHE:
             return                                       # nothing new to write
         if len(new) > len(self.refined):
             self.refined = np.concatenate([self.refined, np.full(len(new) - len(self.refined), np.nan)])
@@ -554,31 +410,14 @@ class CostCurve:
         self._write()
 
     def _write(self) -> None:
-        path = self._path()
-        data = {"format": COST_FORMAT, "key": self.key,
-                "calibration": dict(self.meta, seconds=_json_list(self.base)),
-                "refined": _json_list(self.refined)}
-        tmp = None
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".costs-", suffix=".part")
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f)
-            os.replace(tmp, path)
-            tmp = None
+        if store.write(self.key, self.meta, self.base, self.refined):
             self.dirty = False
-        except OSError:
-            pass
-        finally:                      # an error or a Ctrl-C leaves no temporary file behind
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
 
     def report(self) -> dict:
         """The curve's state, for `--json` stats and doctor."""
         rows = max(self.largest(), 1)
         shape = self.calibrated_shape(rows) if self.calibrated else prior_shape(rows)
-        out = {"source": self.source, "state": self.state,
+        out = {"source": self.source.value, "state": self.state.value,
                "shape": {str(n): round(float(shape[n - 1]), 3) for n in CALIBRATION_SIZES if n <= rows},
                "calibrated_step_ms": round(1000 * self.calibrated_step(), 3) if self.calibrated else None,
                "step_ms": round(1000 * self.speed(), 3) if self.calibrated else None,
@@ -589,68 +428,3 @@ class CostCurve:
         if self.problem:
             out["problem"] = self.problem
         return out
-
-
-def _agree(values: list[float]) -> bool:
-    if len(values) < 2:
-        return False
-    a, b = sorted(values)[:2]
-    return b <= a * (1 + AGREE) or b - a <= ABS_AGREE
-
-
-def _json_list(values: np.ndarray) -> list:
-    return [None if np.isnan(v) else float(v) for v in values]
-
-
-def _floats(raw) -> np.ndarray | None:
-    if not isinstance(raw, list):
-        return None
-    try:
-        values = np.array([np.nan if v is None else float(v) for v in raw], dtype=np.float64)
-    except (TypeError, ValueError):
-        return None
-    seen = values[~np.isnan(values)]
-    if not np.isfinite(seen).all() or (seen <= 0).any():
-        return None
-    return values
-
-
-def read_record(data) -> dict | None:
-    """A cache file's contents, checked: {"format", "key", "base" [m] seconds, "refined" [m]
-    shape, "meta", "calibration_problem" (why the calibration is not a curve, or None),
-    "problem" (what was dropped from the refinement, or None)}; None when it is not a cost
-    file at all. Format 1 (before shape and speed were apart) kept the calibration as "base"
-    and a refined curve in seconds as "seconds"."""
-    if not isinstance(data, dict) or data.get("format") not in (1, COST_FORMAT) or not isinstance(data.get("key"), dict):
-        return None
-    if data["format"] == 1:
-        base = _floats(data.get("base", data.get("seconds")))
-        seconds = _floats(data.get("seconds"))
-        if base is None or seconds is None or np.isnan(seconds[0]):
-            return None
-        refined, meta = seconds / seconds[0], {}
-    else:
-        calibration = data.get("calibration")
-        if not isinstance(calibration, dict):
-            return None
-        base, refined = _floats(calibration.get("seconds")), _floats(data.get("refined", []))
-        if base is None or refined is None:
-            return None
-        meta = {k: v for k, v in calibration.items() if k != "seconds"}
-    record = {"format": data["format"], "key": data["key"], "base": base, "meta": meta,
-              "calibration_problem": distortion(base), "problem": None}
-    refined = refined.copy()
-    if record["calibration_problem"] is None:
-        cost = interpolate(base, max(len(base), len(refined)))
-        dropped = []
-        for i in np.flatnonzero(~np.isnan(refined)):
-            n = i + 1
-            if n == 1 or not plausible(n, float(refined[i]), float(cost[i] / cost[0])):
-                if n > 1:
-                    dropped.append(f"{n}: {refined[i]:.1f}")
-                refined[i] = np.nan
-        if dropped:
-            record["problem"] = ("refined shape distorted (single steps at " + ", ".join(dropped)
-                                 + "), dropped; the calibration stands")
-    record["refined"] = refined
-    return record

@@ -1,0 +1,12 @@
+"""The cost model (docs/design.md, "Cost model"): what a decode of n rows costs on one loaded
+model, as decisions see it (curve), how it is calibrated (calibration), what a curve can be
+(shape), how busy other work kept the cores (meter), and the disk cache (store)."""
+
+from flylocal.decoding.costs.calibration import CALIBRATION_SIZES
+from flylocal.decoding.costs.curve import EXPLORE, STALE, SWITCH_PRIOR, CostCurve, Source, State
+from flylocal.decoding.costs.shape import median
+from flylocal.decoding.costs.store import read_record
+from flylocal.paths import costs_dir
+
+__all__ = ["CALIBRATION_SIZES", "EXPLORE", "STALE", "SWITCH_PRIOR", "CostCurve", "Source", "State", "costs_dir",
+           "median", "read_record"]

@@ -1,0 +1,49 @@
+"""How busy other work keeps this process's cores while a measurement runs: a calibration
+taken under load, or a refinement gathered under it, is used but never saved
+(docs/design.md, "Cost model")."""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+QUIET = 0.25             # cores busy with other work above which a measurement was taken under load
+MIN_WALL = 0.1           # seconds a load measurement needs
+
+
+class CpuLoad:
+    """Cores kept busy by other processes while a measurement runs: the CPU time /proc/stat
+    counts on this process's cores, less this process's own, over the wall time. None where
+    /proc/stat cannot be read (not Linux)."""
+
+    def __init__(self):
+        self._start = None
+
+    @staticmethod
+    def _read():
+        try:
+            cores = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+            busy = 0
+            with open("/proc/stat") as f:
+                for line in f:
+                    parts = line.split()
+                    if parts and parts[0] in cores:
+                        v = [int(x) for x in parts[1:9]]
+                        busy += sum(v) - v[3] - v[4]           # all but idle and iowait
+            own = resource.getrusage(resource.RUSAGE_SELF)
+            return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), own.ru_utime + own.ru_stime
+        except (OSError, ValueError, AttributeError, IndexError):
+            return None
+
+    def start(self) -> None:
+        self._start = self._read()
+
+    def stop(self) -> float | None:
+        end = self._read()
+        if self._start is None or end is None:
+            return None
+        wall = end[0] - self._start[0]
+        if wall < MIN_WALL:               # /proc/stat counts in ticks of 10 ms: too short to tell
+            return None
+        return max((end[1] - self._start[1]) - (end[2] - self._start[2]), 0.0) / wall
