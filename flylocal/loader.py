@@ -18,9 +18,11 @@ from flylocal.decoding.verifiers import make_verifier
 from flylocal.errors import FlylocalError, OptionError
 from flylocal.settings import Settings
 
+from flylocal.llama.config import RuntimeConfig
+
 if TYPE_CHECKING:      # llama.cpp is imported when models are loaded, not before (flylocal.llama.kernels)
     from flylocal.llama.placement import Placement
-    from flylocal.llama.runtime import Runtime, RuntimeConfig
+    from flylocal.llama.runtime import Runtime
 
 
 @dataclass
@@ -54,8 +56,7 @@ class Models:
     def reconnect(self) -> list[str]:
         """Start again the models whose rpc servers were lost (flylocal.llama.remote), once they
         answer; the names of those reconnected. FlylocalError when a server still does not."""
-        return [rt.name for rt in (self.target, self.draft)
-                if rt is not None and hasattr(rt, "reconnect") and rt.reconnect()]
+        return [rt.name for rt in (self.target, self.draft) if rt is not None and rt.reconnect()]
 
     def close(self):
         for rt in (self.draft, self.target):
@@ -94,7 +95,7 @@ def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Mod
     check(settings)
     target_path = models.resolve(settings.target, log)
     draft_path = models.resolve(settings.draft, log) if settings.draft else None
-    from flylocal.llama.runtime import gpu_offload     # llama.cpp, once the files are known good
+    from flylocal.llama.devices import gpu_offload     # llama.cpp, once the files are known good
 
     if settings.gpu_layers and not gpu_offload() and not settings.target_rpc:
         log("this llama.cpp build has no GPU backend: --gpu-layers is ignored")
@@ -121,7 +122,7 @@ def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Mod
 
 
 def past_training(rt: Runtime, n_ctx: int, log: Callable[[str], None]) -> None:
-    trained = getattr(rt, "n_ctx_train", 0)
+    trained = rt.n_ctx_train
     if 0 < trained < n_ctx:
         log(f"--ctx {n_ctx} is past the {trained} tokens {rt.name} was trained on: past them its answers may "
             "fall apart")
@@ -150,7 +151,7 @@ def gpu_layers(settings: Settings, target_path, draft_path) -> Placement:
     what fits in the GPUs' free memory now (flylocal.llama.placement). A model on rpc servers
     keeps every layer there whatever this says (flylocal.llama.runtime)."""
     from flylocal.llama.placement import ALL, NO_GPU, Placement, place
-    from flylocal.llama.runtime import gpu_offload, local_devices
+    from flylocal.llama.devices import gpu_offload, local_devices
 
     if settings.gpu_layers is not None:
         n = ALL if settings.gpu_layers == -1 else settings.gpu_layers
@@ -176,8 +177,6 @@ def runtime_config(settings: Settings, rpc: tuple[str, ...] = (), tensor_split: 
                    gpu_layers: int = 0) -> RuntimeConfig:
     """A model's llama.cpp settings; `rpc`: the servers that hold its layers; `gpu_layers`: its
     n_gpu_layers (loader.gpu_layers)."""
-    from flylocal.llama.runtime import RuntimeConfig
-
     return RuntimeConfig(n_ctx=settings.ctx, n_batch=settings.batch_size, n_threads=settings.threads,
                          n_gpu_layers=gpu_layers,
                          flash_attn=settings.flash_attn, rpc=rpc, tensor_split=tensor_split,
@@ -186,13 +185,9 @@ def runtime_config(settings: Settings, rpc: tuple[str, ...] = (), tensor_split: 
 
 def open_model(path, config: RuntimeConfig) -> Runtime:
     """A loaded model: here, or on rpc servers through a worker process (flylocal.llama.remote)."""
-    if config.rpc:
-        from flylocal.llama.remote import RemoteRuntime
-
-        return RemoteRuntime(path, config)
     from flylocal.llama.runtime import Runtime
 
-    return Runtime(path, config)
+    return Runtime(path, config, remote=bool(config.rpc))
 
 
 CORPUS_LIMIT = 64 << 20     # bytes of --lookup-corpus text

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flylocal import models
-from flylocal.models import gguf_info  # noqa: E402
+from flylocal import gguf_info  # noqa: E402
 
 NAMES = ("smollm2-135m-instruct", "smollm2-135m-instruct-q4_0", "gemma-3-270m", "gemma-3-270m-q8_0")
 

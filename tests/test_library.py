@@ -1,6 +1,6 @@
 """Local models: finding the GGUF files that LM Studio, ollama, the Hugging Face cache, llama.cpp's
 cache and FLYLOCAL_MODEL_PATH hold (flylocal.models.library), reading their headers without llama.cpp
-(flylocal.models.gguf_info), and pairing drafts with targets.
+(flylocal.gguf_info), and pairing drafts with targets.
 
 Each test lays out every tool's folders in a HOME of its own. The fast tests fill them with tiny
 GGUF files written by the gguf package; the slow ones link the real registry models in.
@@ -22,9 +22,10 @@ import pytest
 
 from conftest import GEMMA, GEMMA_Q8_0, SMOL, SMOL_Q4_0, model_path
 from flylocal import models
+from flylocal import gguf_info
 from flylocal.errors import FlylocalError, ModelError
 from flylocal.front.cli import human_bytes, main
-from flylocal.models import gguf_info, library
+from flylocal.models import library
 
 FT = gguf.LlamaFileType
 TOKENS_A = ["<unk>", "<s>", "</s>", "a", "b", "ab", "ba", "abc"]
@@ -364,7 +365,7 @@ def test_a_q4_0_draft_is_suggested_with_the_command_that_derives_it(fake_home, h
     hint = library.requantize_hint(target, [])
     dest = home / "mine" / "SmolLM2-135M-Instruct-Q4_1-Q4_0.gguf"
     assert "local:SmolLM2-135M-Instruct-Q4_1-Q4_0.gguf" in hint
-    assert f'quantize("{target.path}", "{dest}", "Q4_0")' in hint and "from flylocal.llama.runtime import quantize" in hint
+    assert f'quantize("{target.path}", "{dest}", "Q4_0")' in hint and "from flylocal.llama.model import quantize" in hint
     ollama = library.Candidate(OLLAMA_GEMMA, library.find(OLLAMA_GEMMA).path, gguf_info.read_info(fake_home[GEMMA]))
     assert "someone-gemma3-latest-Q4_0.gguf" in library.requantize_hint(ollama, [])   # not the blob's digest
 
@@ -426,8 +427,9 @@ def test_hostile_places_do_not_break_a_listing(tmp_path, monkeypatch):
     """A HF repo whose refs/main is not text, a FLYLOCAL_MODEL_PATH entry naming no user, an
     ollama manifest pointing outside the blob store, and a header claiming billions of tensors:
     each is skipped or listed as unreadable, in one line, and nothing raises."""
+    from flylocal import gguf_info
     from flylocal.errors import ModelError
-    from flylocal.models import gguf_info, library
+    from flylocal.models import library
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("FLYLOCAL_METADATA", str(tmp_path / "meta.json"))

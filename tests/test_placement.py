@@ -6,7 +6,7 @@ import pytest
 
 from flylocal.llama import memory
 from flylocal.llama.placement import ALL, NO_GPU, fit, place
-from flylocal.models.gguf_info import Layout
+from flylocal.gguf_info import Layout
 
 MiB = 1 << 20
 CTX, BATCH = 4096, 512
@@ -93,7 +93,7 @@ def test_the_layout_is_read_from_the_header_block_by_block(tmp_path, tied):
     import gguf
     import numpy as np
 
-    from flylocal.models.gguf_info import read_layout
+    from flylocal.gguf_info import read_layout
 
     path = tmp_path / "m.gguf"
     w = gguf.GGUFWriter(str(path), "llama")

@@ -471,7 +471,7 @@ def test_an_interrupted_call_leaves_nothing_stale(smol):
     ids, _ = encode_prompt(smol, PROMPTS["copy"], raw=False)
     expected, _ = strict_run(smol, "none", ids, 0)
     with rpc_servers(1) as servers, remote([e for _, e in servers]) as target:
-        original, calls = target._reply, []
+        original, calls = target.context._reply, []
 
         def interrupted(limit):
             calls.append(limit)
@@ -479,13 +479,13 @@ def test_an_interrupted_call_leaves_nothing_stale(smol):
                 raise KeyboardInterrupt
             return original(limit)
 
-        target._reply = interrupted
+        target.context._reply = interrupted
         with pytest.raises(KeyboardInterrupt):
             strict_run(target, "pld", ids, 8)
-        target._reply = original
-        assert target._pending == 1
+        target.context._reply = original
+        assert target.context._pending == 1
         assert strict_run(target, "pld", ids, 8)[0] == expected
-        assert target._pending == 0
+        assert target.context._pending == 0
 
 
 @pytest.mark.slow

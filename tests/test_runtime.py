@@ -40,7 +40,7 @@ def test_refused_partial_removal_falls_back_to_reevaluation(smol, monkeypatch):
     smol.decode(ids[:-1])
     smol.decode(ids[:6], logits_from=0)
     # llama.cpp refuses partial removal for memory it cannot roll back (recurrent models).
-    monkeypatch.setattr(smol, "_seq_rm", lambda n_keep: False)
+    monkeypatch.setattr(smol.context, "_seq_rm", lambda n_keep: False)
     smol.truncate(len(ids) - 1)
     monkeypatch.undo()
     assert smol.tokens.tolist() == ids[:-1].tolist()
@@ -70,8 +70,8 @@ def test_a_prompt_tail_decoded_with_the_rows_equals_it_decoded_apart(monkeypatch
         apart = rt.decode(ids[40:], logits_from=0).copy()
         rt.reset()
         calls = []
-        real = rt._decode_chunk
-        monkeypatch.setattr(rt, "_decode_chunk", lambda chunk, logits_from: (calls.append((len(chunk), logits_from)),
+        real = rt.context._decode_chunk
+        monkeypatch.setattr(rt.context, "_decode_chunk", lambda chunk, logits_from: (calls.append((len(chunk), logits_from)),
                                                                               real(chunk, logits_from)))
         merged = rt.decode(ids, logits_from=40)
         assert calls == [(16, 16), (16, 16), (12, 8)]       # 44 tokens in 3 decodes, not 4
@@ -265,16 +265,16 @@ def test_interrupt_inside_a_callback_during_a_decode_is_not_lost(smol, monkeypat
         monkeypatch.setattr(llama_cpp, "llama_decode", real)
         # the log callback itself, called outside any llama.cpp call flylocal defers around: the
         # interrupt is noted, and raised as the next such call begins
-        from flylocal.llama import runtime
+        from flylocal.llama import binding
 
         smol.reset()
-        runtime._deferral.in_callback += 1
+        binding._deferral.in_callback += 1
         try:
             os.kill(os.getpid(), signal.SIGINT)
             for _ in range(10000):
                 pass
         finally:
-            runtime._deferral.in_callback -= 1
+            binding._deferral.in_callback -= 1
         with pytest.raises(KeyboardInterrupt):
             smol.decode(ids[:1])
         assert smol.n_past == 0                      # raised before the decode began
@@ -289,7 +289,7 @@ def test_interrupt_inside_a_callback_during_a_decode_is_not_lost(smol, monkeypat
 @pytest.mark.slow
 def test_llama_cpp_imported_first_cannot_pass_for_the_exact_build():
     """llama-cpp-python loads its library when first imported: an `import llama_cpp` before
-    flylocal.llama.runtime would run the fast build under the name exact. It is refused instead,
+    flylocal.llama.binding would run the fast build under the name exact. It is refused instead,
     and the right order loads the exact libraries."""
     import subprocess
     import sys
@@ -298,8 +298,8 @@ def test_llama_cpp_imported_first_cannot_pass_for_the_exact_build():
     env.pop("LLAMA_CPP_LIB_PATH", None)
     early = subprocess.run([sys.executable, "-c", "import llama_cpp, flylocal.llama.runtime"], env=env,
                            capture_output=True, text=True)
-    assert early.returncode != 0 and "imported before flylocal.llama.runtime and loaded the fast build" in early.stderr
-    right = subprocess.run([sys.executable, "-c", "import flylocal.llama.runtime as r, llama_cpp; "
+    assert early.returncode != 0 and "imported before flylocal.llama.binding and loaded the fast build" in early.stderr
+    right = subprocess.run([sys.executable, "-c", "import flylocal.llama.binding as r, llama_cpp; "
                             "print(r.KERNELS, llama_cpp.llama_cpp._lib._name)"], env=env, capture_output=True, text=True)
     kernels, lib = right.stdout.split()
     assert kernels == "exact" and "flylocal-exact" in lib

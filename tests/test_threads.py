@@ -176,7 +176,7 @@ def test_the_thread_count_changes_at_run_time_and_the_logits_do_not():
         seen = []
         for n in (2, 1, 2):
             rt.set_threads(n)
-            assert llama_cpp.llama_n_threads(rt._ctx) == n
+            assert llama_cpp.llama_n_threads(rt.context._ctx) == n
             rt.reset()
             rt.decode(ids[:-4])
             seen.append(rt.decode(ids[-4:], logits_from=0).copy())
@@ -184,8 +184,8 @@ def test_the_thread_count_changes_at_run_time_and_the_logits_do_not():
         # Calibration holds the count the cost curve is keyed by, and gives the count back after.
         rt.set_threads(1)
         with rt.steady():
-            assert llama_cpp.llama_n_threads(rt._ctx) == rt.calibration_threads
-        assert llama_cpp.llama_n_threads(rt._ctx) == 1 == rt.n_threads
+            assert llama_cpp.llama_n_threads(rt.context._ctx) == rt.calibration_threads
+        assert llama_cpp.llama_n_threads(rt.context._ctx) == 1 == rt.n_threads
     with Runtime(model_path(SMOL), RuntimeConfig(n_ctx=256, n_threads=2)) as fixed:
         assert fixed.thread_control is None
 
@@ -222,7 +222,7 @@ def test_auto_on_a_real_busy_machine_measures_and_runs_its_choice(all_cores):
             assert len(rates) >= 2, rates                      # it tried another count
             assert control.home in rates
             assert control.next_check > 0                       # and a re-check ran within the generation
-            assert llama_cpp.llama_n_threads(rt._ctx) == rt.n_threads == control.current
+            assert llama_cpp.llama_n_threads(rt.context._ctx) == rt.n_threads == control.current
     finally:
         for p in spin:
             p.kill()

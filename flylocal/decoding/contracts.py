@@ -33,6 +33,16 @@ if TYPE_CHECKING:
 EMPTY = np.zeros(0, dtype=np.int32)
 
 
+def cost_curve(key: dict) -> CostCurve:
+    """The cost curve a Target keeps as its `costs`: the core's model of what its decodes cost
+    (flylocal.decoding.costs), cached on disk under `key` (`Target.cost_key()`). The edge gets
+    it here; of it, the edge reads `shape(rows)`, sets `on_key` when its decodes leave the
+    conditions the key names (another thread count) and calls `save()` when it closes."""
+    from flylocal.decoding.costs import CostCurve
+
+    return CostCurve(key=key)
+
+
 # ----- the target -----
 
 def reusable_prefix(cached: np.ndarray, tokens: np.ndarray) -> int:

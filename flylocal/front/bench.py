@@ -444,7 +444,8 @@ def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, human
     if humaneval and not execute:
         notes.append("HumanEval completions will not be run (no pass@1); --execute runs them, see --help")
     models = load(settings, log=note)
-    from flylocal.llama.runtime import LlamaCppPythonBaseline, build_info     # loaded by now
+    from flylocal.front.baseline import LlamaCppPythonBaseline     # loaded by now
+    from flylocal.llama.devices import build_info
 
     baselines = {}
     try:

@@ -20,7 +20,9 @@ from flylocal import models
 from flylocal.decoding.adaptive import timed_decode
 from flylocal.decoding.costs import CALIBRATION_SIZES, CostCurve, costs_dir, read_record
 from flylocal.llama import kernels
-from flylocal.llama.runtime import Runtime, RuntimeConfig, build_info
+from flylocal.llama.config import RuntimeConfig
+from flylocal.llama.devices import build_info
+from flylocal.llama.runtime import Runtime
 from flylocal.loader import gpu_layers, open_model
 from flylocal.settings import DEFAULT_TARGET, Settings
 

@@ -9,7 +9,7 @@
   (for Q4_0, Q4_1, Q8_0 and F16 weights; K-quants are not batch-invariant in any build).
 
 llama-cpp-python loads its library once, at import, from `LLAMA_CPP_LIB_PATH` when that is
-set, so the choice is made before `flylocal.llama.runtime` is first imported, and holds for the
+set, so the choice is made before `flylocal.llama.binding` is first imported, and holds for the
 life of the process. `FLYLOCAL_EXACT=1` in the environment makes exact the default.
 """
 
@@ -70,7 +70,7 @@ def choose(exact: bool) -> None:
 
 
 def activate() -> str:
-    """Point llama-cpp-python at the chosen build. Called once, by flylocal.llama.runtime, right
+    """Point llama-cpp-python at the chosen build. Called once, by flylocal.llama.binding, right
     before it imports llama_cpp."""
     global _loaded
     chosen = mode()
@@ -89,8 +89,8 @@ def activate() -> str:
         name = getattr(getattr(early, "_lib", None), "_name", None) or ""
         found = EXACT if Path(name).resolve().parent == exact_lib_dir().resolve() else FAST
         if found != chosen:
-            raise FlylocalError(f"llama_cpp was imported before flylocal.llama.runtime and loaded the {found} "
-                                f"build ({name}); the {chosen} build needs flylocal.llama.runtime imported first")
+            raise FlylocalError(f"llama_cpp was imported before flylocal.llama.binding and loaded the {found} "
+                                f"build ({name}); the {chosen} build needs flylocal.llama.binding imported first")
     _loaded = chosen
     return chosen
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flylocal.llama import memory
-from flylocal.models.gguf_info import Layout
+from flylocal.gguf_info import Layout
 
 GiB = float(1 << 30)
 ALL = 999               # n_gpu_layers for every layer, the output layer included (what -1 means)

@@ -3,12 +3,12 @@
 
 ggml's RPC client aborts its whole process when a server goes away, and waits without limit
 for one that stops answering. So such a model's context lives in a worker process, and
-`RemoteRuntime` is a Runtime in this process that holds the model's vocabulary only
-(tokenizing, chat templates, control tokens, end-of-generation ids) and sends decodes to the
-worker:
+the Runtime in this process (flylocal.llama.runtime, with `remote`) holds the model's
+vocabulary only (tokenizing, chat templates, control tokens, end-of-generation ids), and its
+context is a `RemoteContext`, which sends decodes to the worker:
 
-    RemoteRuntime.decode(tokens, logits_from)  --("decode", keep, tokens, logits_from)-->  worker
-        logits rows  <--  shared memory ([rows, n_vocab] float32, read in place)  <--  Runtime.decode
+    RemoteContext.decode(tokens, logits_from)  --("decode", keep, tokens, logits_from)-->  worker
+        logits rows  <--  shared memory ([rows, n_vocab] float32, read in place)  <--  Context.decode
 
 A roll-back only lowers `n_past` here; the next decode carries it (`keep`), so a round costs
 one message each way. A worker that dies, or a call that outlasts --rpc-timeout (per
@@ -19,6 +19,7 @@ answer again. Whatever else was loaded (a local draft) is untouched.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import mmap
 import os
@@ -30,31 +31,41 @@ from multiprocessing.connection import Connection, Pipe
 
 import numpy as np
 
+from flylocal.decoding.contracts import cost_curve, reusable_prefix
 from flylocal.errors import FlylocalError
 from flylocal.llama import kernels, rpc
-from flylocal.llama.runtime import Device, Runtime, RuntimeConfig, interrupts_deferred
+from flylocal.llama.binding import interrupts_deferred
+from flylocal.llama.config import RuntimeConfig
+from flylocal.llama.context import cost_key, decode_args, one_sequence
+from flylocal.llama.devices import Device
+from flylocal.llama.model import Model
 
 FIRST_ROWS = 16        # logits rows the shared buffer holds at first; it doubles as needed
 POLL = 0.2             # seconds between checks that the worker is alive, while waiting
 CLOSE_WAIT = 3.0       # seconds a closing worker has to leave before it is killed
 
 
-class RemoteRuntime(Runtime):
-    """A Runtime whose decodes run on rpc servers, through a worker process."""
+class RemoteContext:
+    """A model's context on rpc servers, in a worker process: what `Context` does, by message.
+    `model` is this process's vocabulary-only load of it."""
 
-    def __init__(self, path, config: RuntimeConfig):
+    thread_control = None               # compute runs on the servers' own threads (rpc-server --threads)
+
+    def __init__(self, model: Model, config: RuntimeConfig, n_vocab: int):
+        self.model, self.name, self.path, self.config, self.n_vocab = model, model.name, model.path, config, n_vocab
         self._worker = None
-        self._ctx = None                    # no llama.cpp context here: it is the worker's
         self._lost: str | None = None       # why the worker is gone, until reconnect()
-        rpc.check_servers(config.rpc)       # one line naming a server that does not answer, in seconds
-        self._load_model(path, config, vocab_only=True)
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
-        self.n_threads = 0               # compute runs on the servers' own threads (rpc-server --threads)
-        self._init_state(threads_auto=False)
+        self._start()
+        self.n_threads = self.calibration_threads = 0
+        self._tokens = np.zeros(self.n_ctx, dtype=np.int32)  # [n_ctx] ids held in the worker's cache
+        self.n_past = 0
+        self.costs = cost_curve(self.cost_key())
+
+    def cost_key(self) -> dict:
+        return cost_key(self.model, self.config, self.calibration_threads, self.n_batch)
+
+    def steady(self):
+        return contextlib.nullcontext()       # the servers' thread count is theirs
 
     # ----- the worker -----
     def _start(self) -> None:
@@ -176,21 +187,27 @@ class RemoteRuntime(Runtime):
     def lost(self) -> str | None:
         return self._lost
 
-    # ----- the Runtime interface: text from the vocabulary here, decodes in the worker -----
+    # ----- the context's interface, by message -----
     def _check_open(self) -> None:
-        if getattr(self, "_model", None) is None:
+        if self.model.handle is None:
             raise FlylocalError(f"{self.name} was already closed")
 
     @property
     def closed(self) -> bool:
-        return getattr(self, "_model", None) is None
+        return self.model.handle is None
 
     def description(self) -> str:
-        return getattr(self, "_description", "")
+        return self._description
 
-    def decode(self, tokens, logits_from: int | None = None) -> np.ndarray | None:
+    @property
+    def tokens(self) -> np.ndarray:  # [n_past] int32, a view
+        return self._tokens[: self.n_past]
+
+    def decode(self, tokens, logits_from: int | None = None, *, seq: int = 0) -> np.ndarray | None:
+        if seq:
+            one_sequence(seq)
         self._check_open()
-        tokens, _, rows = self._decode_args(tokens, logits_from)
+        tokens, _, rows = decode_args(tokens, logits_from, self.n_past, self.n_ctx, self.n_batch)
         n = len(tokens)
         if rows > self._cap:
             self._grow(rows)
@@ -202,13 +219,18 @@ class RemoteRuntime(Runtime):
         self.n_past += n
         return self._rows[:rows] if rows else None
 
-    def _sync(self) -> None:
-        pass        # the worker's cache is rolled back to `n_past` by the next decode
-
-    def truncate(self, n_keep: int) -> None:
+    def truncate(self, n_keep: int, *, seq: int = 0) -> None:
+        """Lower `n_past`: the worker's cache is rolled back to it by the next decode."""
+        if seq:
+            one_sequence(seq)
         if n_keep < 0:
             raise ValueError("n_keep must be >= 0")
         self.n_past = min(self.n_past, n_keep)
+
+    def reuse_prefix(self, tokens: np.ndarray, *, seq: int = 0) -> int:
+        keep = reusable_prefix(self._tokens[: self.n_past], tokens)
+        self.truncate(keep, seq=seq)
+        return keep
 
     def reset(self) -> None:
         self.n_past = 0
@@ -226,13 +248,12 @@ class RemoteRuntime(Runtime):
                 pass
             self._stop()
         self._lost = None
-        super().close()
 
 
 def _serve(conn: Connection, shm_fd: int) -> int:
     """The worker: load the model on its rpc servers and decode on request until told to stop."""
     path, config = conn.recv()
-    from flylocal.llama.runtime import Runtime as Local
+    from flylocal.llama.runtime import Runtime
 
     try:
         # Every layer runs on the servers; the output layer here (--rpc-output here) gets the
@@ -240,7 +261,7 @@ def _serve(conn: Connection, shm_fd: int) -> int:
         from flylocal.llama.threads import usable_cores
 
         threads = (config.n_threads or usable_cores()) if config.rpc_output == "here" else 1
-        rt = Local(path, dataclasses.replace(config, n_threads=threads))
+        rt = Runtime(path, dataclasses.replace(config, n_threads=threads))
     except FlylocalError as e:
         conn.send(("error", str(e)))
         return 1

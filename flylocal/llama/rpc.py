@@ -147,7 +147,7 @@ def serve(host: str, port: int, threads: int | None, cache_dir: str | None, log)
     import signal
     import threading
 
-    from flylocal.llama.runtime import local_devices, serve_rpc
+    from flylocal.llama.devices import local_devices, serve_rpc
     from flylocal.llama.threads import usable_cores
 
     endpoint = f"{host}:{port}"

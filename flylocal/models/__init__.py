@@ -1,6 +1,6 @@
-"""Model files: the registry of models flylocal fetches (models.txt; flylocal.models.registry),
-the models other tools keep (flylocal.models.library), the GGUF header reader (gguf_info) and the
-checks a file passes before llama.cpp loads it (files). `resolve` turns any model's name or path
+"""Model files: the registry of models flylocal fetches and derives (models.txt;
+flylocal.models.registry) and the models other tools keep (flylocal.models.library), read with
+the GGUF header reader (flylocal.gguf_info). `resolve` turns any model's name or path
 into a local file.
 
 The registry's calls are this package's (`from flylocal import models; models.fetch(...)`).
@@ -16,8 +16,7 @@ from typing import Callable
 
 from flylocal.errors import FlylocalError
 from flylocal.models import library
-from flylocal.models.files import check_gguf_file
-from flylocal.models.gguf_info import Layout, read_layout
+from flylocal.gguf_info import Layout, check_gguf_file, read_layout
 from flylocal.models.registry import (
     Entry,
     cache_dir,

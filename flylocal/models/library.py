@@ -16,7 +16,7 @@ Every file gets a name, SOURCE:NAME:
 
 `find` matches a name, or a short form of one (the name without its source, the file name, the
 file stem) when only one file answers to it. Finding files reads no GGUF header; `describe`
-does, through flylocal.models.gguf_info, and keeps what it read in a small JSON cache keyed by path,
+does, through flylocal.gguf_info, and keeps what it read in a small JSON cache keyed by path,
 size and mtime (`$FLYLOCAL_METADATA` or ~/.cache/flylocal/gguf-metadata.json), so a second
 listing parses nothing. `draft_pairs` ranks the files that can draft for a target.
 """
@@ -36,7 +36,7 @@ from typing import Callable, Iterator
 from flylocal.errors import FlylocalError, ModelError
 from flylocal.models import registry
 from flylocal.models.files import write_atomically
-from flylocal.models.gguf_info import FORMAT, Info, UnreadableFile, read_info
+from flylocal.gguf_info import FORMAT, Info, UnreadableFile, read_info
 
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 OLLAMA_HOST = "registry.ollama.ai"
@@ -417,7 +417,7 @@ def requantize_hint(target: Candidate, pairs: list[Pair]) -> str | None:
             return f"{p.draft.name} is this target's model in {DRAFT_QTYPE}"
     dest, name = derived_file(target)
     args = ", ".join(json.dumps(str(a)) for a in (target.path, dest, DRAFT_QTYPE))   # JSON strings are Python's too
-    code = f"from flylocal.llama.runtime import quantize; quantize({args})"
+    code = f"from flylocal.llama.model import quantize; quantize({args})"
     return f"derive a {DRAFT_QTYPE} draft, found afterwards as {name}: {shlex.quote(sys.executable)} -c {shlex.quote(code)}"
 
 

@@ -324,9 +324,9 @@ def _make(entry: Entry, registry: dict[str, Entry], dest: Path, log: Callable[[s
         if entry.kind == "derived":
             os.close(fd)
             log(f"deriving {name} from {base} ({qtype})")
-            from flylocal.llama import runtime
+            from flylocal.llama.model import quantize
 
-            runtime.quantize(base_path, tmp, qtype)      # Ctrl-C is held until it returns
+            quantize(base_path, tmp, qtype)      # Ctrl-C is held until it returns
             _fsync(tmp)
         else:
             with os.fdopen(fd, "wb") as f:

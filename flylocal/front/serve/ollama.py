@@ -140,7 +140,7 @@ def routes(app, server: Server) -> None:
 
     def model_info(session) -> Any:
         if "info" not in info_cache:
-            from flylocal.models.gguf_info import read_info
+            from flylocal.gguf_info import read_info
 
             info_cache["info"] = read_info(session.target.path)
         return info_cache["info"]

@@ -32,6 +32,8 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuant
 
 from flylocal.errors import ModelError
 
+GGUF_MAGIC_BYTES = b"GGUF"
+
 FORMAT = 1               # of Info.to_dict: a cache written in another format is read afresh
 VERSIONS = (2, 3)        # version 1 had 32-bit counts and lengths; llama.cpp no longer reads it
 MAX_DIMS = 4             # GGML_MAX_DIMS
@@ -349,3 +351,19 @@ def _parse_layout(cur: _Cursor) -> Layout:
                   n_head_kv=number(Keys.Attention.HEAD_COUNT_KV, n_head),
                   key_width=number(Keys.Attention.KEY_LENGTH, width), value_width=number(Keys.Attention.VALUE_LENGTH, width),
                   n_vocab=tokens.count if isinstance(tokens, _Array) else 0)
+
+
+def check_gguf_file(path: Path) -> None:
+    """Raise ModelError unless `path` is a readable file that starts like a GGUF file (before
+    llama.cpp is asked to load it; llama.cpp itself names what is wrong inside one)."""
+    if not path.exists():
+        raise ModelError(f"model file not found: {path}")
+    if not path.is_file():
+        raise ModelError(f"model path is not a file: {path}")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise ModelError(f"cannot read model file {path}: {e.strerror}") from None
+    if len(head) < 8 or head[:4] != GGUF_MAGIC_BYTES:
+        raise ModelError(f"not a GGUF file: {path}")

@@ -1,0 +1,361 @@
+"""A model's llama.cpp context: one sequence (0) in a KV cache, decoded in batches that ask
+for logits only on the rows wanted, and rolled back (docs/design.md, "The round").
+
+- `decode(tokens, logits_from)`: one batched decode; the logits of the rows from `logits_from`
+  on come back as a zero-copy numpy view;
+- `truncate(n_keep)`: the one way the cache rolls back (llama_memory_seq_rm, checked, with a
+  re-evaluating fallback where partial removal is refused);
+- `reuse_prefix(tokens)`: keeps the longest cached prefix of a token sequence (drafters' catch-up,
+  chat's prompt reuse).
+
+The context keeps the token ids its cache holds (`tokens`), so the cache can always be rebuilt
+and compared. With --threads auto, decodes of up to CONTROL_ROWS rows also steer its thread
+count (flylocal.llama.threads), measured against the cost curve's shape for their row count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import math
+import time
+
+import numpy as np
+
+from flylocal.decoding.contracts import cost_curve, reusable_prefix
+from flylocal.errors import FlylocalError, ModelError
+from flylocal.llama import kernels
+from flylocal.llama.binding import KERNELS, interrupts_deferred, last_error, llama_cpp, logits_address
+from flylocal.llama.config import RuntimeConfig
+from flylocal.llama.devices import gpu_offload, system_info
+from flylocal.llama.model import Model
+from flylocal.llama.threads import ThreadControl, candidates, keep_count, known_count, usable_cores
+
+CONTROL_ROWS = 32     # decodes up to this many rows steer --threads auto (a round, a draft step)
+
+
+def flash_attn_type(mode: str, remote: bool = False) -> int:
+    """auto: off in the exact build (batch invariance), and on rpc servers, whose device types
+    the protocol does not tell; llama.cpp's own choice otherwise."""
+    if mode == "on":
+        return llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    if mode == "off" or remote or KERNELS == kernels.EXACT:
+        return llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    return llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
+
+
+def cost_key(model: Model, config: RuntimeConfig, threads: int, n_batch: int) -> dict:
+    """What a decode's cost depends on: the key of the model's cost curve (docs/design.md,
+    "Cost model")."""
+    st = model.path.stat()
+    return {
+        "model": str(model.path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+        "kernels": KERNELS, "llama_cpp_python": llama_cpp.__version__,
+        "build": kernels.exact_stamp() if KERNELS == kernels.EXACT else kernels.fast_stamp(),
+        "system": hashlib.sha256(system_info().encode()).hexdigest()[:16],
+        "gpu_layers": config.n_gpu_layers if gpu_offload() else 0,
+        "flash_attn": int(flash_attn_type(config.flash_attn, remote=bool(config.rpc))),
+        "threads": threads, "batch": n_batch,
+    } | ({"rpc": list(config.rpc), "tensor_split": list(config.tensor_split),
+          "rpc_output": config.rpc_output} if config.rpc else {})
+
+
+class Context:
+    """The context of `model`, its batch buffers, its KV bookkeeping and its thread control.
+    `costs` is the cost curve of its decodes (flylocal.decoding.contracts.cost_curve)."""
+
+    def __init__(self, model: Model, config: RuntimeConfig, n_vocab: int):
+        self.model = model
+        self.name = model.name
+        self.config = config
+        self.n_vocab = n_vocab
+        threads = config.n_threads or usable_cores()
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = config.n_ctx
+        cparams.n_batch = config.n_batch
+        cparams.n_ubatch = config.n_batch
+        cparams.n_seq_max = 1
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        # A full-size sliding-window cache keeps every position, so rolling back a draft
+        # never needs a position the window already evicted (Gemma 3).
+        cparams.swa_full = True
+        cparams.no_perf = True
+        cparams.flash_attn_type = flash_attn_type(config.flash_attn, remote=bool(config.rpc))
+        if not config.rpc:                  # the servers' memory is theirs to judge
+            model.check_memory(cparams.flash_attn_type != llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED, n_vocab)
+        with interrupts_deferred():
+            self._ctx = llama_cpp.llama_init_from_model(model.handle, cparams)
+        if not self._ctx:
+            model.free()
+            raise ModelError(f"cannot create a context for {model.path}: {last_error()}")
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        # llama.cpp may round the context up (padding); the user's size is the limit.
+        self.n_ctx = min(config.n_ctx, llama_cpp.llama_n_ctx(self._ctx))
+        self.n_batch = llama_cpp.llama_n_batch(self._ctx)
+        self.n_threads = threads
+
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        n = self.n_batch
+        self._b_token = np.ctypeslib.as_array(self._batch.token, shape=(n,))     # [n_batch] int32
+        self._b_pos = np.ctypeslib.as_array(self._batch.pos, shape=(n,))         # [n_batch] int32
+        self._b_logits = np.ctypeslib.as_array(self._batch.logits, shape=(n,))   # [n_batch] int8
+        np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n,))[:] = 1
+        for i in range(n):
+            self._batch.seq_id[i][0] = 0
+
+        self._tokens = np.zeros(self.n_ctx, dtype=np.int32)  # [n_ctx] ids held in the KV cache
+        # `n_past` never exceeds what the cache holds. Where an exception (Ctrl-C) can land
+        # between a change to the cache and the record of it, `_unsynced` is set first, and
+        # the next cache operation drops every cell past `n_past`.
+        self.n_past = 0
+        self._unsynced = False
+        self._view = (None, None)                   # (the logits buffer's address, a view of it)
+        # --threads auto: start on every core, then follow how fast decodes run (flylocal.llama.threads).
+        # A process starts from the count the last one settled on, when that was recent, and
+        # otherwise measures each count once before its first prompt (_probe_threads).
+        self.thread_control = None
+        self._probed = True    # --threads auto: each count measured before a first prompt, or no need
+        if config.n_threads is None:
+            counts = candidates(threads)
+            known = known_count(counts)
+            self.thread_control = ThreadControl(counts, known or threads, on_settle=keep_count)
+            self._probed = known is not None or len(counts) < 2
+        self._steady = 0       # > 0: thread count held (calibration measures one count)
+        self.calibration_threads = threads
+        # What a decode of n rows costs here, shared by everything that drafts for this model;
+        # keyed for the disk cache by what it depends on.
+        self.costs = cost_curve(cost_key(model, config, threads, self.n_batch))
+        self.costs.on_key = self.n_threads == self.calibration_threads
+
+    def cost_key(self) -> dict:
+        return cost_key(self.model, self.config, self.calibration_threads, self.n_batch)
+
+    @property
+    def devices(self) -> list:
+        return self.model.devices             # the rpc servers' devices holding its layers, if any
+
+    def description(self) -> str:
+        return self.model.description()
+
+    lost = None                               # a local context is never lost
+
+    def reconnect(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        """Free the context; any later use raises instead of touching freed memory."""
+        if self._ctx:
+            ctx, self._ctx = self._ctx, None
+            llama_cpp.llama_batch_free(self._batch)
+            llama_cpp.llama_free(ctx)
+
+    @property
+    def closed(self) -> bool:
+        return self._ctx is None
+
+    def _check_open(self) -> None:
+        if self._ctx is None:
+            raise FlylocalError(f"{self.name} was already closed")
+
+    @property
+    def tokens(self) -> np.ndarray:  # [n_past] int32, a view
+        return self._tokens[: self.n_past]
+
+    def decode(self, tokens, logits_from: int | None = None, *, seq: int = 0) -> np.ndarray | None:
+        """Append `tokens` to the cache. Return the logits of rows `logits_from:` as a
+        zero-copy view `[n_rows, n_vocab] float32`, valid until the next decode.
+
+        Only the requested rows ever reach the output buffer. The rows before `logits_from` go
+        in chunks of n_batch without logits until the rest fits one decode, which holds them
+        and the requested rows together: a prompt's tail and the first round cost one decode
+        (docs/design.md, "The round"). `logits_from=None` asks for none.
+        """
+        if seq:
+            one_sequence(seq)
+        self._check_open()
+        self._sync()
+        tokens, start, rows = decode_args(tokens, logits_from, self.n_past, self.n_ctx, self.n_batch)
+        n = len(tokens)
+        steer = self.thread_control is not None and not self._steady and start == 0 and 0 < rows <= CONTROL_ROWS
+        if start and self.thread_control is not None and not self._steady:
+            if not self._probed:
+                self._probe_threads(int(tokens[0]))
+            self._use_threads(self.thread_control.home)     # a prompt never runs on a count on trial
+        i = 0
+        while i < start and (n - i > self.n_batch or start >= n):
+            j = min(start, i + self.n_batch)
+            self._decode_chunk(tokens[i:j], logits_from=j - i)
+            i = j
+        if start >= n:
+            return None
+        if not steer:
+            self._decode_chunk(tokens[i:], logits_from=start - i)
+        else:
+            self._use_threads(self.thread_control.current)
+            t0 = time.perf_counter()
+            self._decode_chunk(tokens, logits_from=0)
+            self._steer(rows, time.perf_counter() - t0)
+        return self._logits(rows)
+
+    def _logits(self, rows: int) -> np.ndarray:
+        """The output buffer's first `rows` rows as a view [rows, n_vocab] float32. A view is made
+        when the buffer moves or more rows are asked for than it covers, and sliced otherwise (a
+        ctypes array type and a numpy array every decode cost a round tens of microseconds)."""
+        address = logits_address(self._ctx)
+        at, view = self._view
+        if at != address or len(view) < rows:
+            pointer = ctypes.cast(address, ctypes.POINTER(ctypes.c_float))
+            view = np.ctypeslib.as_array(pointer, shape=(rows, self.n_vocab))
+            self._view = address, view
+        return view[:rows]
+
+    def _decode_chunk(self, chunk: np.ndarray, logits_from: int) -> None:
+        """One llama_decode of `chunk` (at most n_batch tokens), with logits for rows `logits_from:`."""
+        m = len(chunk)
+        p0 = self.n_past
+        self._b_token[:m] = chunk
+        self._b_pos[:m] = np.arange(p0, p0 + m, dtype=np.int32)
+        self._b_logits[:logits_from] = 0
+        self._b_logits[logits_from:m] = 1
+        self._batch.n_tokens = m
+        self._tokens[p0 : p0 + m] = chunk      # past n_past: not yet claimed as cached
+        self._unsynced = True                  # the cache may hold more than n_past from here ...
+        with interrupts_deferred():            # llama.cpp logs from inside a decode now and then
+            rc = llama_cpp.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            # llama.cpp keeps the cells it wrote for earlier ubatches; _sync drops them.
+            self._sync()
+            reason = {1: "no KV cache slot (context full)", 2: "aborted"}.get(rc, f"error {rc}")
+            raise FlylocalError(f"llama_decode failed on {self.name}: {reason}")
+        self.n_past = p0 + m
+        self._unsynced = False                 # ... until here
+
+    def _probe_threads(self, token: int, passes: int = 2) -> None:
+        """--threads auto in a process that knows nothing yet: time a single-row decode at each
+        candidate count (after one warm-up, `passes` times each, the least counting; rolled back)
+        and start on the fastest, so that the first prompt already runs on it. Tens of
+        milliseconds on an idle machine, against seconds a prompt on every core of a busy one
+        can lose."""
+        self._probed = True
+        control, n_past = self.thread_control, self.n_past
+        if n_past + 1 > self.n_ctx:
+            return
+        one = np.array([token], dtype=np.int32)
+        best: dict[int, float] = {}
+        try:
+            for i in range(passes + 1):
+                for count in control.counts if i else control.counts[-1:]:
+                    self._use_threads(count)
+                    t0 = time.perf_counter()
+                    self._decode_chunk(one, logits_from=1)
+                    seconds = time.perf_counter() - t0
+                    self.truncate(n_past)
+                    if i:                                  # the first decode is a warm-up
+                        best[count] = min(best.get(count, math.inf), seconds)
+        finally:
+            self.truncate(n_past)
+        control.seed(best)
+
+    def _steer(self, rows: int, seconds: float) -> None:
+        """--threads auto: feed the decode's time to the controller, relative to the cost
+        curve's shape for `rows`, and take the thread count it chooses."""
+        self._use_threads(self.thread_control.observe(seconds / self.costs.shape(rows) if rows > 1 else seconds,
+                                                      seconds))
+
+    def _use_threads(self, n: int) -> None:
+        if n != self.n_threads:
+            self.set_threads(n)
+
+    def set_threads(self, n: int) -> None:
+        """Decode on `n` CPU threads from the next decode on (llama_set_n_threads)."""
+        self._check_open()
+        with interrupts_deferred():          # llama.cpp logs the change
+            llama_cpp.llama_set_n_threads(self._ctx, n, n)
+        self.n_threads = n
+        self.costs.on_key = n == self.calibration_threads     # rounds at another count refine, unsaved
+
+    @contextlib.contextmanager
+    def steady(self):
+        """Hold the thread count at the one the cost curve is keyed by (a calibration)."""
+        held = self.n_threads
+        self._steady += 1
+        try:
+            if held != self.calibration_threads:
+                self.set_threads(self.calibration_threads)
+            yield
+        finally:
+            self._steady -= 1
+            if not self._steady and self.n_threads != held and not self.closed:
+                self.set_threads(held)
+
+    def _sync(self) -> None:
+        """Drop cache cells past `n_past` left by an operation an exception cut short."""
+        if self._unsynced:
+            self._check_open()
+            if not self._seq_rm(self.n_past):
+                self._rebuild(self.n_past)
+            self._unsynced = False
+
+    def truncate(self, n_keep: int, *, seq: int = 0) -> None:
+        """Roll the cache back to its first `n_keep` tokens: the one way flylocal rolls back."""
+        if seq:
+            one_sequence(seq)
+        self._sync()
+        if n_keep >= self.n_past:
+            return
+        if n_keep < 0:
+            raise ValueError("n_keep must be >= 0")
+        self._check_open()
+        self._unsynced = True
+        self.n_past = n_keep
+        if not self._seq_rm(n_keep):
+            # Partial removal refused (recurrent or otherwise unrollable memory): start the
+            # sequence again and re-evaluate the kept tokens, so the state stays consistent.
+            self._rebuild(n_keep)
+        self._unsynced = False
+
+    def _rebuild(self, n_keep: int) -> None:
+        kept = self._tokens[:n_keep].copy()
+        self.n_past = 0
+        llama_cpp.llama_memory_clear(self._mem, True)
+        self._unsynced = False
+        self.decode(kept)
+
+    def _seq_rm(self, n_keep: int) -> bool:
+        return bool(llama_cpp.llama_memory_seq_rm(self._mem, 0, n_keep, -1))
+
+    def reset(self) -> None:
+        self._check_open()
+        self.n_past = 0
+        llama_cpp.llama_memory_clear(self._mem, True)
+        self._unsynced = False
+
+    def reuse_prefix(self, tokens: np.ndarray, *, seq: int = 0) -> int:
+        """Keep the longest cached prefix of `tokens`, leaving at least the last token out of
+        the cache, and return how many tokens were kept. tokens[kept:] still need decoding."""
+        if seq:
+            one_sequence(seq)
+        self._sync()
+        keep = reusable_prefix(self._tokens[: self.n_past], tokens)
+        self.truncate(keep)
+        return keep
+
+
+def one_sequence(seq: int) -> None:
+    if seq != 0:
+        raise ValueError(f"sequence {seq}: this context holds one sequence (0)")
+
+
+def decode_args(tokens, logits_from: int | None, n_past: int, n_ctx: int, n_batch: int) -> tuple[np.ndarray, int, int]:
+    """A decode's (tokens as int32, the first row with logits, the rows with logits), checked
+    against the room the cache has and the rows a batch gives."""
+    tokens = np.asarray(tokens, dtype=np.int32)
+    n = len(tokens)
+    if n_past + n > n_ctx:
+        raise FlylocalError(f"context full: {n_past} + {n} tokens exceed --ctx {n_ctx}")
+    start = n if logits_from is None else logits_from
+    if n - start > n_batch:
+        raise ValueError(f"logits requested for {n - start} rows; at most n_batch={n_batch}")
+    return tokens, start, n - start

@@ -1,0 +1,129 @@
+"""A GGUF model loaded into llama.cpp: its weights (here, or on rpc servers), its metadata, and
+the memory a context of it would take; and llama.cpp's quantizer, which derives models."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+from flylocal.errors import FlylocalError, ModelError
+from flylocal.llama import memory
+from flylocal.llama.binding import clear_log, interrupts_deferred, last_error, llama_cpp
+from flylocal.llama.config import RuntimeConfig
+from flylocal.llama.devices import Device, cpu_buffer_type, gpu_offload, local_devices, rpc_devices
+from flylocal.llama.threads import usable_cores
+from flylocal.gguf_info import check_gguf_file
+
+
+class _Override(ctypes.Structure):
+    """llama_model_tensor_buft_override: tensors whose name matches `pattern` go to `buft`."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+class Model:
+    """The model of `path` (or its vocabulary alone), with its layers on the rpc servers of
+    `config`. `handle` is llama.cpp's; None once freed."""
+
+    def __init__(self, path: str | os.PathLike, config: RuntimeConfig, vocab_only: bool = False):
+        self.path = Path(path)
+        self.name = self.path.name
+        self.config = config
+        self.devices: list[Device] = []       # the remote devices holding its layers
+        check_gguf_file(self.path)
+
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = config.n_gpu_layers
+        mparams.vocab_only = vocab_only
+        if config.rpc and not vocab_only:
+            self.devices = rpc_devices(config.rpc)
+            if len(config.tensor_split) > len(self.devices):
+                raise FlylocalError(f"--tensor-split gives {len(config.tensor_split)} proportions for the "
+                                    f"{len(self.devices)} devices of {', '.join(config.rpc)}")
+            # A NULL-terminated device array, and the split, kept alive with the model.
+            self._device_array = (ctypes.c_void_p * (len(self.devices) + 1))(*[d.handle for d in self.devices], None)
+            mparams.devices = ctypes.addressof(self._device_array)
+            mparams.n_gpu_layers = config.n_gpu_layers or 999     # every layer on the servers
+            if config.tensor_split:
+                self._split = (ctypes.c_float * llama_cpp.llama_max_devices())(*config.tensor_split)
+                mparams.tensor_split = self._split
+            if config.rpc_output == "here":
+                # The output layer's weights in this process's memory: llama.cpp then computes
+                # the logits here, and a verified row brings back its hidden state (n_embd
+                # floats) instead of n_vocab logits (docs/scale-out.md). A tied output matrix is
+                # the token embedding, which stays here anyway.
+                self._overrides = (_Override * 2)(_Override(rb"^(output|token_embd)\.weight$", cpu_buffer_type()),
+                                                  _Override(None, None))
+                mparams.tensor_buft_overrides = ctypes.addressof(self._overrides)
+        clear_log()
+        with interrupts_deferred():
+            self.handle = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), mparams)
+        if not self.handle:
+            raise ModelError(f"cannot load {self.path}: {last_error()}")
+        self.n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self.handle))
+
+    def free(self) -> None:
+        if self.handle:
+            handle, self.handle = self.handle, None
+            llama_cpp.llama_model_free(handle)
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    def description(self) -> str:
+        buf = ctypes.create_string_buffer(128)
+        llama_cpp.llama_model_desc(self.handle, buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    def chat_template(self) -> str | None:
+        raw = llama_cpp.llama_model_chat_template(self.handle, None)
+        return raw.decode("utf-8", "replace") if raw else None
+
+    def shape(self, n_vocab: int) -> memory.Shape:
+        handle = self.handle
+        n_head = max(llama_cpp.llama_model_n_head(handle), 1)
+        arch = self.meta("general.architecture") or ""
+        default = llama_cpp.llama_model_n_embd(handle) // n_head
+
+        def width(key):
+            value = self.meta(f"{arch}.attention.{key}")
+            return int(value) if value and value.isdigit() else default
+
+        return memory.Shape(n_layer=llama_cpp.llama_model_n_layer(handle), n_head=n_head,
+                            n_head_kv=llama_cpp.llama_model_n_head_kv(handle), key_width=width("key_length"),
+                            value_width=width("value_length"), n_vocab=n_vocab,
+                            model_bytes=int(llama_cpp.llama_model_size(handle)))
+
+    def check_memory(self, flash: bool, n_vocab: int) -> None:
+        """Refuse, in one line, a context this machine has no memory for (flylocal.llama.memory),
+        before llama.cpp allocates it; the model is freed then."""
+        shape = self.shape(n_vocab)
+        share, free = 0.0, None
+        if self.config.n_gpu_layers and gpu_offload():
+            gpus = [d for d in local_devices() if d.name != "CPU"]
+            if gpus:
+                share = min(self.config.n_gpu_layers, shape.n_layer) / max(shape.n_layer, 1)
+                free = sum(d.free for d in gpus)
+        problem = memory.check(shape, self.config.n_ctx, self.config.n_batch, flash, self.name, gpu_share=share,
+                               gpu_free=free)
+        if problem:
+            self.free()
+            raise FlylocalError(problem)
+
+
+def quantize(src: Path, dst: Path, qtype: str, threads: int = 0) -> None:
+    """Write `src` requantized to `qtype` (for example Q4_0, Q8_0) at `dst` with llama.cpp's quantizer."""
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype.upper()}", None)
+    if ftype is None:
+        raise FlylocalError(f"unknown quantization type {qtype}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.allow_requantize = True
+    params.nthread = threads or usable_cores()
+    with interrupts_deferred():
+        rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst), ctypes.byref(params))
+    if rc != 0:
+        raise FlylocalError(f"quantizing {src.name} to {qtype} failed: {last_error()}")
