@@ -46,7 +46,8 @@ class Totals:
 
 
 class TextStream:
-    """Token ids in, text out, never splitting a multibyte character."""
+    """Token ids in, text out, never splitting a multibyte character: an incomplete character
+    left by the last token (an answer cut at --max-tokens inside one) is never shown."""
 
     def __init__(self, target):
         self.target = target
@@ -64,11 +65,6 @@ class TextStream:
             out.append((piece, self.decoder.decode(piece)))
         return out
 
-    def flush(self) -> str:
-        """The end of the text: an incomplete character left by the last token (an answer cut at
-        --max-tokens inside one) is held back, not shown as U+FFFD."""
-        self.decoder.reset()
-        return ""
 
 
 class Session:

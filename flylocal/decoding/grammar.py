@@ -102,6 +102,14 @@ def json_object() -> str:
     return json_schema({"type": "object"})
 
 
+def json_output(schema=None, source: str = "the JSON schema") -> tuple[str, str]:
+    """(what it is, its grammar) of an output that is JSON: valid under `schema` (a dict, or its
+    JSON text; errors name it `source`), or any JSON object when `schema` is None."""
+    if schema is None:
+        return "the JSON object", json_object()
+    return source, checked(json_schema(schema, source), source)
+
+
 def grammar_text(text: str, source: str = "the grammar") -> str:
     """A grammar in Lark (llguidance's syntax) or llama.cpp's GBNF, whichever it is."""
     llg = _llg()

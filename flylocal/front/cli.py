@@ -173,8 +173,7 @@ def generate(prompt, prompt_file, raw, special, json_schema_file, json_object, g
             with models.engine().generate(ids, grammar=grammar) as generation:
                 stream_generation(generation, models.target, trace_out, trace_file, as_json)
             stats, tokens = generation.stats, generation.tokens
-            whole = TextStream(models.target)          # an incomplete last character held back
-            answer = whole.feed(tokens) + whole.flush()
+            answer = TextStream(models.target).feed(tokens)      # an incomplete last character held back
             threads = models.target.n_threads
         finally:
             models.close()
@@ -215,7 +214,7 @@ def stream_generation(generation, target, trace_out, trace_file, as_json) -> Non
             out.write(stream.feed(event.tokens))
             out.flush()
     if not as_json:
-        out.write(stream.flush() + "\n")
+        out.write("\n")
 
 
 COLORS = {"accepted": "\033[32m", "loose": "\033[33m", "target": ""}
@@ -358,7 +357,7 @@ def chat(system, color, json_schema_file, json_object, grammar_file, **opts):
                 note(f"error: {e}")
             finally:
                 turn.close()     # before the models can be freed: the turn's last step uses them
-            out.write(stream.flush() + "\n")
+            out.write("\n")
             out.flush()
             click.echo(turn_line(turn.stats, session.settings.verifier), err=True)
     finally:

@@ -1,10 +1,13 @@
 """`flylocal serve`: the door local tools come through (docs/design.md, "Server").
 
-One Session behind two dialects on one port: OpenAI's API (flylocal.front.serve.openai) and Ollama's
-(flylocal.front.serve.ollama). Each only translates requests onto the same calls of the application
-(flylocal.front.serve.app), assembled here with the guards; nothing here imports llama.cpp. One generation runs at a time on the
-loaded pair: a worker thread takes jobs from a bounded FIFO queue (flylocal.front.serve.worker). Web
-pages and slow clients are kept out before any work (flylocal.front.serve.guard).
+One Session behind API dialects on one port: OpenAI's (flylocal.front.serve.openai) and
+Ollama's (flylocal.front.serve.ollama). A dialect is a request model and a renderer: it
+translates requests onto the Server's calls (flylocal.front.serve.app) and renders the typed
+events of one answer stream (flylocal.front.serve.answer, .events); its `routes(app, server)` is
+all the application knows of it. Nothing here imports llama.cpp. One generation runs at a time
+on the loaded pair: a worker thread takes jobs from a bounded FIFO queue
+(flylocal.front.serve.worker). Web pages and slow clients are kept out before any work
+(flylocal.front.serve.guard).
 """
 
 from __future__ import annotations
@@ -25,16 +28,19 @@ from flylocal.llama.net import check_port, is_loopback
 from flylocal.session import Session
 from flylocal.settings import Settings
 
-__all__ = ["create_app", "serve"]
+__all__ = ["DIALECTS", "create_app", "serve"]
+
+DIALECTS = (openai, ollama)
 
 
 def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str | None = None,
                max_queue: int = 16, cors_origins: tuple[str, ...] = (), host: str = "127.0.0.1", port: int = 8080,
                allowed_hosts: tuple[str, ...] = (), on_failure: Callable[[BaseException], None] = lambda e: None,
-               log: Callable[[str], None] | None = None):
+               log: Callable[[str], None] | None = None, dialects=DIALECTS):
     """The application. `load` builds the Session, on the worker thread, while the server
     already answers /health ("loading"); `on_failure` hears if it fails. `host` and `port` are
-    where it listens (the Host rule), `log` takes a line per request (None: quiet)."""
+    where it listens (the Host rule), `log` takes a line per request (None: quiet), `dialects`
+    the APIs it speaks (modules with `routes(app, server)`)."""
     server = Server(load, settings, api_key, max_queue, on_failure, log)
     app = FastAPI(title="flylocal", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = server.worker
@@ -81,8 +87,8 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
 
         return PlainTextResponse(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    openai.routes(app, server)
-    ollama.routes(app, server)
+    for dialect in dialects:
+        dialect.routes(app, server)
     page.routes(app)
     return app
 

@@ -1,27 +1,37 @@
-"""What the two dialects of `flylocal serve` share (flylocal.front.serve.openai,
-flylocal.front.serve.ollama): the refused request (ApiError) and the Server, whose calls they
-translate requests onto: the API key, request bodies, the checks of settings and prompts,
-submitting a job to the worker and the per-request log line."""
+"""What every dialect of `flylocal serve` shares (docs/design.md, "Server"): the refused
+request (ApiError), the checks of a request's fields against the command line's declarations,
+and the Server whose calls a dialect translates its requests onto:
+
+    authorize -> body -> parse (the dialect's request model) -> Ask -> start -> Answer
+              -> the dialect renders Answer.events() or Answer.whole()
+
+A dialect is a request model and a renderer (docs/design.md, "Adding an API dialect")."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
+import json
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
+import click
+import numpy as np
 from fastapi import Request
 from fastapi.responses import PlainTextResponse
 from starlette.requests import ClientDisconnect
 
 from flylocal.errors import FlylocalError, OptionError
-from flylocal.front.serve.worker import END, Job, Metrics, Refused, Worker
+from flylocal.front.serve import tools
+from flylocal.front.serve.answer import Answer
+from flylocal.front.serve.worker import Job, Metrics, Refused, Worker
 from flylocal.loader import check
 from flylocal.session import Session
-from flylocal.settings import Settings
+from flylocal.settings import OPTIONS, Settings
 
 MAX_BODY = 4 << 20          # bytes of a request body
+MAX_STOPS = 4
 
 
 class ApiError(Exception):
@@ -39,8 +49,81 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def failure_message(e: BaseException) -> str:
-    return str(e) if isinstance(e, FlylocalError) else f"internal error: {type(e).__name__}"
+# ----- a request's fields, checked as the command line checks them -----
+
+def checked_option(value, option: str):
+    """`value` converted by the declared option `option` (its type and range); ValueError with
+    the option's own words when it is out of range. A bool is no number."""
+    if isinstance(value, bool) and option not in ("verifier", "drafter"):
+        raise ValueError(f"{value!r} is not a number")
+    try:
+        return OPTIONS[option].type.convert(value, None, None)
+    except click.BadParameter as e:
+        raise ValueError(e.message) from None
+
+
+def checked_stops(value) -> list[str]:
+    """Stop strings: one string, or a list of at most MAX_STOPS non-empty ones; ValueError."""
+    stops = [value] if isinstance(value, str) else value if isinstance(value, list) else None
+    if stops is None or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"{json.dumps(value)[:80]}; a string, or a list of at most {MAX_STOPS} non-empty strings")
+    return stops
+
+
+def read_json(raw: bytes) -> dict:
+    """A request body as a JSON object, or ApiError 400."""
+    try:
+        data = json.loads(raw) if raw else {}
+    except (ValueError, RecursionError):         # not JSON, not UTF-8, nested too deep, a huge number
+        raise ApiError(400, "the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return data
+
+
+TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def parse_request(model, raw: bytes, forbidden: str = "flylocal does not support the field {param!r}"):
+    """A request body as the pydantic `model`, or ApiError 400 naming the first bad field (and
+    its value); `forbidden` words a field the model does not take."""
+    from pydantic import ValidationError
+
+    data = read_json(raw)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        # A union's branch shows in the location as its type (`stop.str`); the field is named alone.
+        param = ".".join(str(x) for x in err["loc"] if not (isinstance(x, str) and (x in TYPE_TAGS or "[" in x))) or None
+        if err["type"] == "extra_forbidden":
+            raise ApiError(400, forbidden.format(param=param), param=param, code="unsupported_field") from None
+        message = err["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"{param}: {message}" if param else message, param=param) from None
+
+
+def check_fields(req, checked: dict[str, str]) -> None:
+    """Each field of `req` named in `checked` (field -> declared option), where it is given,
+    within the option's type and range; ApiError 400 naming the field otherwise."""
+    for name, option in checked.items():
+        value = getattr(req, name, None)
+        if value is None:
+            continue
+        try:
+            checked_option(value, option)
+        except ValueError as e:
+            raise ApiError(400, f"{name}: {e}", param=name) from None
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a request of any dialect asks the worker for, checked."""
+    settings: Settings
+    ids: np.ndarray                           # [n] int32 prompt ids
+    stops: tuple[str, ...] = ()
+    grammar: tuple[str, str] | None = None    # (what it is, its llguidance grammar): the output under it
+    calls: tuple[str, ...] = ()               # how an answer that is a tool call begins (held back)
+    tokens: bool = False                      # per-token details with the text (kinds, logprobs)
 
 
 class Server:
@@ -89,7 +172,7 @@ class Server:
         """The names a request may give the target by."""
         return {self.settings.target, session.target.name, session.target.name.removesuffix(".gguf")}
 
-    def check_settings(self, settings: Settings, session: Session, param: str | None = None) -> None:
+    def check_settings(self, settings: Settings, param: str | None = None) -> None:
         """Settings a request asked for that no engine can run: a 400 naming the field at fault
         (`param`: the object it sits in, for the Ollama dialect's options)."""
         try:
@@ -103,25 +186,35 @@ class Server:
                                 "(--ctx), with room for at least one generated token",
                            param=param, code="context_length_exceeded")
 
+    # ----- prompts -----
+    def chat_prompt(self, session: Session, turns: list[dict], offered: list, choice) -> Ask:
+        """The ids of a conversation (OpenAI's message shapes) that offers `offered` tools, and,
+        when they can be called, the tools' grammar and how a call begins: an Ask without its
+        settings (FlylocalError for a conversation or tools the template cannot take)."""
+        plan = tools.plan(turns, offered, choice, session.target.tools_template())
+        ids = session.encode(plan.messages, plan.tools)
+        if plan.grammar is None:
+            return Ask(self.settings, ids)
+        return Ask(self.settings, ids, grammar=("the tools' grammar", plan.grammar), calls=plan.call_starts)
+
     # ----- running a job -----
-    def submit(self, settings: Settings, ids, stops: list[str], tokens: bool = False,
-               grammar: tuple[str, str] | None = None) -> tuple[Job, asyncio.Queue]:
-        """Queue a generation; its items (flylocal.front.serve.worker) arrive on the returned queue."""
+    def start(self, ask: Ask) -> Answer:
+        """Queue a generation; its events arrive in the Answer (ApiError 503 when the queue is full)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
-        def emit(item):
+        def emit(event):
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+                loop.call_soon_threadsafe(queue.put_nowait, event)
             except RuntimeError:         # the loop is gone (shutdown)
                 pass
 
-        job = Job(settings, ids, stops, emit, tokens=tokens, grammar=grammar)
+        job = Job(ask.settings, ask.ids, list(ask.stops), emit, tokens=ask.tokens, grammar=ask.grammar)
         try:
             self.worker.submit(job)
         except Refused as e:
             raise ApiError(e.status, e.message, type_="server_error", code=e.code, headers=e.headers) from None
-        return job, queue
+        return Answer(job, queue, ask.calls)
 
     def answered(self, request: Request, endpoint: str, status: int, started: float, stats=None,
                  prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
@@ -136,38 +229,17 @@ class Server:
         self.log(line + f" {time.perf_counter() - started:.2f} s")
 
 
-@dataclasses.dataclass
-class Answer:
-    """A whole generation's items, collected for a response that is not streamed."""
-    parts: list[str] = dataclasses.field(default_factory=list)     # text pieces
-    tokens: list = dataclasses.field(default_factory=list)         # OutTokens, when asked for
-    done: tuple | None = None          # ("done", reason, stats, output tokens); None: shut down
-    failed: BaseException | None = None
+def failure(e: BaseException | None) -> ApiError:
+    """How an answer that did not end is refused: a grammar the vocabulary cannot serve (400),
+    a failure (500), the server shutting down first (503)."""
+    from flylocal.errors import GrammarError
 
-
-async def collect(request: Request, job: Job, queue: asyncio.Queue) -> Answer:
-    """Every item of `job` until its end; a client that goes away meanwhile frees the model
-    within a round."""
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        job.cancel.set()
-
-    watcher = asyncio.create_task(watch())
-    answer = Answer()
-    try:
-        while (item := await queue.get()) is not END:
-            if item[0] == "text":
-                answer.parts.append(item[1])
-                answer.tokens.extend(item[2])
-            elif item[0] == "done":
-                answer.done = item
-            elif item[0] == "error":
-                answer.failed = item[1]
-    finally:
-        watcher.cancel()
-        job.cancel.set()
-    return answer
+    if e is None:
+        return ApiError(503, "the server is shutting down", type_="server_error")
+    if isinstance(e, GrammarError):
+        return ApiError(400, str(e))
+    return ApiError(500, str(e) if isinstance(e, FlylocalError) else f"internal error: {type(e).__name__}",
+                    type_="server_error")
 
 
 def json_body(model: Any) -> PlainTextResponse:

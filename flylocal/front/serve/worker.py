@@ -2,30 +2,25 @@
 worker thread that loads the models and then runs the jobs, stop strings cut across tokens,
 and the Prometheus metrics.
 
-A job's output goes to its request handler through `emit`, as items:
-- `("text", piece, tokens)`: text that may go out now, and the output tokens it completes, each
-  an `OutToken` (id, its text, how it came, its log-probability when asked for);
-- `("done", reason, stats, n_tokens)`: the reason ("eog", "max_tokens", "context",
-  "stop_string", "interrupted", ...), the request's Stats, the output tokens;
-- `("error", exception)`; then `END`.
-A request's handler sets the job's cancel flag when its client goes away; the worker reads it
+A job's output goes to its request handler through `emit`, as typed events
+(flylocal.front.serve.events): Text events, then Done, or Failed when the job raised. A
+request's handler sets the job's cancel flag when its client goes away; the worker reads it
 after every round, so the model is free within one round and the caches stay consistent.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from flylocal.front.serve.events import Done, Failed, OutToken, Text
 from flylocal.session import Session, TextStream
 from flylocal.settings import Settings
 
 SEND_EVERY = 0.1            # seconds between a stream's text events after the first
-END = object()
 
 
 class Refused(Exception):
@@ -64,27 +59,12 @@ class StopStrings:
         return text, False
 
 
-@dataclass(frozen=True)
-class OutToken:
-    id: int
-    piece: bytes                  # its own bytes (a token may hold part of a character)
-    kind: str                     # "accepted", "loose" or "target" (flylocal.decoding.engine)
-    logprob: float | None = None  # under the target's distribution, when asked for
-    top: tuple = ()               # ((id, bytes, logprob), ...) most likely first, when asked for
-    chars: int = 0                # characters of the answer's text it ends, after the previous token's
-                                  # (0 for a token that only begins a character; the one completing it has it)
-
-    @property
-    def text(self) -> str:
-        return self.piece.decode("utf-8", "replace")
-
-
 @dataclass
 class Job:
     settings: Settings
     ids: Any                                  # [n] int32 prompt ids
     stops: list[str]
-    emit: Callable[[Any], None]               # thread-safe: puts an item on the handler's queue
+    emit: Callable[[Any], None]               # thread-safe: puts an event on the handler's queue
     cancel: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
     tokens: bool = False                      # emit OutTokens (logprobs, kinds) with the text
@@ -145,11 +125,10 @@ class Worker:
                 with self.session.lock:
                     self._generate(job)
             except BaseException as e:  # noqa: BLE001 - reported to its request; the server goes on
-                job.emit(("error", e))
+                job.emit(Failed(e))
             finally:
                 with self.ready:
                     self.busy = False
-                job.emit(END)
         if self.session is not None:
             with self.session.lock:      # the refined cost curves are saved as the models close
                 self.session.models.close()
@@ -184,18 +163,15 @@ class Worker:
                 # is an event for the client to read (a browser on the same cores: design.md).
                 if pending and (first is None or now - sent >= SEND_EVERY):
                     first = first or now
-                    job.emit(("text", pending, tokens.release(len(pending)) if tokens else ()))
+                    job.emit(Text(pending, tokens.release(len(pending)) if tokens else ()))
                     pending, sent = "", now
                 if stopped or job.cancel.is_set():
                     break
             else:
-                tail = text.flush()
-                if tokens is not None:
-                    tokens.grow(len(tail))
-                piece, stopped = stops.feed(tail, final=True)
+                piece, stopped = stops.feed("", final=True)      # text held as a possible stop string
                 pending += piece
             if pending or (tokens is not None and tokens.waiting(len(pending))):
-                job.emit(("text", pending, tokens.release(len(pending), final=True) if tokens else ()))
+                job.emit(Text(pending, tokens.release(len(pending), final=True) if tokens else ()))
         finally:
             gen.close()
         stats = gen.stats
@@ -203,7 +179,7 @@ class Worker:
         if job.cancel.is_set() and reason == "interrupted":
             self.metrics.cancelled.inc()
         self.metrics.observe(stats, len(gen.tokens), first - job.queued_at if first is not None else None)
-        job.emit(("done", reason, stats, len(gen.tokens)))
+        job.emit(Done(reason, stats, len(gen.tokens)))
 
 
 class Aligned:
@@ -226,13 +202,6 @@ class Aligned:
             token = OutToken(int(tid), piece, kind, lp[0] if lp else None, top, len(text))
             self.made += len(text)
             self.queue.append((self.made, token))
-
-    def grow(self, chars: int) -> None:
-        """Text the decoder gave out at the end, without new tokens."""
-        if self.queue:
-            end, token = self.queue.pop()
-            self.queue.append((end + chars, dataclasses.replace(token, chars=token.chars + chars)))
-        self.made += chars
 
     def waiting(self, chars: int) -> bool:
         return bool(self.queue) and self.queue[0][0] <= self.sent + chars

@@ -1,0 +1,99 @@
+"""One answer as every dialect takes it (docs/design.md, "Server"): the worker's events for a
+job, with the text of an answer that may be a tool call held back until it is known to be one
+(then `Done.call` carries it) or not (then the text goes out as it is), and the stats every
+dialect reports. A dialect renders `events()` as a stream, or `whole()` as one response."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from flylocal.front.serve import tools
+from flylocal.front.serve.events import Done, Event, Failed, OutToken, Text
+from flylocal.front.serve.worker import Job
+from flylocal.settings import Settings
+
+
+@dataclass
+class Whole:
+    """A whole answer: its text (none for a tool call), its tokens, and how it ended (None: the
+    server shut down first)."""
+    text: str = ""
+    tokens: list[OutToken] = field(default_factory=list)
+    end: Done | Failed | None = None
+
+
+class Answer:
+    def __init__(self, job: Job, queue: asyncio.Queue, calls: tuple[str, ...] = ()):
+        self.job, self.queue = job, queue
+        self.calls = calls          # how an answer that is a tool call begins ("{", and "<" with tags)
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Text events, then Done or Failed. An answer whose first text begins a tool call is
+        held back to its end: a call read from it goes out in Done, anything else (a call cut
+        short) as one Text."""
+        held: list[Text] = []
+        holding = None
+        while True:
+            event = await self.queue.get()
+            if isinstance(event, Text):
+                if self.calls and holding is None and event.text:
+                    holding = event.text.startswith(self.calls)
+                if holding:
+                    held.append(event)
+                    continue
+                yield event
+                continue
+            if isinstance(event, Done) and holding:
+                text = "".join(h.text for h in held)
+                made = tuple(t for h in held for t in h.tokens)
+                call = tools.read_call(text) if event.reason == "eog" else None
+                if call is None:
+                    yield Text(text, made)
+                else:
+                    event = dataclasses.replace(event, call=call, call_tokens=made)
+            yield event
+            return
+
+    async def whole(self, request: Request) -> Whole:
+        """Every event until the end; a client that goes away meanwhile frees the model within
+        a round."""
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self.job.cancel.set()
+
+        watcher = asyncio.create_task(watch())
+        out, parts = Whole(), []
+        try:
+            async for event in self.events():
+                if isinstance(event, Text):
+                    parts.append(event.text)
+                    out.tokens.extend(event.tokens)
+                else:
+                    out.end = event
+                    if isinstance(event, Done):
+                        out.tokens.extend(event.call_tokens)
+        finally:
+            watcher.cancel()
+            self.close()
+        out.text = "".join(parts)
+        return out
+
+    def close(self) -> None:
+        """The client has what it wanted, or went away: the model is freed within a round."""
+        self.job.cancel.set()
+
+
+def stats_report(done: Done, settings: Settings) -> dict:
+    """flylocal's own report on an answer, the same under every dialect."""
+    stats = done.stats
+    return {"verifier": settings.verifier, "drafter": settings.drafter_name, "rounds": stats.rounds,
+            "drafted": stats.drafted, "accepted": stats.accepted, "loose": stats.loose, "forced": stats.forced,
+            "mean_accepted_length": round(stats.mean_accepted_length, 4),
+            "tokens_per_s": round(stats.tokens_per_s, 3), "prompt_reused": stats.prompt_reused,
+            "budget_left": stats.budget_left, "stop": done.reason}

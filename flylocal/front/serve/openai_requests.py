@@ -1,0 +1,311 @@
+"""The OpenAI dialect's requests (flylocal.front.serve.openai): pydantic models of
+/v1/chat/completions and /v1/completions bodies, checked field by field, and the settings a
+request runs with.
+
+A field real clients send at its do-nothing value is accepted (`n: 1`, `tools: []`,
+`logprobs: false`, `response_format: {"type": "text"}`, `store: false`, `user`, a message's
+`name`, ...); a field whose value flylocal cannot honour is a 400 naming the field and the
+value; a field it does not know is a 400 naming it: nothing is silently ignored. flylocal's own
+fields (openai's `extra_body`) are checked by the command line's declarations (CHECKED).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from flylocal.front.serve.app import ApiError, check_fields, checked_stops, parse_request
+from flylocal.settings import Settings
+
+# Request field -> the declared option whose type and range it must satisfy.
+CHECKED = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "top_k": "top_k", "min_p": "min_p",
+           "repeat_penalty": "repeat_penalty", "frequency_penalty": "frequency_penalty",
+           "presence_penalty": "presence_penalty", "k": "k", "fly_entropy": "fly_entropy",
+           "fly_window": "fly_window", "asd_gate": "asd_gate", "asd_cap": "asd_cap", "asd_budget": "asd_budget",
+           "verifier": "verifier", "drafter": "drafter", "max_tokens": "max_tokens",
+           "max_completion_tokens": "max_tokens"}
+
+
+# ----- requests -----
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str                            # JSON text
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None                   # who spoke: the chat template has no place for it
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None           # a tool's result: the call it answers
+    refusal: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def turn(self) -> dict:
+        """The message as the session renders it."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None                # flylocal's output always follows the schema
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs json_schema: {\"name\", \"schema\"}")
+        return self
+
+    def grammar(self) -> tuple[str, str] | None:
+        """(what it is, its grammar) of the output, or None for free text."""
+        from flylocal.decoding.grammar import json_output
+
+        if self.type == "json_object":
+            return json_output()
+        if self.type == "json_schema":
+            return json_output(self.json_schema.schema_ or {}, f"response_format.json_schema {self.json_schema.name!r}")
+        return None
+
+
+def refuse(value, why: str):
+    raise ValueError(f"{json.dumps(value)}; {why}")
+
+
+class Common(BaseModel):
+    """The fields both endpoints take. Anything else is refused (extra="forbid")."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None                   # an end user's id, for the provider's abuse checks
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None    # tags for stored completions: nothing is stored
+    # flylocal's own (openai's extra_body)
+    verifier: str | None = None
+    drafter: str | None = None
+    k: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    fly_entropy: float | None = None
+    fly_window: int | None = None
+    asd_gate: float | None = None
+    asd_cap: int | None = None
+    asd_budget: float | None = None
+
+    @field_validator("n")
+    @classmethod
+    def one_choice(cls, v):
+        if v is not None and v != 1:
+            refuse(v, "flylocal generates one choice per request: n must be 1")
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def stops(cls, v):
+        if v is not None:
+            checked_stops(v)
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def biases(cls, v):
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                refuse(key, "a logit_bias key is a token id")
+            if not -100 <= bias <= 100:
+                refuse(bias, "a logit bias lies between -100 and 100")
+        return v
+
+    @field_validator("service_tier")
+    @classmethod
+    def one_tier(cls, v):
+        if v not in (None, "auto", "default"):
+            refuse(v, "flylocal has one service tier (auto, default)")
+        return v
+
+    @field_validator("store")
+    @classmethod
+    def nothing_stored(cls, v):
+        if v:
+            refuse(v, "flylocal keeps no completions")
+        return v
+
+    @model_validator(mode="after")
+    def usage_needs_a_stream(self):
+        if self.stream_options is not None and self.stream_options.include_usage and not self.stream:
+            raise ValueError("stream_options.include_usage is only allowed with stream: true")
+        return self
+
+
+class ChatRequest(Common):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def some(cls, v):
+        if not v:
+            raise ValueError("messages must not be empty")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def top_range(cls, v):
+        if v is not None and not 0 <= v <= 20:
+            refuse(v, "top_logprobs lies between 0 and 20")
+        return v
+
+    @model_validator(mode="after")
+    def one_constraint(self):
+        if self.tools and self.tool_choice != "none" and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("response_format and tools: flylocal constrains an answer to one of them")
+        return self
+
+    @model_validator(mode="after")
+    def top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+
+class CompletionRequest(Common):
+    prompt: str | list[str]
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def one_prompt(cls, v):
+        if isinstance(v, list) and len(v) != 1:
+            refuse(len(v), "prompts; flylocal takes one prompt per request")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def logprob_range(cls, v):
+        if v is not None and not 0 <= v <= 5:
+            refuse(v, "logprobs lies between 0 and 5")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def no_echo(cls, v):
+        if v:
+            refuse(v, "flylocal does not echo the prompt")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def one_best(cls, v):
+        if v not in (None, 1):
+            refuse(v, "flylocal generates one completion per request: best_of must be 1")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def no_suffix(cls, v):
+        if v:
+            refuse(v, "flylocal does not fill in the middle")
+        return v
+
+
+def parse(model: type[BaseModel], raw: bytes) -> Any:
+    """A request body as `model`, every field within its declared range, or ApiError 400."""
+    req = parse_request(model, raw)
+    check_fields(req, CHECKED)
+    return req
+
+
+def request_settings(base: Settings, req: Common, n_vocab: int | None = None) -> Settings:
+    """The server's settings with a request's fields applied (the request owns its ledger)."""
+    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    bias = ()
+    if req.logit_bias:
+        bias = tuple(sorted((int(k), float(v)) for k, v in req.logit_bias.items()))
+        if n_vocab is not None and bias[-1][0] >= n_vocab:
+            raise ApiError(400, f"logit_bias: token id {bias[-1][0]} is not in the vocabulary (0..{n_vocab - 1})",
+                           param="logit_bias")
+    sampling = {k: v for k, v in dict(temperature=req.temperature, top_p=req.top_p, seed=req.seed, top_k=req.top_k,
+                                      min_p=req.min_p, repeat_penalty=req.repeat_penalty,
+                                      frequency_penalty=req.frequency_penalty,
+                                      presence_penalty=req.presence_penalty).items() if v is not None}
+    if bias:
+        sampling["logit_bias"] = bias
+    fly = {k: v for k, v in dict(entropy=req.fly_entropy, window=req.fly_window).items() if v is not None}
+    asd = {k: v for k, v in dict(gate=req.asd_gate, cap=req.asd_cap, budget=req.asd_budget).items() if v is not None}
+    top = {k: v for k, v in dict(verifier=req.verifier, drafter=req.drafter, k=req.k,
+                                 max_tokens=max_tokens).items() if v is not None}
+    verifiers = dataclasses.replace(base.verifiers, fly=dataclasses.replace(base.verifiers.fly, **fly),
+                                    asd=dataclasses.replace(base.verifiers.asd, **asd))
+    return dataclasses.replace(base, **top, sampling=dataclasses.replace(base.sampling, **sampling),
+                               verifiers=verifiers, trace=False)
+
+
+def logprobs_wanted(req: Common, chat: bool) -> int | None:
+    """How many most likely tokens each output token carries (None: no logprobs)."""
+    if chat:
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
