@@ -16,6 +16,7 @@ from flylocal.decoding.drafters.pld import Corpus
 from flylocal.decoding.engine import Engine, EngineConfig
 from flylocal.decoding.verifiers import make_verifier
 from flylocal.errors import FlylocalError, OptionError
+from flylocal.files import read_text
 from flylocal.settings import Settings
 
 from flylocal.llama.config import RuntimeConfig
@@ -198,17 +199,7 @@ def read_corpus(path: str | None, target: Runtime) -> Corpus:
     to which generated text is added as the session goes on."""
     if path is None:
         return Corpus()
-    try:
-        with open(path, "rb") as f:
-            data = f.read(CORPUS_LIMIT + 1)
-    except OSError as e:
-        raise FlylocalError(f"cannot read --lookup-corpus {path}: {e.strerror}") from None
-    if len(data) > CORPUS_LIMIT:
-        raise FlylocalError(f"--lookup-corpus {path} is larger than {CORPUS_LIMIT >> 20} MiB")
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise FlylocalError(f"--lookup-corpus {path} is not UTF-8 text (bad byte at offset {e.start})") from None
+    text = read_text(path, f"--lookup-corpus {path}", limit=CORPUS_LIMIT)
     return Corpus(target.tokenize(text, add_special=False, parse_special=False) if text else None)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -27,6 +26,7 @@ from flylocal.decoding.sampling import SamplingParams
 from flylocal.decoding.verifiers import VERIFIERS, VerifierConfig
 from flylocal.decoding.verifiers.asd import AsdParams
 from flylocal.decoding.verifiers.fly import FlyParams
+from flylocal.host import usable_cores
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_K = 8
@@ -104,10 +104,6 @@ class Number(click.FloatRange):
         return rv
 
 
-def cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 class Threads(click.ParamType):
     """`auto` (None) or a thread count (0: every core)."""
 
@@ -183,8 +179,8 @@ class Proportions(click.ParamType):
 
 def _check_threads(ctx, param, value):
     """More threads than usable cores only makes threads wait."""
-    if value is not None and value > cpu_count():
-        raise click.BadParameter(f"{value} is more than the {cpu_count()} CPU cores this process can use "
+    if value is not None and value > usable_cores():
+        raise click.BadParameter(f"{value} is more than the {usable_cores()} CPU cores this process can use "
                                  "(auto, or 0 for all of them).", ctx, param)
     return value
 

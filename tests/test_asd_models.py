@@ -7,7 +7,6 @@ import pytest
 
 from conftest import prompt
 from flylocal.decoding.contracts import Draft, Drafter
-from flylocal.decoding.drafters import make_drafter
 from flylocal.decoding.engine import Engine, EngineConfig, generate_all
 from flylocal.decoding.verifiers.asd import Asd, AsdParams
 from flylocal.decoding.verifiers.strict import Strict

@@ -181,10 +181,10 @@ def test_invalid_utf8_gets_one_line(tmp_path):
     bad = b"caf\xe9 au lait"
     f = tmp_path / "latin1.txt"
     f.write_bytes(bad)
-    assert_one_line_error(flylocal("generate", "--prompt-file", str(f)), "latin1.txt", "not UTF-8")
+    assert_one_line_error(flylocal("generate", "--prompt-file", str(f)), "latin1.txt", "not valid UTF-8")
     done = flylocal("generate", "--prompt-file", "-", stdin=bad, text=False)
     done.stderr = done.stderr.decode()
-    assert_one_line_error(done, "stdin", "not UTF-8")
+    assert_one_line_error(done, "stdin", "not valid UTF-8")
     # argv: Python hands undecodable bytes over as surrogates
     env = {**os.environ, "LC_ALL": "C.UTF-8"}
     done = subprocess.run([sys.executable.encode(), b"-m", b"flylocal", b"generate", bad], capture_output=True,
@@ -370,4 +370,4 @@ def test_lookup_corpus_drafts_from_a_file(tmp_path):
                           "cannot read --lookup-corpus", "nope.txt")
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"ok \xff\xfe")
-    assert_one_line_error(flylocal(*args, "--lookup-corpus", str(bad)), "not UTF-8")
+    assert_one_line_error(flylocal(*args, "--lookup-corpus", str(bad)), "not valid UTF-8")

@@ -216,7 +216,7 @@ def test_exploration_stays_within_its_budget_on_an_honest_curve(seed, monkeypatc
     curve, with_explore = run(True)
     _, without = run(False)
     assert curve.explored > 0
-    assert curve.spent <= EXPLORE * curve.clock + 0.01 * TRUE_SHAPE[8]     # one round's overshoot at most
+    assert curve.spent <= EXPLORE * curve.decoded_s + 0.01 * TRUE_SHAPE[8]     # one round's overshoot at most
     assert with_explore >= (1 - 2 * EXPLORE) * without, (with_explore, without)
 
 
@@ -355,7 +355,7 @@ def test_the_draft_models_cost_measured_under_load_expires():
     for _ in range(10):
         target.update(1, 0.01)                     # idle again: the ratio holds, the speed follows
     assert plan.step_s() == pytest.approx(0.006)
-    while target.clock < costs_module.STALE + 1.0:
+    while target.decoded_s < costs_module.STALE + 1.0:
         target.update(1, 0.01)
     assert plan.step_s() == pytest.approx(0.002)
 

@@ -24,7 +24,8 @@ from conftest import GEMMA, GEMMA_Q8_0, SMOL, SMOL_Q4_0, model_path
 from flylocal import models
 from flylocal import gguf_info
 from flylocal.errors import FlylocalError, ModelError
-from flylocal.front.cli import human_bytes, main
+from flylocal.front.cli import main
+from flylocal.front.model_commands import human_bytes
 from flylocal.models import library
 
 FT = gguf.LlamaFileType

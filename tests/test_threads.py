@@ -75,7 +75,7 @@ def test_rechecks_that_keep_the_count_grow_rarer_and_a_change_starts_them_short_
             t = step_time(control.current, 2, busy, rng, 0.0)
             control.observe(t, t)
             if control.current != before and control.current != control.home:
-                trials.append(control.clock)
+                trials.append(control.decoded_s)
 
     decode(3000, 0)
     gaps = [b - a for a, b in zip(trials, trials[1:])]
@@ -137,11 +137,11 @@ def test_noise_does_not_make_it_oscillate(seed):
 def test_timings_that_are_not_positive_numbers_are_ignored():
     control = ThreadControl(candidates(2), 2)
     run(control, 2, 0, 200, random.Random(4))
-    state = (control.current, control.home, control.clock, dict(control.speed), control.next_check)
+    state = (control.current, control.home, control.decoded_s, dict(control.speed), control.next_check)
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         assert control.observe(bad, bad) == control.current
         assert control.observe(0.01, bad) == control.current
-    assert (control.current, control.home, control.clock, control.speed, control.next_check) == state
+    assert (control.current, control.home, control.decoded_s, control.speed, control.next_check) == state
     used = run(control, 2, 0, 2000, random.Random(5))
     assert used.count(1) / len(used) < 0.03         # no endless re-checking afterwards
 
@@ -202,7 +202,7 @@ def test_auto_on_a_real_busy_machine_measures_and_runs_its_choice(all_cores):
     from conftest import SMOL, model_path, prompt
     from flylocal.decoding.engine import generate_all
     from flylocal.llama.runtime import Runtime, RuntimeConfig     # before llama_cpp: it chooses the build
-    from flylocal.llama.threads import usable_cores
+    from flylocal.host import usable_cores
     from flylocal.loader import build_engine, encode_prompt
     from flylocal.settings import Settings
 

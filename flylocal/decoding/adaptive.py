@@ -188,7 +188,7 @@ class ModelDraftLength:
         the two calibrations' ratio. A fixed or pinned draft curve gives its single step as is."""
         if self.draft_costs.fixed or self.draft_costs.pinned:
             return float(self.draft_costs.cost(1)[0])
-        fresh = [r for c, r in self._steps if self.target_costs.clock - c <= STALE]
+        fresh = [r for c, r in self._steps if self.target_costs.decoded_s - c <= STALE]
         if fresh:
             return median(fresh) * self.target_costs.speed()
         return self.draft_costs.calibrated_step() / self.target_costs.calibrated_step() * self.target_costs.speed()
@@ -234,7 +234,7 @@ class ModelDraftLength:
             self.all_hits = 0.6 * PRIOR_WEIGHT + DECAY * (self.all_hits - 0.6 * PRIOR_WEIGHT) + min(accepted, k)
             if seconds is not None and seconds > 0:
                 ratio = seconds / k / self.target_costs.speed()
-                self._steps = (self._steps + [(self.target_costs.clock, ratio)])[-STEPS:]
+                self._steps = (self._steps + [(self.target_costs.decoded_s, ratio)])[-STEPS:]
 
 
 class Learned:

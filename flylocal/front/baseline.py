@@ -9,7 +9,7 @@ from pathlib import Path
 
 from flylocal.llama.binding import llama_cpp, take_log
 from flylocal.llama.config import RuntimeConfig
-from flylocal.llama.threads import usable_cores
+from flylocal.host import usable_cores
 
 
 class LlamaCppPythonBaseline:

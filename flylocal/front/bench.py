@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from flylocal.errors import FlylocalError
+from flylocal.files import read_text
 from flylocal.front.sandbox import run_python
 
 if TYPE_CHECKING:
@@ -96,17 +97,6 @@ def valid_json(text: str, schema: dict) -> bool:
     return True
 
 
-def _read_text(path: Path, what: str) -> str:
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise FlylocalError(f"cannot read {what} {path}: {e.strerror}") from None
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise FlylocalError(f"{path}: not valid UTF-8 (byte {e.start})") from None
-
-
 def load_prompts(path: str) -> list[Prompt]:
     p = Path(path)
     if not p.exists():
@@ -118,7 +108,7 @@ def load_prompts(path: str) -> list[Prompt]:
         files = sorted(f for f in p.glob("*.txt") if f.is_file())
         if not files:
             raise FlylocalError(f"no prompts: {path} has no .txt files")
-        return [Prompt(f.stem, _read_text(f, "prompt file"), source=str(f)) for f in files]
+        return [Prompt(f.stem, read_text(f, f"the prompt file {f}"), source=str(f)) for f in files]
     try:
         data = p.read_bytes()
     except OSError as e:

@@ -1,5 +1,8 @@
 """The `flylocal` command: rendering and commands only. Text goes to stdout; stats, notes
-and errors go to stderr, errors as one line with a non-zero exit code."""
+and errors go to stderr, errors as one line with a non-zero exit code (`main`).
+
+generate, bench, serve, rpc-server and doctor are here; chat (flylocal.front.chat) and models
+(flylocal.front.model_commands) in modules of their own."""
 
 from __future__ import annotations
 
@@ -11,51 +14,12 @@ import sys
 import click
 
 from flylocal import __version__
-from flylocal.decoding.drafters import DRAFTERS
 from flylocal.errors import FlylocalError
-from flylocal.settings import (DRAFTING, GENERATION, LLAMA, MODEL, SAMPLING, VERIFIER_PARAMS, options,
-                               settings_from)
-from flylocal.decoding.verifiers import VERIFIERS
-
-
-def shown(text: str) -> str:
-    """`text` safe to print as one line: control characters, line and paragraph separators and
-    bidirectional overrides (a file named `new\nline.gguf`) written as escapes."""
-    return "".join(_escape(c) if (c < " " or "\x7f" <= c <= "\x9f" or c in UNSAFE) else c for c in text)
-
-
-UNSAFE = frozenset("\u2028\u2029\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
-
-
-def _escape(c: str) -> str:
-    return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
-
-
-def row(text: str) -> None:
-    """One line of a listing on stdout."""
-    click.echo(shown(text))
-
-
-def note(message: str) -> None:
-    click.echo(f"flylocal: {shown(message)}", err=True)
-
-
-def check_text(text: str, what: str) -> str:
-    """`text` from argv or a terminal, refused with one line unless it is valid UTF-8."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise FlylocalError(f"{what} is not valid UTF-8 text") from None
-    return text
-
-
-def read_stdin(what: str = "the prompt") -> bytes:
-    if sys.stdin is None:
-        raise FlylocalError(f"stdin is closed: - reads {what} from it")
-    try:
-        return sys.stdin.buffer.read()
-    except OSError as e:
-        raise FlylocalError(f"cannot read stdin: {e.strerror}") from None
+from flylocal.front.chat import chat
+from flylocal.front.model_commands import models
+from flylocal.front.terminal import (compile_constraint, constrained_output, json_schema_option, note, open_output,
+                                     read_constraint, read_input, read_prompt, say, shown)
+from flylocal.settings import DRAFTING, GENERATION, LLAMA, MODEL, SAMPLING, VERIFIER_PARAMS, options, settings_from
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -64,74 +28,8 @@ def cli():
     """flylocal: speculative decoding on llama.cpp, with loose training-free verification."""
 
 
-def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
-    if prompt is not None and prompt_file is not None:
-        raise FlylocalError("give either PROMPT or --prompt-file, not both")
-    if prompt_file is not None:
-        return read_input(prompt_file, "prompt" if prompt_file == "-" else "prompt file")[0]
-    if prompt is None:
-        raise FlylocalError("no prompt: give PROMPT or --prompt-file FILE (- for stdin)")
-    return check_text(prompt, "the prompt")
-
-
-def constrained_output(f):
-    """The options that put a command's output under a grammar (docs/design.md, "Grammars")."""
-    f = click.option("--grammar", "grammar_file", metavar="FILE", default=None,
-                     help="Constrain the output to a grammar: Lark (llguidance's syntax) or llama.cpp's GBNF.")(f)
-    f = click.option("--json-object", is_flag=True, help="Constrain the output to one JSON object.")(f)
-    f = click.option("--json-schema", "json_schema_file", metavar="FILE|-", default=None,
-                     help="Constrain the output to JSON valid under the JSON schema in FILE (- for stdin).")(f)
-    return f
-
-
-def read_constraint(json_schema_file: str | None, json_object: bool, grammar_file: str | None):
-    """(what it is, its llguidance grammar) for the options given, or None; read and compiled
-    before any model is loaded, so a bad file costs nothing."""
-    from flylocal.decoding import grammar as G
-
-    given = [name for name, value in (("--json-schema", json_schema_file), ("--json-object", json_object),
-                                      ("--grammar", grammar_file)) if value]
-    if len(given) > 1:
-        raise FlylocalError(f"give one of {', '.join(given)}, not several")
-    if json_object:
-        return "the JSON object", G.json_object()
-    path = json_schema_file or grammar_file
-    if path is None:
-        return None
-    text, source = read_input(path, "JSON schema" if json_schema_file else "grammar")
-    return source, G.checked(G.json_schema(text, source) if json_schema_file else G.grammar_text(text, source), source)
-
-
-def read_input(path: str, what: str) -> tuple[str, str]:
-    """(the text of file `path`, or of stdin for "-"; how to name it in a message)."""
-    if path == "-":
-        data, source = read_stdin(f"the {what}"), f"the {what} on stdin"
-    else:
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as e:
-            raise FlylocalError(f"cannot read the {what} {path}: {e.strerror}") from None
-        source = f"the {what} {path}"
-    try:
-        return data.decode("utf-8"), source
-    except UnicodeDecodeError as e:
-        raise FlylocalError(f"{source} is not UTF-8 text (bad byte at offset {e.start})") from None
-
-
-def compile_constraint(constraint, target):
-    """The Grammar of `read_constraint`'s result over the target's vocabulary (None: none)."""
-    from flylocal.decoding.grammar import Grammar
-
-    return Grammar(target, constraint[1], constraint[0]) if constraint is not None else None
-
-
-def open_output(path: str, what: str):
-    """Open an output file before any work is done, so a bad path costs nothing."""
-    try:
-        return open(path, "w", buffering=1, encoding="utf-8")
-    except OSError as e:
-        raise FlylocalError(f"cannot write the {what} {path}: {e.strerror}") from None
+cli.add_command(chat)
+cli.add_command(models)
 
 
 @cli.command()
@@ -216,195 +114,6 @@ def stream_generation(generation, target, trace_out, trace_file, as_json) -> Non
     if not as_json:
         out.write("\n")
 
-
-COLORS = {"accepted": "\033[32m", "loose": "\033[33m", "target": ""}
-RESET = "\033[0m"
-CHAT_HELP = f"""commands:
-  /reset              start a new conversation (and empty the ASD budget ledger); a model
-                      whose rpc servers were lost reconnects
-  /verifier NAME      switch verifier: {', '.join(VERIFIERS)}
-  /drafter NAME       switch drafter: {', '.join(DRAFTERS)} (model and mla need --draft)
-  /system             show the system prompt
-  /system TEXT        set it (starts a new conversation); /system --clear removes it
-  /stats              totals for this session
-  /help               this list
-  /quit               leave (Ctrl-D works too)
-colours on a terminal: green = accepted draft token, yellow = loosely accepted (FLy/ASD), plain = target"""
-
-
-def use_color(flag: bool | None) -> bool:
-    if flag is not None:
-        return flag
-    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-
-
-def turn_line(stats, verifier: str) -> str:
-    parts = [f"{stats.emitted} tokens", f"{stats.tokens_per_s:.1f} tok/s",
-             f"mean accepted length {stats.mean_accepted_length:.2f}", f"loose {stats.loose}",
-             f"reused {stats.prompt_reused}, evaluated {stats.prompt_evaluated}"]
-    if stats.budget_left is not None:
-        parts.append(f"ASD budget left {stats.budget_left:.2f}")
-    if stats.stop == "interrupted":
-        parts.append("interrupted")
-    elif stats.stop == "context":
-        parts.append("stopped at the end of --ctx")
-    return f"[{verifier}: " + ", ".join(parts) + "]"
-
-
-def read_line(tty: bool) -> str | None:
-    """One line of input, or None at end of input. A line that is not UTF-8 text raises
-    FlylocalError; the session goes on."""
-    if tty:
-        try:
-            line = input("> ")
-        except EOFError:
-            return None
-        except UnicodeDecodeError:
-            raise FlylocalError("that line is not UTF-8 text; it was not sent") from None
-        return check_text(line, "that line")
-    try:
-        data = sys.stdin.buffer.readline()
-    except OSError as e:
-        raise FlylocalError(f"cannot read stdin: {e.strerror}") from None
-    if not data:
-        return None
-    try:
-        return data.decode("utf-8").rstrip("\r\n")
-    except UnicodeDecodeError:
-        raise FlylocalError("that line is not UTF-8 text; it was not sent") from None
-
-
-@cli.command()
-@options(*GENERATION)
-@click.option("--system", "system", default=None, metavar="TEXT", help="System prompt.")
-@click.option("--color/--no-color", "color", default=None,
-              help="Colour tokens by how they were accepted. Default: on a terminal, unless NO_COLOR is set.")
-@constrained_output
-def chat(system, color, json_schema_file, json_object, grammar_file, **opts):
-    """Chat with the target model; speculative decoding makes the answers come faster.
-
-    Reads messages line by line (with line editing and history on a terminal). Ctrl-C stops
-    an answer; Ctrl-C or Ctrl-D at the prompt leaves. Type /help for commands.
-    """
-    from flylocal.loader import check, load
-    from flylocal.session import Session, TextStream
-
-    if sys.stdin is None:
-        raise FlylocalError("stdin is closed: chat reads its messages from stdin")
-    if system is not None:
-        check_text(system, "--system")
-    if "-" in (json_schema_file, grammar_file):
-        raise FlylocalError("chat reads its messages from stdin: give the grammar as a file")
-    constraint = read_constraint(json_schema_file, json_object, grammar_file)
-    tty = sys.stdin.isatty()
-    if tty:
-        import readline  # noqa: F401 - line editing and history for input()
-    colored = use_color(color)
-    settings = settings_from(opts)
-    check(settings)
-    models = load(settings, log=note)
-    try:
-        grammar = compile_constraint(constraint, models.target)
-    except BaseException:
-        models.close()
-        raise
-    session = Session(models, system=system, grammar=grammar)
-    out = sys.stdout
-    try:
-        if tty:
-            note(f"{models.target.name}, drafter {settings.drafter_name}, verifier "
-                 f"{settings.verifier}. /help for commands.")
-        while True:
-            for message in session.notes:
-                note(message)
-            session.notes.clear()
-            try:
-                line = read_line(tty)
-            except KeyboardInterrupt:
-                click.echo("", err=True)
-                return
-            except FlylocalError as e:
-                note(f"error: {e}")
-                continue
-            if line is None:
-                return
-            if not line.strip():
-                note("empty message: type a message, or /help")
-                continue
-            if line.startswith("/"):
-                if chat_command(session, line):
-                    return
-                continue
-            stream = TextStream(models.target)
-            try:
-                turn = session.send(line)
-            except KeyboardInterrupt:        # while the conversation was being tokenized
-                click.echo("", err=True)
-                continue
-            except FlylocalError as e:
-                note(f"error: {e}")
-                continue
-            try:
-                for event in turn:
-                    for token, kind in zip(event.tokens, event.kinds):
-                        text = stream.feed([token])
-                        if text:
-                            out.write(f"{COLORS[kind]}{text}{RESET}" if colored and COLORS[kind] else text)
-                    out.flush()
-            except KeyboardInterrupt:
-                pass
-            except FlylocalError as e:
-                note(f"error: {e}")
-            finally:
-                turn.close()     # before the models can be freed: the turn's last step uses them
-            out.write("\n")
-            out.flush()
-            click.echo(turn_line(turn.stats, session.settings.verifier), err=True)
-    finally:
-        models.close()
-
-
-def chat_command(session, line: str) -> bool:
-    """Run a /command; True means quit. Problems get one line and the session goes on."""
-    name, _, arg = line.strip().partition(" ")
-    arg = arg.strip()
-    try:
-        if name in ("/quit", "/exit"):
-            return True
-        if name == "/help":
-            click.echo(CHAT_HELP, err=True)
-        elif name == "/reset":
-            again = session.reset()
-            note("new conversation" + (f"; {' and '.join(again)} reconnected to its rpc servers" if again else ""))
-        elif name in ("/verifier", "/drafter"):
-            what = name[1:]
-            choices = VERIFIERS if what == "verifier" else DRAFTERS
-            if arg not in choices:
-                note(f"usage: {name} {'|'.join(choices)}")
-            else:
-                session.switch(**{what: arg})
-                note(f"{what} {arg}")
-        elif name == "/system":
-            if not arg:          # shows; clearing is asked for by name, so nothing is lost by a slip
-                note(f"system prompt: {session.system}" if session.system else "no system prompt")
-                note("/system TEXT sets it, /system --clear removes it (either starts a new conversation)")
-            else:
-                session.system = None if arg == "--clear" else arg
-                session.reset()
-                note("system prompt cleared; new conversation" if arg == "--clear" else "system prompt set; new conversation")
-        elif name == "/stats":
-            t = session.totals
-            tps = t.decode_tokens / t.decode_s if t.decode_s > 0 else 0.0
-            tau = t.tokens / t.rounds if t.rounds else 0.0
-            note(f"{t.turns} turns, {t.tokens} tokens, {tps:.1f} tok/s, mean accepted length {tau:.2f}, "
-                 f"loose {t.loose}, prompt tokens reused {t.prompt_reused}, evaluated {t.prompt_evaluated}")
-        else:
-            note(f"unknown command {name}; /help lists the commands")
-    except FlylocalError as e:
-        note(f"error: {e}")
-    return False
-
-
 @cli.command()
 @options(*MODEL)
 @click.option("--prompts", "prompts_path", default=None, metavar="FILE_OR_DIR",
@@ -431,8 +140,7 @@ def chat_command(session, line: str) -> bool:
 @click.option("--methods", default=None, help=f"Comma-separated subset of: {', '.join(__import__('flylocal.front.bench', fromlist=['METHODS']).METHODS)}. Default: all (those needing --draft only with it).")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
               help="Run every method on every prompt this many times (interleaved).")
-@click.option("--json-schema", "json_schema_file", metavar="FILE|-", default=None,
-              help="Constrain the output to JSON valid under the JSON schema in FILE (- for stdin).")
+@json_schema_option
 @options("raw")
 @options(*DRAFTING, *LLAMA, *VERIFIER_PARAMS, *SAMPLING)
 def bench(prompts_path, category, per_category, humaneval, humaneval_limit, execute, out_dir, methods, repeat,
@@ -538,152 +246,6 @@ def rpc_server(host, port, threads, exact, cache_dir, allow_remote):
     check_port(host, port)
     rpc.serve(host, port, threads, cache_dir, note)
 
-
-@cli.group()
-def models():
-    """Models: the registry (models.txt) and the GGUF files other tools keep (LM Studio, ollama,
-    the Hugging Face cache, llama.cpp's cache, FLYLOCAL_MODEL_PATH): list, show, pairs, fetch, path."""
-
-
-def human_count(n: int) -> str:
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.1f}{suffix}"
-    return str(n)
-
-
-def human_bytes(n: int) -> str:
-    for scale, suffix in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
-        if n >= scale:
-            return f"{n / scale:.1f}{suffix}"
-    return f"{n}B"
-
-
-LOCAL_COLUMNS = (("ARCH", "<10"), ("PARAMS", ">7"), ("TYPE", "<8"), ("SIZE", ">9"), ("CONTEXT", ">7"),
-                 ("VOCAB", ">7"), ("TEMPLATE", ""))
-
-
-def local_row(info) -> tuple[str, ...]:
-    """One model's LOCAL_COLUMNS from its gguf_info.Info."""
-    return (info.architecture or "?", human_count(info.parameters), info.file_type, human_bytes(info.file_size),
-            str(info.context_length or "?"), str(info.vocab_size), "yes" if info.chat_template else "no")
-
-
-def columns(values) -> str:
-    """`values` laid out in LOCAL_COLUMNS (the first ones, for fewer values)."""
-    return " ".join(f"{v:{spec}}" for v, (_, spec) in zip(values, LOCAL_COLUMNS))
-
-
-@models.command("list")
-def models_list():
-    """List registry models and the state of each file on disk (its sha256 is checked), then
-    every GGUF file found in the places other tools keep them, with what its header says (read
-    without llama.cpp, and cached). A file that cannot be read is listed as unreadable."""
-    from flylocal import models as registry
-    from flylocal.models import library
-
-    for entry in registry.load_registry().values():
-        state = registry.status(entry.name)
-        row(f"{entry.name:30} {entry.kind:8} {state:24} {entry.note}")
-    for warning in library.model_path_warnings():
-        note(warning)
-    found = library.discover()
-    if not found:
-        note("no local GGUF files in " + ", ".join(str(root) for _, root in library.places()))
-        return
-    width = max(len("LOCAL MODEL"), *(len(m.name) for m in found))
-    row(f"{'LOCAL MODEL':{width}}  " + columns(title for title, _ in LOCAL_COLUMNS))
-    infos = iter(library.describe([m.path for m in found if not m.problem]))
-    for m in found:
-        info = m.problem or next(infos)
-        if isinstance(info, (str, FlylocalError)):
-            row(f"{m.name:{width}}  unreadable: {info}")
-        else:
-            row(f"{m.name:{width}}  " + columns(local_row(info)))
-
-
-def describe_one(path):
-    """gguf_info.Info of model file `path`; FlylocalError (one line) if it cannot be read."""
-    from flylocal.models import library
-
-    info = library.describe([path])[0]
-    if isinstance(info, Exception):
-        raise info
-    return info
-
-
-@models.command("show")
-@click.argument("name")
-def models_show(name):
-    """Print what model NAME (a registry name, a path or a local model's name) says about itself
-    in its GGUF header, without loading it."""
-    from flylocal import models as registry
-
-    path = registry.resolve(name, note)
-    info = describe_one(path)
-    rows = [
-        ("name", name), ("path", str(path)), ("architecture", info.architecture or "?"),
-        ("model name", info.name or "?"), ("parameters", f"{info.parameters:,} ({human_count(info.parameters)})"),
-        ("file type", info.file_type), ("file size", f"{info.file_size:,} bytes ({human_bytes(info.file_size)})"),
-        ("context length", str(info.context_length or "?")),
-        ("vocabulary", f"{info.vocab_size} tokens ({info.tokenizer or 'no'} tokenizer)"),
-        ("tokenizer", info.fingerprint or "none"), ("chat template", "yes" if info.chat_template else "no"),
-    ]
-    for label, value in rows:
-        row(f"{label + ':':16}{value}")
-
-
-@models.command("pairs")
-@click.argument("target", required=False)
-def models_pairs(target):
-    """List the local models that can draft for TARGET (default: the default target), smaller
-    first: those with the same tokenizer (llama.cpp's rule, checked from the GGUF headers), then
-    those with another vocabulary, which draft through text. Files as large as the target are left
-    out. Suggests the target requantized to Q4_0 as a draft where none is here."""
-    from flylocal import models as registry
-    from flylocal.models import library
-    from flylocal.settings import DEFAULT_TARGET
-
-    target = target or DEFAULT_TARGET
-    path = registry.resolve(target, note)
-    me = library.Candidate(target, path, describe_one(path))
-    pairs = library.draft_pairs(me, library.candidates())
-    row(f"drafts for {target} ({', '.join(local_row(me.info)[:4])}):")
-    width = max([len(p.draft.name) for p in pairs] + [20])
-    for same, title in ((True, "same vocabulary"), (False, "through text (another vocabulary)")):
-        group = [p for p in pairs if p.same_vocab == same]
-        row(f"{title}:")
-        for p in group:
-            row(f"  {p.draft.name:{width}}  {p.ratio:5.2f}x  " + columns(local_row(p.draft.info)[:4]))
-        if not group:
-            row("  none")
-    hint = library.requantize_hint(me, pairs)
-    if hint:
-        row(f"requantized: {hint}")
-
-
-@models.command("fetch")
-@click.argument("names", nargs=-1)
-@click.option("--force", is_flag=True, help="Fetch again even if present.")
-def models_fetch(names, force):
-    """Fetch NAMES (default: every model that needs no URL) and check their sha256."""
-    from flylocal import models as registry
-
-    entries = registry.load_registry()
-    for name in names or [e.name for e in entries.values() if e.kind != "url"]:
-        path = registry.fetch(name, force=force, log=note)
-        row(f"{name}: {path}")
-
-
-@models.command("path")
-@click.argument("name")
-def models_path(name):
-    """Print the local path of model NAME (a registry name or a local model's name)."""
-    from flylocal import models as registry
-
-    row(str(registry.resolve(name)))
-
-
 @cli.command()
 @click.option("--model", "model", default=None, metavar="NAME|PATH",
               help="Also measure whether this model's logits are batch-invariant in this build.")
@@ -699,8 +261,10 @@ def doctor(model, threads, exact, recalibrate, flash_attn, target_rpc, tensor_sp
     servers: their devices, and the round trip of a decode of 1, 2, 5 and 9 rows through them."""
     from flylocal.front import doctor as checks
 
-    if tensor_split and not target_rpc:
-        raise FlylocalError("--tensor-split shares the model among its --target-rpc servers: give --target-rpc")
+    from flylocal.loader import check
+    from flylocal.settings import Settings
+
+    check(Settings(target_rpc=target_rpc, tensor_split=tensor_split))
     for line in checks.report(model, threads, flash_attn, recalibrate, this_build_only, target_rpc, tensor_split,
                               rpc_timeout, rpc_output):
         click.echo(line)
@@ -738,14 +302,6 @@ def main(argv=None) -> int:
                                         f"{e.strerror or e}"))
         return 1
     return 0
-
-
-def say(line: str) -> None:
-    """A line on stderr that cannot fail: stderr may itself be closed."""
-    try:
-        click.echo(line, err=True)
-    except (OSError, ValueError):
-        pass
 
 
 if __name__ == "__main__":

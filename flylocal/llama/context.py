@@ -30,7 +30,8 @@ from flylocal.llama.binding import KERNELS, interrupts_deferred, last_error, lla
 from flylocal.llama.config import RuntimeConfig
 from flylocal.llama.devices import gpu_offload, system_info
 from flylocal.llama.model import Model
-from flylocal.llama.threads import ThreadControl, candidates, keep_count, known_count, usable_cores
+from flylocal.host import usable_cores
+from flylocal.llama.threads import ThreadControl, candidates, keep_count, known_count
 
 CONTROL_ROWS = 32     # decodes up to this many rows steer --threads auto (a round, a draft step)
 

@@ -12,7 +12,7 @@ from flylocal.llama import memory
 from flylocal.llama.binding import clear_log, interrupts_deferred, last_error, llama_cpp
 from flylocal.llama.config import RuntimeConfig
 from flylocal.llama.devices import Device, cpu_buffer_type, gpu_offload, local_devices, rpc_devices
-from flylocal.llama.threads import usable_cores
+from flylocal.host import usable_cores
 from flylocal.gguf_info import check_gguf_file
 
 

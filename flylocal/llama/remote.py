@@ -258,7 +258,7 @@ def _serve(conn: Connection, shm_fd: int) -> int:
     try:
         # Every layer runs on the servers; the output layer here (--rpc-output here) gets the
         # threads asked for, or every core.
-        from flylocal.llama.threads import usable_cores
+        from flylocal.host import usable_cores
 
         threads = (config.n_threads or usable_cores()) if config.rpc_output == "here" else 1
         rt = Runtime(path, dataclasses.replace(config, n_threads=threads))

@@ -148,7 +148,7 @@ def serve(host: str, port: int, threads: int | None, cache_dir: str | None, log)
     import threading
 
     from flylocal.llama.devices import local_devices, serve_rpc
-    from flylocal.llama.threads import usable_cores
+    from flylocal.host import usable_cores
 
     endpoint = f"{host}:{port}"
     if cache_dir:

@@ -17,7 +17,7 @@ way the draft-length controller measures acceptance:
   measured slow during a passing load is tried again within a generation, and probing costs
   next to nothing on a machine whose load stays as it is.
 
-The clock is the seconds of decoding observed, so the controller is deterministic given its
+Its time is the seconds of decoding observed (`decoded_s`), so the controller is deterministic given its
 timings (tests feed it made-up ones).
 """
 
@@ -29,7 +29,7 @@ import os
 import time
 from pathlib import Path
 
-from flylocal.paths import costs_dir
+from flylocal.host import costs_dir
 
 PROBES = 5              # decodes measured at a count being tried: their median counts
 ABORT = 1.5             # a trial decode this much slower than the current count's median ends the trial
@@ -44,13 +44,6 @@ BUDGET = 0.015          # share of decoding time re-checks may lose: after one t
 RECENT = 5              # the current count's last decodes, compared with a trial's
 KEEP = 600.0            # seconds a count settled on is worth starting the next process from:
                         # load outlives a process, not a long pause (and the next process checks)
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def candidates(cores: int) -> list[int]:
@@ -80,7 +73,7 @@ class ThreadControl:
         self.speed: dict[int, float] = {}      # count -> seconds of a single-row step, last measured
         self.recent: list[float] = []          # the home count's last RECENT steps
         self.reference: float | None = None    # their median when the home count was last confirmed
-        self.clock = 0.0                       # seconds of decoding observed
+        self.decoded_s = 0.0                   # seconds of decoding observed
         self.next_check = 0.0
         self.trying: list[int] = []            # counts still to try in this re-check
         self.samples: list[float] = []         # the trial count's steps so far
@@ -94,7 +87,7 @@ class ThreadControl:
         that is not a positive number (a clock that stood still) is ignored."""
         if not (step > 0 and math.isfinite(step) and seconds > 0 and math.isfinite(seconds)):
             return self.current
-        self.clock += seconds
+        self.decoded_s += seconds
         if self.current != self.home:
             self.lost += max(seconds * (1 - self.speed[self.home] / step), 0.0)
             self._trial(step)
@@ -108,7 +101,7 @@ class ThreadControl:
         changed = not (self.reference / CHANGE < now < self.reference * CHANGE)
         if changed:
             self.kept = 0
-        if (changed or self.clock >= self.next_check) and len(self.counts) > 1:
+        if (changed or self.decoded_s >= self.next_check) and len(self.counts) > 1:
             i = self.counts.index(self.home)
             self.trying = sorted((c for c in self.counts if c != self.home),
                                  key=lambda c: abs(self.counts.index(c) - i))     # nearest first
@@ -131,11 +124,11 @@ class ThreadControl:
             self.moves += 1
             self.kept = 0
             self.recent, self.reference = [], None
-            self.next_check = self.clock
+            self.next_check = self.decoded_s
         else:
             self.reference = self.speed[self.home]
             wait = max(self.lost / BUDGET, RECHECK[0] * 2 ** min(self.kept, 8))
-            self.next_check = self.clock + min(wait, RECHECK[1])
+            self.next_check = self.decoded_s + min(wait, RECHECK[1])
             self.kept += 1
         self.current = self.home
         if self.on_settle is not None:
@@ -150,7 +143,7 @@ class ThreadControl:
             return self.current
         self.speed.update(speeds)
         self.home = self.current = min(speeds, key=speeds.get)
-        self.recent, self.reference, self.next_check = [], None, self.clock
+        self.recent, self.reference, self.next_check = [], None, self.decoded_s
         if self.on_settle is not None:
             self.on_settle(self.home)
         return self.home

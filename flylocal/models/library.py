@@ -35,7 +35,7 @@ from typing import Callable, Iterator
 
 from flylocal.errors import FlylocalError, ModelError
 from flylocal.models import registry
-from flylocal.models.files import write_atomically
+from flylocal.files import write_atomically
 from flylocal.gguf_info import FORMAT, Info, UnreadableFile, read_info
 
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"

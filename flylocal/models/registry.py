@@ -43,7 +43,7 @@ except ImportError:          # not POSIX: fetches are not serialized, but still 
     fcntl = None
 
 from flylocal.errors import FlylocalError
-from flylocal.models.files import new_temp, write_atomically
+from flylocal.files import new_temp, write_atomically
 
 REGISTRY = Path(__file__).with_name("models.txt")
 CHUNK = 1 << 20

@@ -6,7 +6,7 @@ from flylocal.decoding.costs.calibration import CALIBRATION_SIZES
 from flylocal.decoding.costs.curve import EXPLORE, STALE, SWITCH_PRIOR, CostCurve, Source, State
 from flylocal.decoding.costs.shape import median
 from flylocal.decoding.costs.store import read_record
-from flylocal.paths import costs_dir
+from flylocal.host import costs_dir
 
 __all__ = ["CALIBRATION_SIZES", "EXPLORE", "STALE", "SWITCH_PRIOR", "CostCurve", "Source", "State", "costs_dir",
            "median", "read_record"]

@@ -7,7 +7,6 @@ otherwise it is provisional: used, never saved, measured again later."""
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 
@@ -15,6 +14,7 @@ import numpy as np
 
 from flylocal.decoding.costs import meter as meters
 from flylocal.decoding.costs.shape import distortion, median
+from flylocal.host import usable_cores
 
 CALIBRATION_SIZES = (1, 2, 3, 5, 9, 17)
 MIN_PASSES, MAX_PASSES = 3, 8
@@ -82,7 +82,7 @@ def calibrate(timed_decode, max_rows: int, limit: int | None = None, meter=None,
     meta = {"measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "passes": passes,
             **({"switch": switch} if switch is not None else {}),
             "spread": round(float(spread), 4), "busy_cores": None if busy is None else round(busy, 3),
-            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
+            "cores": usable_cores()}
     return Calibration(values, meta, problem)
 
 

@@ -101,11 +101,11 @@ class CostCurve:
         self._retry_at = 0.0
         self._retry_wait = RETRY
         self._retries = 0
-        # This process's observations: the clock is seconds of rounds observed.
-        self.clock = 0.0
+        # This process's observations, timed by `decoded_s`: the seconds of rounds observed.
+        self.decoded_s = 0.0
         self.recent: list[float] = []                        # the last rounds, in single steps
-        self.anchors: list[tuple[float, float]] = []         # (clock, seconds) of single-row rounds
-        self.samples: dict[int, list[tuple[float, float]]] = {}   # rows -> (clock, shape sample)
+        self.anchors: list[tuple[float, float]] = []         # (decoded_s, seconds) of single-row rounds
+        self.samples: dict[int, list[tuple[float, float]]] = {}   # rows -> (decoded_s, shape sample)
         # What may be saved: samples taken on the thread count the curve is keyed by (`on_key`,
         # kept by the runtime), in a period other work left the cores alone (`_period`).
         self.on_key = True
@@ -118,7 +118,7 @@ class CostCurve:
         self._calibrated: np.ndarray | None = None           # memo: the calibrated shape
         self._step: float | None = None                      # memo: the calibrated single step
         self._shape: np.ndarray | None = None                # memo: the effective shape ...
-        self._until = math.inf                               # ... until this clock (evidence expires)
+        self._until = math.inf                               # ... until this decoded_s (evidence expires)
         self._speed: float | None = None                     # memo: the speed, until the next round
 
     def _set_base(self, seconds) -> None:
@@ -173,7 +173,7 @@ class CostCurve:
         """The effective shape t(1..rows) / t(1): the calibrated one, corrected by fresh
         evidence from rounds (interpolated in log between sizes with evidence, held past the
         largest). [rows] float64, memoised until a sample comes or one used expires."""
-        if self._shape is not None and len(self._shape) >= rows and self.clock <= self._until:
+        if self._shape is not None and len(self._shape) >= rows and self.decoded_s <= self._until:
             return self._shape[:rows]
         size = max(rows, len(self.base), max(self.samples, default=0), 33)
         shape = self.calibrated_shape(size)
@@ -181,7 +181,7 @@ class CostCurve:
         if not (self.pinned or self.fixed):
             x, y = [1.0], [0.0]
             for n in sorted(self.samples):
-                fresh = [r for c, r in self.samples[n] if self.clock - c <= STALE]
+                fresh = [r for c, r in self.samples[n] if self.decoded_s - c <= STALE]
                 if len(fresh) >= FRESH:
                     x.append(float(n))
                     y.append(math.log(median(fresh) / shape[n - 1]))
@@ -229,10 +229,10 @@ class CostCurve:
     def evidence(self, rows: int) -> int:
         """How many fresh rounds of `rows` rows stand behind the shape there."""
         pairs = self.anchors if rows == 1 else self.samples.get(rows, ())
-        return sum(1 for c, _ in pairs if self.clock - c <= STALE)
+        return sum(1 for c, _ in pairs if self.decoded_s - c <= STALE)
 
     def _anchor(self) -> float | None:
-        fresh = [s for c, s in self.anchors if self.clock - c <= STALE]
+        fresh = [s for c, s in self.anchors if self.decoded_s - c <= STALE]
         return median(fresh) if fresh else None
 
     # ---- rounds
@@ -246,17 +246,17 @@ class CostCurve:
                 self.spent += max(seconds - emitted / self._pending, 0.0)
             self.explored += 1
             self._pending = None
-        self.clock += seconds
+        self.decoded_s += seconds
         self._speed = None
         if self._period is None and self.key is not None:
             self._period = meters.CpuLoad()
             self._period.start()
         if rows == 1:
-            self.anchors = (self.anchors + [(self.clock, seconds)])[-ANCHORS:]
+            self.anchors = (self.anchors + [(self.decoded_s, seconds)])[-ANCHORS:]
         elif (anchor := self._anchor()) is not None:
             r = seconds / anchor
             if plausible(rows, r, float(self.calibrated_shape(rows)[-1])):
-                self.samples[rows] = (self.samples.get(rows, []) + [(self.clock, r)])[-SAMPLES:]
+                self.samples[rows] = (self.samples.get(rows, []) + [(self.decoded_s, r)])[-SAMPLES:]
                 self._shape = None
                 if self.on_key:
                     self.keep[rows] = (self.keep.get(rows, []) + [r])[-SAMPLES:]
@@ -274,7 +274,7 @@ class CostCurve:
         if self.fixed or self.pinned or len(rates) < 2 or not rates[best] > 0:
             return best
         step = self.speed()
-        left = EXPLORE * self.clock - self.spent
+        left = EXPLORE * self.decoded_s - self.spent
         if left < 0:
             return best
         cost = self.cost(len(rates))
@@ -423,7 +423,7 @@ class CostCurve:
                "step_ms": round(1000 * self.speed(), 3) if self.calibrated else None,
                "switch_steps": round(self.switch(), 3)}
         out.update({k: self.meta[k] for k in ("measured", "passes", "spread", "busy_cores") if k in self.meta})
-        out.update(explored=self.explored, explore_share=round(self.spent / self.clock, 4) if self.clock else 0.0,
+        out.update(explored=self.explored, explore_share=round(self.spent / self.decoded_s, 4) if self.decoded_s else 0.0,
                    rejected=self.rejected)
         if self.problem:
             out["problem"] = self.problem

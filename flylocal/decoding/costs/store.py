@@ -1,5 +1,5 @@
 """The cost curves' disk cache (docs/design.md, "Cost model"): one JSON file per key under
-flylocal.paths.costs_dir(), written whole and renamed, so that concurrent processes never
+flylocal.host.costs_dir(), written whole and renamed, so that concurrent processes never
 leave a torn file.
 
     {"format": 2, "key": {...}, "calibration": {"seconds": [t(1..m), null where not
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from flylocal.decoding.costs.shape import distortion, interpolate, plausible
-from flylocal.paths import costs_dir
+from flylocal.host import costs_dir
 
 COST_FORMAT = 2
 
