@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from flylocal.errors import FlylocalError
 from flylocal.front import bench as b
 from flylocal.front.bench import METHODS, Prompt, humaneval_prompts, passes, stop_code
 from flylocal.front.sandbox import ADDRESS_SPACE, run_python
@@ -179,12 +180,12 @@ def test_unusable_out_is_refused_before_any_model_is_loaded(tmp_path):
         assert len(lines) == 1 and lines[0].startswith("flylocal: error: ") and out in lines[0], done.stderr
         assert "File exists" not in lines[0]
     assert a_file.read_text() == "x"
-    with pytest.raises(b.FlylocalError, match="results.json"):
+    with pytest.raises(FlylocalError, match="results.json"):
         b.write_results(tmp_path / "gone", results_doc([]))
     full = tmp_path / "full"                      # a disk that fills up while the results are written
     full.mkdir()
     (full / "results.json").symlink_to("/dev/full")
-    with pytest.raises(b.FlylocalError, match=f"cannot write {full / 'results.json'}: No space left on device"):
+    with pytest.raises(FlylocalError, match=f"cannot write {full / 'results.json'}: No space left on device"):
         b.write_results(full, results_doc([]))
 
 

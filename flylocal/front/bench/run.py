@@ -1,0 +1,266 @@
+"""`flylocal bench`: methods side by side on the same prompts, with speed and quality.
+
+All methods run in one process, interleaved (repeat -> prompt -> method), so a drifting machine
+affects all alike. Speed is reported two ways: decode tokens/s (after the prompt is evaluated)
+and end to end (tokens over the wall time from the request to the last token, prefill and any
+calibration included), each as a ratio to autoregressive decoding, overall, per prompt and,
+where prompts carry a category, per category in Spec-Bench's layout. Prompts may have several
+turns (Spec-Bench's `turns`); a later turn follows the method's own earlier answers. Quality is judged three ways: agreement with flylocal's own autoregressive
+output, accuracy against reference answers where a prompt has them, and the target's own mean
+negative log-likelihood per generated token. A method that fails on a prompt has the failure
+recorded for that prompt, and the run goes on; its metrics cover the prompts it completed.
+
+This module imports nothing heavy at import time (the command line lists METHODS in its help):
+the runtime, and with it llama.cpp, is imported only when something runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from flylocal.errors import FlylocalError
+from flylocal.front.bench.methods import METHODS, parse_methods
+from flylocal.front.bench.prompts import (Prompt, encode_all, humaneval_prompts, load_prompts, of_categories, passes,
+                                          per_group, stop_code, valid_json)
+from flylocal.front.bench.report import COUNTS, Row, machine_info, metrics, per_prompt, write_results
+
+if TYPE_CHECKING:
+    from flylocal.loader import Models
+    from flylocal.settings import Settings
+
+Progress = Callable[[int, int, str], None]     # (step, total, what): told before each step runs
+
+
+def prepare_out(out_dir: str) -> Path:
+    """Create --out if needed and check that files can be written in it, before anything runs."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FlylocalError(f"--out {out_dir} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FlylocalError(f"cannot create the --out directory {out_dir}: {e.strerror}") from None
+    try:
+        fd, probe = tempfile.mkstemp(dir=out, prefix=".flylocal-write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise FlylocalError(f"cannot write in the --out directory {out_dir}: {e.strerror}") from None
+    return out
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one short line for results.json and report.md."""
+    lines = str(e).strip().splitlines()
+    text = lines[0].strip() if lines else ""
+    if not isinstance(e, FlylocalError):
+        text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def run(settings: Settings, models: Models, baselines: dict, prompts: list[Prompt], methods: list[str],
+        repeat: int, progress: Progress | None = None, raw: bool = False, *, encoded: dict | None = None,
+        execute: bool = False, warn: Callable[[str], None] = lambda s: None, schema: dict | None = None) -> dict[str, Row]:
+    """Run every method on every prompt, `repeat` times, interleaved. `settings` carries the
+    engine settings shared by all methods; each method sets its verifier and drafter.
+    `encoded` is encode_all's result (computed here if not given). A method that raises on a
+    prompt gets a failure recorded for it and is not run on that prompt again. With `execute`,
+    HumanEval completions are run against their tests (in flylocal.front.sandbox). With a JSON
+    `schema`, every answer is generated under it, and checked against it. `progress(step,
+    total, what)` is told of each step before it runs."""
+    from flylocal.decoding.engine import generate_all
+    from flylocal.decoding.quality import target_nll
+
+    target, draft = models.target, models.draft
+    rows = {m: Row(m) for m in methods}
+    grammar = None
+    if schema is not None:
+        from flylocal.decoding import grammar as G
+
+        grammar = G.Grammar(target, G.json_output(schema)[1], "the JSON schema")
+    if encoded is None:
+        encoded = encode_all(target, prompts, raw)
+
+    def fail(row: Row, p: Prompt, r: int, e: Exception) -> None:
+        message = one_line(e)
+        row.failures.append({"prompt": p.id, "repeat": r, "error": message})
+        row.outputs.pop(p.id, None)
+        row.per_prompt.pop(p.id, None)
+        warn(f"{row.method} failed on {p.id}: {message}")
+        target.reset()                # a failed decode leaves no half-known cache behind
+        if draft is not None:
+            draft.reset()
+
+    def one_turn(m: str, ids, fresh: bool):
+        """(token ids, text, {COUNTS but wall_s}, ASD regret spent or None) of method m on prompt ids."""
+        method = METHODS[m]
+        if method.baseline:
+            text, n, _, decode_s = baselines[m].generate(ids, settings.max_tokens, settings.sampling, reuse=not fresh)
+            tokens = list(target.tokenize(text, add_special=False, parse_special=False)) if text else []
+            return tokens, text, dict(tokens=n, decode_tokens=max(n - 1, 0), decode_s=decode_s, rounds=0, loose=0, verify_s=0.0,
+                                      drafted=0, accepted=0, forced=0, mask_s=0.0), None
+        s = dataclasses.replace(settings, verifier=method.verifier, drafter=method.drafter)
+        if fresh:
+            target.reset()
+            if draft is not None:
+                draft.reset()
+        # Each run searches the --lookup-corpus file alone, never what other runs generated.
+        tokens, stats, _ = generate_all(models.engine(s, private=True), ids, grammar)
+        counts = dict(tokens=stats.emitted, decode_tokens=stats.decode_tokens, decode_s=stats.decode_s, rounds=stats.rounds, loose=stats.loose,
+                      verify_s=stats.verify_s, drafted=stats.drafted, accepted=stats.accepted, forced=stats.forced,
+                      mask_s=stats.mask_s)
+        return tokens, target.detokenize(tokens), counts, stats.budget_spent
+
+    total = repeat * len(prompts) * len(methods)
+    step = 0
+    for r in range(repeat):
+        for p in prompts:
+            for m in methods:
+                step += 1
+                row = rows[m]
+                if any(f["prompt"] == p.id for f in row.failures):
+                    continue
+                if progress is not None:
+                    progress(step, total, f"{m} on {p.id}" + (f" (repeat {r + 1}/{repeat})" if repeat > 1 else ""))
+                turns = p.turns or [p.text]
+                messages: list[dict] = []
+                outputs, sums, spent = [], dict.fromkeys(COUNTS, 0), None
+                try:
+                    for i, turn in enumerate(turns):
+                        if i == 0:
+                            ids = encoded[p.id]
+                        else:      # a later turn follows this method's own answers
+                            ids = target.tokenize_chat(messages + [{"role": "user", "content": turn}])
+                            if ids is None:
+                                raise FlylocalError(f"{target.name} has no chat template for a second turn")
+                            if len(ids) >= target.n_ctx:
+                                raise FlylocalError(f"turn {i + 1} is {len(ids)} tokens, longer than --ctx {target.n_ctx}")
+                        t0 = time.perf_counter()
+                        tokens, text, counts, budget = one_turn(m, ids, fresh=i == 0)
+                        counts["wall_s"] = time.perf_counter() - t0
+                        for key, v in counts.items():
+                            sums[key] += v
+                        if budget is not None:
+                            spent = (spent or 0.0) + budget
+                        outputs.append((list(tokens), text))
+                        messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": text}]
+                except Exception as e:  # noqa: BLE001 - any failure is recorded, and the run goes on
+                    fail(row, p, r + 1, e)
+                    continue
+                mine = row.per_prompt.setdefault(p.id, dict.fromkeys(COUNTS, 0))
+                for key, v in sums.items():
+                    mine[key] += v
+                if r == repeat - 1:
+                    row.outputs[p.id] = outputs[0]
+                    row.later[p.id] = [t for t, _ in outputs[1:]]
+                    if spent is not None:
+                        row.spent[p.id] = spent
+    for p in prompts:                 # prompt-major: the target's cache keeps the prompt between methods
+        for m, row in rows.items():
+            if p.id not in row.outputs:
+                continue
+            tokens, text = row.outputs[p.id]
+            try:
+                row.nll[p.id] = target_nll(target, encoded[p.id], tokens)
+                if execute and p.test is not None:
+                    row.passed[p.id] = passes(p, stop_code(text))
+                if schema is not None:
+                    row.valid[p.id] = valid_json(text, schema)
+            except Exception as e:  # noqa: BLE001
+                row.nll.pop(p.id, None)
+                fail(row, p, repeat, e)
+    return rows
+
+
+def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, humaneval_limit: int | None,
+         category: str | None, per_category: int | None, execute: bool, out_dir: str, methods: str | None, repeat: int, raw: bool,
+         schema: tuple[str, str] | None = None,
+         note: Callable[[str], None], progress: Progress | None = None,
+         warn: Callable[[str], None] = lambda s: None) -> str:
+    """`flylocal bench`: check everything that can be checked before a model loads, load the
+    models through the loader like every command, run, and write the results. Returns the
+    report's text."""
+    from flylocal.loader import load, runtime_config
+
+    if (prompts_path is None) == (not humaneval):
+        raise FlylocalError("give --prompts FILE_OR_DIR or --humaneval (one of them)")
+    if execute and not humaneval:
+        raise FlylocalError("--execute runs HumanEval completions; it needs --humaneval")
+    prompts = humaneval_prompts(humaneval_limit) if humaneval else load_prompts(prompts_path)
+    if category is not None:
+        prompts = of_categories(prompts, category, "HumanEval" if humaneval else prompts_path)
+    if per_category is not None:
+        prompts = per_group(prompts, per_category)
+    notes = []                        # said once every check has passed, so that an error stays one line
+    chosen = parse_methods(methods, settings.draft is not None, notes.append)
+    schema_source = None
+    if schema is not None:            # (its text, how to name it)
+        import jsonschema
+
+        from flylocal.decoding import grammar as G
+
+        text, schema_source = schema
+        G.json_output(text, schema_source)
+        schema = json.loads(text)
+        try:                          # the answers are checked against it with jsonschema too
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as e:
+            raise FlylocalError(f"{schema_source} is not valid: {e.message}") from None
+        local = [m for m in chosen if METHODS[m].baseline]
+        if local:
+            notes.append(f"--json-schema: skipping {', '.join(local)} (flylocal's grammar engine runs the schema)")
+            chosen = [m for m in chosen if m not in local]
+        if not chosen:
+            raise FlylocalError("no methods left to run")
+    if settings.target_rpc:
+        local = [m for m in chosen if METHODS[m].baseline]
+        if local:
+            notes.append(f"--target-rpc: skipping {', '.join(local)} (llama-cpp-python's own generation runs the "
+                         "target here)")
+            chosen = [m for m in chosen if m not in local]
+        if not chosen:
+            raise FlylocalError("no methods left to run")
+    out = prepare_out(out_dir)
+    if humaneval and not execute:
+        notes.append("HumanEval completions will not be run (no pass@1); --execute runs them, see --help")
+    models = load(settings, log=note)
+    from flylocal.front.bench.baseline import LlamaCppPythonBaseline     # loaded by now
+    from flylocal.llama.devices import build_info
+
+    baselines = {}
+    try:
+        encoded = encode_all(models.target, prompts, raw)
+        for message in notes:
+            note(message)
+        for m in chosen:
+            if METHODS[m].baseline:
+                baselines[m] = LlamaCppPythonBaseline(models.target.path,
+                                                      runtime_config(settings, gpu_layers=models.target.config.n_gpu_layers),
+                                                      prompt_lookup=METHODS[m].prompt_lookup)
+        rows = run(settings, models, baselines, prompts, chosen, repeat, progress, raw=raw, encoded=encoded,
+                   execute=execute, warn=warn, schema=schema)
+        results = {
+            "methods": metrics(rows, prompts),
+            "prompts": per_prompt(rows, prompts),
+            "machine": machine_info(build_info()),
+            "config": {"target": settings.target, "draft": settings.draft,
+                       "source": "HumanEval" if humaneval else prompts_path, "prompts": len(prompts),
+                       "category": category, "per_category": per_category, "max_tokens": settings.max_tokens, "repeat": repeat,
+                       "k": settings.k, "ctx": settings.ctx, "exact": settings.exact, "threads": settings.threads,
+                       "target_rpc": list(settings.target_rpc), "draft_rpc": list(settings.draft_rpc),
+                       "methods": chosen, "executed": execute if humaneval else None, "json_schema": schema_source},
+        }
+        report, png = write_results(out, results)
+        if png is None:
+            note("matplotlib is not installed: no plot (pip install 'flylocal[plot]')")
+        return report
+    finally:
+        for x in baselines.values():
+            x.close()
+        models.close()
