@@ -497,7 +497,7 @@ def test_ctrl_c_ends_quietly_and_leaves_no_worker():
                                 "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert gen.stdout.read(8)
-        workers = subprocess.run(["pgrep", "-f", "flylocal.llama.remote"], capture_output=True, text=True).stdout.split()
+        workers = subprocess.run(["pgrep", "-f", "flylocal.llama.worker"], capture_output=True, text=True).stdout.split()
         assert workers
         gen.send_signal(signal.SIGINT)
         _, err = gen.communicate(timeout=60)

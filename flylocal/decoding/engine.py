@@ -4,7 +4,8 @@
     context -> drafter.propose -> target.decode([last, *draft], k+1 rows of logits)
             -> verifier.decide(draft, a, logits) -> target.truncate(n_past + m) -> stats, feedback
 
-Each step is a method over a small record of the round (`Round`); the loop is `Engine._rounds`.
+Each step is a method over a small record of the round (flylocal.decoding.round); the loop is
+`Engine._rounds`.
 The target's cache always holds the committed tokens but the last one (`last`), which is
 decoded at the head of the next round's batch. `Engine.generate` returns a Generation: an
 iterable of RoundEvents that owns the request's stats, its output tokens and its stop reason.
@@ -22,8 +23,9 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 
 from flylocal.decoding.adaptive import timed_decode
-from flylocal.decoding.contracts import EMPTY, NO_DRAFT, Decision, Draft, Drafter, Target, Verifier
+from flylocal.decoding.contracts import EMPTY, NO_DRAFT, Drafter, Target, Verifier
 from flylocal.decoding.costs import Source
+from flylocal.decoding.round import Round
 from flylocal.decoding.sampling import SamplingParams, position_noise, sample_targets, target_argmax, token_logprobs
 from flylocal.decoding.stats import Stats
 from flylocal.decoding.trace import trace_row
@@ -60,33 +62,6 @@ class RoundEvent:
     trace: dict | None = None
     logprobs: tuple | None = None   # per token of `tokens` (with EngineConfig.logprobs): (log-probability,
                                     # ((id, log-probability), ...) most likely first), from the round's rows
-
-
-@dataclass(slots=True)
-class Round:
-    """One round, filled in step by step. Positions j index the draft; `forced` of its first
-    tokens came from the grammar, the rest from the drafter (`proposal`)."""
-
-    index: int
-    proposal: Draft                   # the drafter's proposal, as it came
-    draft: np.ndarray                 # [k] int32: the tokens the target scores after `last`
-    forced: int = 0                   # f: the draft's first tokens the grammar forced
-    head: int = 0                     # rows of the prompt's tail decoded ahead of the round's own
-    n_past: int = 0                   # the target's committed length before the round's rows
-    logits: np.ndarray | None = None  # [k+1, n_vocab] float32: the target's rows, valid until the next decode
-    target: np.ndarray | None = None  # [k+1] int32: a, the target's token at each position
-    decision: Decision | None = None
-    emitted: np.ndarray | None = None     # [L+1] int32
-    committed: int = 0                # m: of `emitted`, what the cache keeps (cut at the first
-                                      # end-of-generation token, max_tokens and the context's end)
-    accepted: int = 0                 # draft tokens committed: min(L, m)
-    shown: int = 0                    # committed tokens that are output: all but an end-of-generation one
-    ended: bool = False               # an end-of-generation token was committed
-    draft_s: float = 0.0              # seconds drafting,
-    score_s: float = 0.0              # in the target's decode,
-    mask_s: float = 0.0               # applying a grammar to its rows,
-    decide_s: float = 0.0             # deciding,
-    commit_s: float = 0.0             # rolling the cache back
 
 
 class Request:

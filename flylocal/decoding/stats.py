@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from flylocal.decoding.engine import Round
+    from flylocal.decoding.round import Round
 
 
 @dataclass

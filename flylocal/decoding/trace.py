@@ -10,7 +10,7 @@ import numpy as np
 from flylocal.decoding.verifiers.base import regrets
 
 if TYPE_CHECKING:
-    from flylocal.decoding.engine import Round
+    from flylocal.decoding.round import Round
 
 
 def trace_row(r: Round, grammar: bool = False) -> dict:

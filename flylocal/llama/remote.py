@@ -20,7 +20,6 @@ answer again. Whatever else was loaded (a local draft) is untouched.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import mmap
 import os
 import subprocess
@@ -78,7 +77,7 @@ class RemoteContext:
                    FLYLOCAL_EXACT="1" if kernels.loaded() == kernels.EXACT else "0")
         try:
             self._worker = subprocess.Popen(
-                [sys.executable, "-m", "flylocal.llama.remote", str(theirs.fileno()), str(self._shm.fileno())],
+                [sys.executable, "-m", "flylocal.llama.worker", str(theirs.fileno()), str(self._shm.fileno())],
                 pass_fds=(theirs.fileno(), self._shm.fileno()), stdin=subprocess.DEVNULL, stdout=self._log,
                 stderr=self._log, env=env, start_new_session=True)    # Ctrl-C reaches this process only
         except OSError as e:
@@ -248,49 +247,3 @@ class RemoteContext:
                 pass
             self._stop()
         self._lost = None
-
-
-def _serve(conn: Connection, shm_fd: int) -> int:
-    """The worker: load the model on its rpc servers and decode on request until told to stop."""
-    path, config = conn.recv()
-    from flylocal.llama.runtime import Runtime
-
-    try:
-        # Every layer runs on the servers; the output layer here (--rpc-output here) gets the
-        # threads asked for, or every core.
-        from flylocal.host import usable_cores
-
-        threads = (config.n_threads or usable_cores()) if config.rpc_output == "here" else 1
-        rt = Runtime(path, dataclasses.replace(config, n_threads=threads))
-    except FlylocalError as e:
-        conn.send(("error", str(e)))
-        return 1
-    conn.send(("ready", rt.n_ctx, rt.n_batch, [tuple(d.__dict__.values()) for d in rt.devices], rt.description()))
-    cap, rows = 0, None
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            break
-        if message[0] != "decode":
-            break
-        _, keep, tokens, logits_from, want = message
-        if want != cap:
-            rows = np.frombuffer(mmap.mmap(shm_fd, want * rt.n_vocab * 4), dtype=np.float32).reshape(want, rt.n_vocab)
-            cap = want
-        try:
-            rt.truncate(keep)
-            logits = rt.decode(tokens, logits_from)
-        except FlylocalError as e:
-            conn.send(("error", str(e)))
-            continue
-        n = 0 if logits is None else len(logits)
-        if n:
-            rows[:n] = logits
-        conn.send(("ok", n))
-    rt.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_serve(Connection(int(sys.argv[1])), int(sys.argv[2])))

@@ -1,0 +1,37 @@
+"""One round's record, filled in step by step by the engine (flylocal.decoding.engine) and read
+by its accounts: the stats (flylocal.decoding.stats) and the trace (flylocal.decoding.trace)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from flylocal.decoding.contracts import Decision, Draft
+
+
+@dataclass(slots=True)
+class Round:
+    """Positions j index the draft; `forced` of its first tokens came from the grammar, the rest
+    from the drafter (`proposal`)."""
+
+    index: int
+    proposal: Draft                   # the drafter's proposal, as it came
+    draft: np.ndarray                 # [k] int32: the tokens the target scores after `last`
+    forced: int = 0                   # f: the draft's first tokens the grammar forced
+    head: int = 0                     # rows of the prompt's tail decoded ahead of the round's own
+    n_past: int = 0                   # the target's committed length before the round's rows
+    logits: np.ndarray | None = None  # [k+1, n_vocab] float32: the target's rows, valid until the next decode
+    target: np.ndarray | None = None  # [k+1] int32: a, the target's token at each position
+    decision: Decision | None = None
+    emitted: np.ndarray | None = None     # [L+1] int32
+    committed: int = 0                # m: of `emitted`, what the cache keeps (cut at the first
+                                      # end-of-generation token, max_tokens and the context's end)
+    accepted: int = 0                 # draft tokens committed: min(L, m)
+    shown: int = 0                    # committed tokens that are output: all but an end-of-generation one
+    ended: bool = False               # an end-of-generation token was committed
+    draft_s: float = 0.0              # seconds drafting,
+    score_s: float = 0.0              # in the target's decode,
+    mask_s: float = 0.0               # applying a grammar to its rows,
+    decide_s: float = 0.0             # deciding,
+    commit_s: float = 0.0             # rolling the cache back
