@@ -19,7 +19,7 @@
 # It prints: t(1..33), the decode seconds of 1..33 rows with every layer offloaded, of SmolLM2
 # and of a Llama-3.2-1B-shaped model with random weights (written on the spot); tokens/s of
 # plain, strict-pld, fly-pld and strict-mla on Spec-Bench questions (SmolLM2 as target and
-# draft); and the host work per round (scripts/bench_host.py). Without the first half (the
+# draft); and the host work per round (scripts/bench/host.py). Without the first half (the
 # machine went back between the calls) SmolLM2's parts are skipped, and said so. The calls:
 #   run(command="scripts/device_check.sh --receive", carry=[".device-first"], timeout_s=60)
 #   run(command="scripts/device_check.sh", carry=[".device"], timeout_s=580)
@@ -141,7 +141,7 @@ PY
     cat "$DEV/bench/report.md"
   fi
   echo "## host work per round"
-  "$py" scripts/bench_host.py --models "${smol:+$smol,}$big"
+  "$py" scripts/bench/host.py --models "${smol:+$smol,}$big"
 }
 
 case "${1:-}" in

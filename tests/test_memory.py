@@ -14,7 +14,7 @@ from conftest import GEMMA, model_path
 
 pytestmark = pytest.mark.slow     # every test here loads a real model
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_memory.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench" / "memory.py"
 
 
 def test_gemma_8k_context_peak_rss_under_1_5_gib():

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Peak resident memory of one `flylocal generate` run, measured from a parent process.
 
-    .venv/bin/python scripts/bench_memory.py [--target gemma-3-270m] [--ctx 8192] [--drafter pld]
+    .venv/bin/python scripts/bench/memory.py [--target gemma-3-270m] [--ctx 8192] [--drafter pld]
 
 Prints the child's peak RSS (ru_maxrss). A full n_ctx x n_vocab float32 logits buffer alone
 would be 8 GiB for Gemma 3 at 8k context; flylocal asks llama.cpp for logits only on the rows

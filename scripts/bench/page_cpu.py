@@ -12,7 +12,7 @@ answer in one conversation, which soon outgrows the window, so the page scrolls 
 CPU here is less taken from llama.cpp's threads when the browser and the server share a machine
 (bench_page.py measures that directly, with more noise).
 
-    .venv/bin/python scripts/bench_page_cpu.py [--answers 6] [--max-tokens 256] [--idle] [--one-conversation]
+    .venv/bin/python scripts/bench/page_cpu.py [--answers 6] [--max-tokens 256] [--idle] [--one-conversation]
 """
 
 from __future__ import annotations
@@ -27,10 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
+from harness import questions
 
 REPLAY = """
 const streams = arguments[0];
@@ -64,14 +61,12 @@ def main() -> int:
                     help="every answer in the same conversation, so that the list scrolls to follow them")
     args = ap.parse_args()
 
-    from flylocal.front.bench import load_prompts, per_group
+    from page import ask_page, page_on_server
 
-    from bench_page import ask_page, page_on_server
-
-    firsts = [p.text for p in per_group(load_prompts(str(ROOT / "data" / "spec_bench")), 1)]
-    questions = [firsts[0], firsts[2]]              # two that run to max_tokens
+    firsts = questions(1)
+    asked = [firsts[0], firsts[2]]                  # two that run to max_tokens
     with page_on_server() as (driver, url):
-        streams = [_record(url, q, args.max_tokens) for q in questions]
+        streams = [_record(url, q, args.max_tokens) for q in asked]
         print("recorded:", ", ".join(f"{len(s)} events in {s[-1][0] / 1000:.1f} s" for s in streams))
         driver.execute_script(REPLAY, streams)
         driver.set_script_timeout(300)

@@ -19,8 +19,8 @@ seconds. Its cost curves and --threads auto's kept count live in this run's own 
 by the processes as a user's would be, so each auto process starts from what the last one
 learnt; one uncounted run per fixed count calibrates the curves first.
 
-    .venv/bin/python scripts/bench_threads.py [--target NAME] [--drafter pld] [--max-tokens 64] [--repeat 3]
-    .venv/bin/python scripts/bench_threads.py --whole [--max-tokens 96] [--repeat 5]
+    .venv/bin/python scripts/bench/threads.py [--target NAME] [--drafter pld] [--max-tokens 64] [--repeat 3]
+    .venv/bin/python scripts/bench/threads.py --whole [--max-tokens 96] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 from loadgen import LOAD_LIMIT_S, busy
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import ROOT
+
 PROMPT_IDS = ("chat-focus", "copy-edit-keeper")
 def child(args) -> int:
     """One mode under the current load: decode tokens/s of each prompt, as JSON on stdout."""
@@ -129,7 +129,6 @@ def generate(args, threads: str) -> tuple[float, float, int]:
 
 
 def whole(args) -> int:
-    sys.path.insert(0, str(ROOT))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     os.environ["FLYLOCAL_COSTS"] = tempfile.mkdtemp(prefix="flylocal-bench-threads-costs-")
     os.environ["FLYLOCAL_EXACT"] = "0"

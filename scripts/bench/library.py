@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How long `flylocal models list` takes over 50 local GGUF files, cold and warm.
 
-    .venv/bin/python scripts/bench_library.py [--files 50] [--repeat 3]
+    .venv/bin/python scripts/bench/library.py [--files 50] [--repeat 3]
 
 Links (hard links where it can, never copies) the four registry models into a temporary folder
 on FLYLOCAL_MODEL_PATH, 50 names in turn, and times `flylocal models list` in a fresh process:
@@ -23,7 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flylocal import models
 from flylocal import gguf_info  # noqa: E402

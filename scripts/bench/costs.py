@@ -17,7 +17,7 @@ temporary folder (`FLYLOCAL_COSTS`); the user's is never touched. Per repetition
 Printed: the median decode tokens/s of each, its ratio to healthy, the drafted tokens, the mean
 accepted length and the state of the curve the measured run used.
 
-    .venv/bin/python scripts/bench_costs.py [--target NAME] [--max-tokens 160] [--repeat 3] [--exact]
+    .venv/bin/python scripts/bench/costs.py [--target NAME] [--max-tokens 160] [--repeat 3] [--exact]
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from pathlib import Path
 
 from loadgen import LOAD_LIMIT_S, busy
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import ROOT
+
 PROMPT_ID = "copy-edit-lighthouse"
 POISON = {"base": [0.0084, 0.0143, 0.0204, None, 0.0285, None, None, None, 0.046] + [None] * 7 + [0.0772],
           "seconds": [0.0114, 1.620, 1.724, None, 1.622, None, None, None, 1.656] + [None] * 7 + [0.0772]}

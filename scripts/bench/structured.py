@@ -4,7 +4,7 @@ asd with pld, model and mla drafters, at temperature 0 and 0.8. Each answer that
 itself must parse and validate against its schema (jsonschema); an answer cut at
 --max-tokens is counted apart (a schema whose every string is bounded leaves none).
 
-    .venv/bin/python scripts/check_structured.py [--max-tokens 192] [--prompts N] [--k 6] [--out FILE]
+    .venv/bin/python scripts/bench/structured.py [--max-tokens 192] [--prompts N] [--k 6] [--out FILE]
         [--schemas flat,nested] [--verifiers strict,fly] [--temperatures 0,0.8]
 
 Prints one line per (schema, method, temperature) and exits 1 if any finished answer is invalid.
@@ -27,7 +27,9 @@ from flylocal.decoding.sampling import SamplingParams
 from flylocal.loader import load
 from flylocal.settings import Settings
 
-ROOT = Path(__file__).resolve().parent.parent / "data" / "structured"
+from harness import ROOT
+
+DATA = ROOT / "data" / "structured"
 
 
 def main() -> int:
@@ -40,8 +42,8 @@ def main() -> int:
     ap.add_argument("--temperatures", default="0,0.8")
     ap.add_argument("--k", type=int, default=6, help="draft length, fixed: the draft model drafts every round")
     args = ap.parse_args()
-    prompts = [json.loads(line) for line in (ROOT / "prompts.jsonl").read_text().splitlines()][: args.prompts]
-    schemas = {p.stem: json.loads(p.read_text()) for p in sorted(ROOT.glob("*.json"))
+    prompts = [json.loads(line) for line in (DATA / "prompts.jsonl").read_text().splitlines()][: args.prompts]
+    schemas = {p.stem: json.loads(p.read_text()) for p in sorted(DATA.glob("*.json"))
                if args.schemas is None or p.stem in args.schemas.split(",")}
     settings = Settings(draft="smollm2-135m-instruct-q4_0", max_tokens=args.max_tokens, k=args.k)
     models = load(settings)

@@ -14,10 +14,10 @@ compares, in decode time against plain decoding:
 It also prints the acceptance each confidence level really had when every proposed token was
 verified (per position, and right after a fully accepted round), the evidence the drafter's
 priors (flylocal.decoding.drafters.pld.level_prior) are set from. `--skip N` leaves out the
-first N prompts of each group, the ones scripts/bench_servers.py answers, so that priors are
+first N prompts of each group, the ones scripts/bench/servers.py answers, so that priors are
 measured on prompts held apart from the benchmark that judges them.
 
-    .venv/bin/python scripts/pld_ceiling.py [--per-category 16] [--skip 8] [--max-tokens 128] [--exact]
+    .venv/bin/python scripts/bench/pld_ceiling.py [--per-category 16] [--skip 8] [--max-tokens 128] [--exact]
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main() -> None:
     kernels.choose(args.exact)
 
     from flylocal.decoding.adaptive import DraftLength, timed_decode
-    from flylocal.decoding.drafters.pld import PromptLookup
+    from flylocal.decoding.drafters.pld import PromptLookup, level_prior
     from flylocal.decoding.engine import generate_all
     from flylocal.front.bench import load_prompts, per_group
     from flylocal.loader import encode_prompt, load
@@ -79,6 +79,7 @@ def main() -> None:
     target.costs.ensure(lambda rows: timed_decode(target, int(probe[0]), rows), max_rows=17, limit=target.n_batch)
     cost = target.costs.cost(17)                                      # [17] t(1..17)
     lookup = PromptLookup(np.zeros(target.n_vocab, dtype=bool))
+    prior = level_prior(lookup.max_ngram)                              # [levels]
 
     def replay(choose, update=lambda *a: None):
         per = collections.defaultdict(lambda: [0.0, 0.0])             # group -> plain seconds, seconds
@@ -103,14 +104,14 @@ def main() -> None:
         return {g: a / b for g, (a, b) in per.items()}, overall
 
     def controller(state, prop, agree):
-        state.setdefault("dl", DraftLength(args.k, lookup.level_prior, target.costs))
+        state.setdefault("dl", DraftLength(args.k, prior, target.costs))
         return state["dl"].choose(prop.level, len(prop.tokens))
 
     def controller_update(state, prop, kk, accepted):
         if "dl" in state:
             state["dl"].update(prop.level if prop is not None else 0, kk, accepted)
 
-    levels = range(len(lookup.level_prior))
+    levels = range(len(prior))
     print("acceptance when every proposed token is verified (positions 1..4; rounds):")
     print("| level | prior | after a full accept | p1 | p2 | p3 | p4 | rounds |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -134,7 +135,7 @@ def main() -> None:
         for streak in (0, 1):
             t, h = tries[streak, level], hits[streak, level]
             cells = " | ".join(f"{h[i] / t[i]:.2f}" if t[i] else "-" for i in range(4))
-            print(f"| {level} | {lookup.level_prior[level]:.2f} | {'yes' if streak else 'no'} | {cells} | {int(t[0])} |")
+            print(f"| {level} | {prior[level]:.2f} | {'yes' if streak else 'no'} | {cells} | {int(t[0])} |")
     best: dict[int, int] = {}
     for level in levels:            # the best fixed length per level, one level at a time
         scores = {k: replay(lambda s, p, a, m={**best, level: k}: min(m.get(p.level, 0), len(p.tokens)))[1]

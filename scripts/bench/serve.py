@@ -8,7 +8,7 @@ per second of wall time), p50/p95 latency, p50/p95 time to first token and error
 client alone compares a single stream's decode speed with `flylocal generate` on the same
 prompts and settings (the overhead of the server).
 
-    .venv/bin/python scripts/bench_serve.py [--clients 4] [--requests 3] [--max-tokens 64]
+    .venv/bin/python scripts/bench/serve.py [--clients 4] [--requests 3] [--max-tokens 64]
 """
 
 from __future__ import annotations
@@ -16,42 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import ROOT, cores, servers
 PROMPTS = [json.loads(line)["prompt"] for line in (ROOT / "data" / "prompts.jsonl").read_text().splitlines()
            if json.loads(line)["category"] in ("qa", "summarization", "reply", "chat", "writing")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(proc, url: str, health: str, log, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise SystemExit(f"server exited: {log.read()[-2000:]}")
-        try:
-            if httpx.get(url + health, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise SystemExit("server not ready in time")
 
 
 MODEL = "smollm2-135m-instruct"
@@ -118,21 +93,6 @@ def load(url: str, clients: int, requests: int, max_tokens: int, extra: dict) ->
             "ttft50": pct([r["ttft"] for r in ok], 0.5), "ttft95": pct([r["ttft"] for r in ok], 0.95)}
 
 
-def run_server(cmd: list[str], health: str, port: int, work) -> object:
-    log = tempfile.TemporaryFile("w+")                # a server's log: a pipe nobody reads would stall it
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(proc, url, health, log)
-        return work(url)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m-instruct")
@@ -148,7 +108,7 @@ def main() -> int:
     global MODEL
     MODEL = args.target
     path = str(resolve(args.target))
-    threads = args.threads or len(__import__("os").sched_getaffinity(0))
+    threads = args.threads or len(cores())
     flylocal = [sys.executable, "-m", "flylocal", "serve", "--target", args.target, "--ctx", str(args.ctx),
                 "--threads", str(threads), "--max-queue", str(args.clients * 2)]
     configs = [
@@ -167,14 +127,12 @@ def main() -> int:
     print("| server | requests | errors | throughput tok/s | p50 latency s | p95 latency s | p50 TTFT s | p95 TTFT s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, cmd, health in configs:
-        port = free_port()
-        cmd = cmd + ["--port", str(port)]
-        r = run_server(cmd, health, port, lambda url: load(url, args.clients, args.requests, args.max_tokens, {}))
+        with servers({name: cmd + ["--port", "{port}"]}, health) as urls:
+            r = load(urls[name], args.clients, args.requests, args.max_tokens, {})
         print(f"| {name} | {r['requests']} | {r['errors']} | {r['throughput']:.1f} | {r['p50']:.2f} | "
               f"{r['p95']:.2f} | {r['ttft50']:.2f} | {r['ttft95']:.2f} |", flush=True)
 
     # One stream alone against `flylocal generate`, same prompts and settings, interleaved.
-    port = free_port()
     single = PROMPTS[:4]
 
     def alone(url):
@@ -190,8 +148,8 @@ def main() -> int:
                 generated.append(float(re.search(r"([0-9.]+) tok/s", done.stderr).group(1)))
         return served, generated
 
-    served, generated = run_server(flylocal + ["--drafter", "pld", "--verifier", "strict", "--port", str(port)],
-                                   "/health", port, alone)
+    with servers({"alone": flylocal + ["--drafter", "pld", "--verifier", "strict", "--port", "{port}"]}) as urls:
+        served, generated = alone(urls["alone"])
     engine = statistics.median(r["engine_tps"] for r in served)
     stream = statistics.median(r["stream_tps"] for r in served if r["stream_tps"])
     plain = statistics.median(generated)

@@ -23,7 +23,7 @@ round-trip latency, plus bytes / its bandwidth, for the latencies and bandwidths
 halves are the same CPU, so compute is the same on both sides; a real target box changes the
 compute, not the network terms.
 
-    .venv/bin/python scripts/bench_rpc.py [--target NAME] [--draft NAME] [--max-tokens 96] [--out DIR]
+    .venv/bin/python scripts/bench/rpc.py [--target NAME] [--draft NAME] [--max-tokens 96] [--out DIR]
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from flylocal.decoding.engine import generate_all  # noqa: E402
 from flylocal.llama import rpc  # noqa: E402
 from flylocal.loader import build_engine, encode_prompt, open_model, runtime_config  # noqa: E402
 from flylocal.models import resolve  # noqa: E402
 from flylocal.settings import Settings  # noqa: E402
+
+from harness import ROOT, free_port
 
 PROMPT_IDS = ("copy-edit-keeper", "code-edit-rename", "chat-focus", "summarise-report", "story-robot")
 METHODS = {"autoregressive": ("none", "strict"), "strict-pld": ("pld", "strict"),
@@ -57,12 +57,6 @@ ROWS = (1, 2, 5, 9)
 OUTPUTS = ("here", "server")     # --rpc-output
 LATENCIES_MS = (0.2, 1.0, 5.0)   # a wired LAN; Wi-Fi or a slow switch; a VPN across town
 BANDWIDTHS = {"1 GbE": 117e6, "10 GbE": 1170e6}    # bytes per second of payload
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def halves() -> tuple[set[int], set[int]]:

@@ -3,7 +3,7 @@ constrained answer is generated once, then rounds of k draft tokens along it are
 through the constraint: masks computed along the draft and applied to k+1 rows of logits
 (Constraint.restrict), the draft checked (allowed) and the round committed.
 
-    .venv/bin/python scripts/bench_masks.py [--schema data/structured/long_keys.json] [--k 8]
+    .venv/bin/python scripts/bench/masks.py [--schema data/structured/long_keys.json] [--k 8]
 
 Prints, per model: its vocabulary, the tokenizer's build time, and the median per round and
 per row of restrict and of allowed.
@@ -26,7 +26,7 @@ from flylocal.loader import build_engine
 from flylocal.llama.runtime import Runtime, RuntimeConfig
 from flylocal.settings import Settings
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import ROOT
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ exactly, at a speed that is not the page's default.
 Printed: medians over the questions and their ratio, and the median of each question's own
 ratio (its turns ran back to back, so a machine drifting between questions moves it less).
 
-    .venv/bin/python scripts/bench_page.py [--questions 8] [--max-tokens 128] [--drafter pld] [--k N]
+    .venv/bin/python scripts/bench/page.py [--questions 8] [--max-tokens 128] [--drafter pld] [--k N]
 """
 
 from __future__ import annotations
@@ -33,11 +33,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+from harness import ROOT, free_port, questions, wait_ready
+
+sys.path.insert(0, str(ROOT / "tests"))          # the tests' headless Chromium
 
 
 def main() -> int:
@@ -49,10 +48,8 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=None, help="a fixed draft length (default: adaptive, as the page sends)")
     args = ap.parse_args()
 
-    from flylocal.front.bench import load_prompts, per_group
-
-    questions = [p.text for p in per_group(load_prompts(str(ROOT / "data" / "spec_bench")), 1)]
-    questions = (questions * (args.questions // max(len(questions), 1) + 1))[: args.questions]
+    asked = questions(1)
+    asked = (asked * (args.questions // max(len(asked), 1) + 1))[: args.questions]
     if not (shutil.which("chromium") and shutil.which("chromedriver") and shutil.which("curl")):
         print("needs chromium, chromedriver and curl", file=sys.stderr)
         return 1
@@ -60,7 +57,7 @@ def main() -> int:
     with page_on_server() as (driver, url):
         _settings(driver, args)
         page, curl, same = [], [], 0
-        for i, q in enumerate(questions):
+        for i, q in enumerate(asked):
             answers = {}
             for reader in (("page", "curl") if i % 2 == 0 else ("curl", "page")):
                 _clear_cache(url)
@@ -70,8 +67,8 @@ def main() -> int:
                 time.sleep(0.5)
             same += answers["page"] == answers["curl"]
     p, c = statistics.median(page), statistics.median(curl)
-    print(f"\n{same} of {len(questions)} questions got the same answer from both turns")
-    print(f"decode tok/s, median of {len(questions)}: page {p:.1f}, curl {c:.1f}, page / curl {p / c:.3f}")
+    print(f"\n{same} of {len(asked)} questions got the same answer from both turns")
+    print(f"decode tok/s, median of {len(asked)}: page {p:.1f}, curl {c:.1f}, page / curl {p / c:.3f}")
     print(f"mean: page {statistics.mean(page):.1f}, curl {statistics.mean(curl):.1f}, "
           f"page / curl {statistics.mean(page) / statistics.mean(curl):.3f}")
     pairs = sorted(a / b for a, b in zip(page, curl))
@@ -86,8 +83,8 @@ def page_on_server():
     """A `flylocal serve` (default model and settings) on a free loopback port, and headless
     Chromium on its page with nothing stored: (driver, url). Both are stopped on the way out."""
     env = dict(os.environ)
-    from test_page import chrome, quit_chrome      # the tests' browser and server helpers (their
-    from test_server import free_port, wait_ready  # conftest sets test-only variables: undone below)
+    from test_page import chrome, quit_chrome      # the tests' browser (their conftest sets test-only
+                                                   # variables: undone below)
 
     os.environ.clear()
     os.environ.update(env)
@@ -96,11 +93,10 @@ def page_on_server():
     log = tempfile.TemporaryFile(mode="w+")       # the server's stderr: wait_ready shows it if it exits
     server = subprocess.Popen([sys.executable, "-m", "flylocal", "serve", "--port", str(port), "--quiet"],
                               stdout=subprocess.DEVNULL, stderr=log)
-    server.log_file = log
     url = f"http://127.0.0.1:{port}"
     driver = None
     try:
-        wait_ready(server, url)
+        wait_ready(server, url, log)
         driver = chrome()
         driver.get(url + "/")
         driver.execute_script("localStorage.clear();")

@@ -21,97 +21,29 @@ long (`--natural` lets answers end where the model ends them).
 llama-server is built from the llama.cpp source that llama-cpp-python vendors (docs/benchmarks.md
 says how); give its path with --llama-server. Every server is stopped on the way out.
 
-    .venv/bin/python scripts/bench_servers.py [--llama-server PATH] [--per-category 4] [--max-tokens 128]
+    .venv/bin/python scripts/bench/servers.py [--llama-server PATH] [--per-category 4] [--max-tokens 128]
         [--modes "flylocal plain,llama-server plain"]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import flylocal_serve, interval, questions, servers
+
 FLYLOCAL_MODES = {"flylocal plain": ["--drafter", "none", "--verifier", "strict"],
                   "flylocal strict-pld": ["--drafter", "pld", "--verifier", "strict"],
                   "flylocal fly-pld": ["--drafter", "pld", "--verifier", "fly"]}
 LLAMA_MODES = {"llama-server plain": [], "llama-server ngram-mod": ["--spec-type", "ngram-mod"]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def questions(per_category: int) -> list[str]:
-    sys.path.insert(0, str(ROOT))
-    from flylocal.front.bench import load_prompts, per_group
-
-    return [p.text for p in per_group(load_prompts(str(ROOT / "data" / "spec_bench")), per_category)]
-
-
-@contextlib.contextmanager
-def servers(args, model_path: str):
-    procs, urls = [], {}
-    logs = []
-    try:
-        for name, extra in FLYLOCAL_MODES.items():
-            if name not in args.modes:
-                continue
-            port = free_port()
-            log = tempfile.TemporaryFile()
-            procs.append(subprocess.Popen([sys.executable, "-m", "flylocal", "serve", "--port", str(port), "--quiet",
-                                           "--target", args.target, "--ctx", str(args.ctx), *extra],
-                                          stdout=log, stderr=log))
-            urls[name] = f"http://127.0.0.1:{port}"
-            logs.append(log)
-        if args.llama_server:
-            for name, extra in LLAMA_MODES.items():
-                if name not in args.modes:
-                    continue
-                port = free_port()
-                log = tempfile.TemporaryFile()
-                procs.append(subprocess.Popen([args.llama_server, "-m", model_path, "--port", str(port),
-                                               "--host", "127.0.0.1", "-c", str(args.ctx), "--no-webui", *extra],
-                                              stdout=log, stderr=log))
-                urls[name] = f"http://127.0.0.1:{port}"
-                logs.append(log)
-        deadline = time.monotonic() + 300
-        for (name, url), proc, log in zip(urls.items(), procs, logs):
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    raise SystemExit(f"{name} exited: {log.read()[-2000:].decode(errors='replace')}")
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"{name} did not become ready")
-                time.sleep(0.25)
-        yield urls
-    finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 def end_tokens(model_path: str) -> list[int]:
@@ -152,14 +84,6 @@ def ask(url: str, question: str, max_tokens: int, banned: list[int] = ()) -> dic
     return {"tokens": tokens, "wall": wall, "e2e": tokens / wall if wall > 0 else float("nan"), "decode": decode}
 
 
-def interval(ratios: list[float], draws: int = 10_000, seed: int = 0) -> tuple[float, float]:
-    """A 95% bootstrap interval for the median of per-question ratios (questions resampled)."""
-    r = np.asarray(ratios)
-    picks = np.random.default_rng(seed).integers(0, len(r), size=(draws, len(r)))
-    lo, hi = np.percentile(np.median(r[picks], axis=1), [2.5, 97.5])
-    return float(lo), float(hi)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m-instruct")
@@ -182,14 +106,18 @@ def main() -> int:
     if base not in args.modes:
         ap.error(f"--modes: the ratios are to {base!r}; include it")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
-    sys.path.insert(0, str(ROOT))
     from flylocal import models
 
     path = str(models.resolve(args.target))
     qs = questions(args.per_category)
     banned = [] if args.natural else end_tokens(path)
     results: dict[str, list[dict]] = {}
-    with servers(args, path) as urls:
+    commands = {name: flylocal_serve("--target", args.target, "--ctx", str(args.ctx), *extra)
+                for name, extra in FLYLOCAL_MODES.items() if name in args.modes}
+    if args.llama_server:
+        commands |= {name: [args.llama_server, "-m", path, "--port", "{port}", "--host", "127.0.0.1", "-c",
+                            str(args.ctx), "--no-webui", *extra] for name, extra in LLAMA_MODES.items() if name in args.modes}
+    with servers(commands) as urls:
         for url in urls.values():                # one warm-up request each, uncounted
             ask(url, "Hello!", 8)
         order = list(urls.items())

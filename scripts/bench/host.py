@@ -9,7 +9,7 @@ position in the middle (so FLy computes one entropy and ASD one regret, as at a 
 The share is of a round whose llama_decode takes --step-ms (about 10 ms for a mid-size model
 on a GPU): host / (step + host).
 
-    .venv/bin/python scripts/bench_host.py [--models smollm2-135m-instruct,gemma-3-270m] [--k 1,4,8,16]
+    .venv/bin/python scripts/bench/host.py [--models smollm2-135m-instruct,gemma-3-270m] [--k 1,4,8,16]
 """
 
 from __future__ import annotations
@@ -18,32 +18,18 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-
-def timed(fn, repeat: int) -> float:
-    """Median seconds of fn() over `repeat` calls (after one warm-up)."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from harness import ROOT, timed
 
 
 def measure(name: str, ks: list[int], repeat: int, threads: int | None) -> list[dict]:
-    import llama_cpp
-
     from flylocal import models
     from flylocal.decoding.drafters.pld import PromptLookup
     from flylocal.decoding.sampling import SamplingParams, target_argmax
-    from flylocal.decoding.verifiers import Asd, Fly, strict
+    from flylocal.decoding.verifiers import Asd, Fly, Strict
+    from flylocal.llama.binding import llama_cpp
     from flylocal.llama.runtime import Runtime, RuntimeConfig
 
     rt = Runtime(models.resolve(name), RuntimeConfig(n_ctx=2048, n_threads=threads))
@@ -61,15 +47,15 @@ def measure(name: str, ks: list[int], repeat: int, threads: int | None) -> list[
         draft = a[:k].copy()
         if k:
             draft[k // 2] = (draft[k // 2] + 1) % rt.n_vocab                 # one mismatch in the middle
-        ptr, shape = llama_cpp.llama_get_logits(rt._ctx), (k + 1, rt.n_vocab)
-        fly, asd = Fly(), Asd()
+        ptr, shape = llama_cpp.llama_get_logits(rt.context._ctx), (k + 1, rt.n_vocab)
+        strict, fly, asd = Strict(), Fly(), Asd()
         row = {
             "model": name, "vocab": rt.n_vocab, "k": k,
             "view": timed(lambda: np.ctypeslib.as_array(ptr, shape=shape), repeat),
             "argmax": timed(lambda: target_argmax(draft, logits, context, greedy), repeat),
-            "strict": timed(lambda: strict(draft, a, logits), repeat),
-            "fly": timed(lambda: fly(draft, a, logits), repeat),
-            "asd": timed(lambda: (asd.reset(), asd(draft, a, logits)), repeat),
+            "strict": timed(lambda: strict.decide(draft, a, logits), repeat),
+            "fly": timed(lambda: fly.decide(draft, a, logits), repeat),
+            "asd": timed(lambda: (asd.reset(), asd.decide(draft, a, logits)), repeat),
             "pld": timed(lambda: drafter.propose(context, max(k, 1)), repeat),
         }
 
