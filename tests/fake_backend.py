@@ -75,9 +75,6 @@ class FakeLM:
         self.table = table.astype(np.float32)                          # [n_states, n_vocab]
         self.argmax = self.table.argmax(axis=1).astype(np.int32)        # [n_states] == top
 
-    def state(self, h: int) -> int:
-        return h % self.n_states
-
     def logits(self, h: int) -> np.ndarray:
         return self.table[h % self.n_states]
 

@@ -15,8 +15,8 @@ A hook a part has nothing to say in has a no-op default here: a class that subcl
 Protocol implements what it needs and inherits the rest. The engine calls every hook, always:
 it never asks an object what it happens to have.
 
-This module imports numpy and the standard library only: the llama.cpp edge (flylocal.llama)
-reaches the core through it.
+This module imports numpy and the standard library (and the cost model where a curve is made):
+the llama.cpp edge (flylocal.llama) reaches the core through it alone.
 """
 
 from __future__ import annotations

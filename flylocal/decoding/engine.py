@@ -212,6 +212,8 @@ class Engine:
         return "reused" if known else self.costs.source.value
 
     def _finished(self, req: Request) -> bool:
+        """Whether the request has stopped; the output's length and the context's end are
+        checked here, an end-of-generation token where it is committed."""
         stats = req.stats
         if not stats.stop:
             if len(req.out) >= self.config.max_tokens:
@@ -325,10 +327,7 @@ class Engine:
         # right after it gets the real reason.
         if r.ended:
             stats.stop = "eog"
-        elif len(req.out) >= cfg.max_tokens:
-            stats.stop = "max_tokens"
-        elif req.n >= self.target.n_ctx:
-            stats.stop = "context"
+        self._finished(req)
         return RoundEvent(r.index, tokens, kinds, trace, logprobs)
 
 

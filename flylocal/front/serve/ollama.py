@@ -180,10 +180,6 @@ class GenerateRequest(Generation):
         return v
 
 
-def parse(model: type[Generation], raw: bytes) -> Generation:
-    return parse_request(model, raw)
-
-
 # ----- answers -----
 
 def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
@@ -313,7 +309,7 @@ def routes(app, server: Server) -> None:
         started = time.perf_counter()
         try:
             server.authorize(request)
-            req = parse(ChatRequest if chat else GenerateRequest, await server.body(request))
+            req = parse_request(ChatRequest if chat else GenerateRequest, await server.body(request))
             ask = ask_of(req, chat)
             if ask is None:
                 return load_only(chat)
