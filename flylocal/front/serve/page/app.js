@@ -19,7 +19,7 @@ const KIND_TITLES = { A: "accepted draft token", L: "loose: a draft token the ta
 // ms between updates of a streaming answer. Every update is a frame the browser lays out, paints
 // and composites, a cost per frame whatever changed, taken from the cores the model decodes on
 // when the server runs on this machine: 4 a second keep the text moving for a reader at a
-// fraction of the cost of 10 (docs/benchmarks.md, "The chat page's cost to decoding").
+// fraction of the cost of 10 (docs/design.md, "The chat page").
 const REDRAW = 250;
 
 const $ = (id) => document.getElementById(id);
