@@ -73,8 +73,8 @@ def servers(commands: dict[str, list[str]], health: str = "/health", env: dict |
         for name, command in commands.items():
             port = free_port()
             log = tempfile.TemporaryFile()           # a pipe nobody reads would stall the server
-            procs.append(subprocess.Popen([part.format(port=port) for part in command], stdout=log, stderr=log,
-                                          env=env))
+            procs.append(subprocess.Popen([part.replace("{port}", str(port)) for part in command], stdout=log,
+                                          stderr=log, env=env))
             urls[name] = f"http://127.0.0.1:{port}"
             logs.append(log)
         for (name, url), proc, log in zip(urls.items(), procs, logs):
