@@ -22,6 +22,7 @@ from flylocal.settings import Settings
 from flylocal.llama.config import RuntimeConfig
 
 if TYPE_CHECKING:      # llama.cpp is imported when models are loaded, not before (flylocal.llama.kernels)
+    from flylocal.llama.embedding import Embedder
     from flylocal.llama.placement import Placement
     from flylocal.llama.runtime import Runtime
 
@@ -39,6 +40,7 @@ class Models:
     # What draft-length control has measured of acceptance, per method and drafting settings:
     # numbers only, kept across requests and chat's /reset (flylocal.decoding.adaptive.Learned).
     learned: dict[tuple, Learned] = field(default_factory=dict)
+    embedder: Embedder | None = None  # made on the first embeddings asked for (`embeddings`)
 
     def engine(self, settings: Settings | None = None, verifier: Verifier | None = None,
                private: bool = False) -> Engine:
@@ -59,7 +61,27 @@ class Models:
         answer; the names of those reconnected. FlylocalError when a server still does not."""
         return [rt.name for rt in (self.target, self.draft) if rt is not None and rt.reconnect()]
 
+    def embeddings(self, path: Path | None = None) -> Embedder:
+        """The embedder (flylocal.llama.embedding): of the model at `path`, loaded once for
+        embeddings alone, or of the target, in a context of its own. FlylocalError for a target
+        on rpc servers, whose weights are not here."""
+        if self.embedder is None:
+            from flylocal.host import usable_cores
+            from flylocal.llama.embedding import Embedder
+
+            threads = self.settings.threads or usable_cores()
+            if path is not None:
+                self.embedder = Embedder.open(path, self.settings.ctx, threads)
+            elif self.target.config.rpc:
+                raise FlylocalError("the target runs on rpc servers: start the server with --embedding-model NAME "
+                                    "to compute embeddings here")
+            else:
+                self.embedder = Embedder(self.target.model, self.target.vocab, self.settings.ctx, threads)
+        return self.embedder
+
     def close(self):
+        if self.embedder is not None:     # before the model it may read
+            self.embedder.close()
         for rt in (self.draft, self.target):
             if rt is not None:
                 rt.close()

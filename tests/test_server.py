@@ -302,8 +302,8 @@ def test_a_full_queue_answers_503_with_retry_after():
 def test_models_health_and_metrics(server):
     auth = {"Authorization": f"Bearer {KEY}"}
     assert httpx.get(server + "/health").json() == {"status": "ready"}
-    ids = [m["id"] for m in httpx.get(server + "/v1/models", headers=auth).json()["data"]]
-    assert ids == [SMOL, SMOL_Q4_0]
+    listed = httpx.get(server + "/v1/models", headers=auth).json()["data"]
+    assert [m["id"] for m in listed] == [SMOL] and listed[0]["flylocal"] == {"role": "target", "draft": SMOL_Q4_0}
     page = httpx.get(server + "/metrics", headers=auth).text
     for name in ("flylocal_requests_total", "flylocal_completion_tokens_total", "flylocal_drafted_tokens_total",
                  "flylocal_accepted_tokens_total", "flylocal_loose_tokens_total", "flylocal_mean_accepted_length",

@@ -196,11 +196,15 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
               help="Another name clients may reach the server by (a LAN name; repeatable). Requests whose Host "
                    "header names no address of the server and no such name are refused.")
 @click.option("--quiet", is_flag=True, help="No log line per request on stderr.")
-def serve(host, port, api_key, max_queue, cors_origins, allowed_hosts, quiet, **opts):
-    """Serve the models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
-    /v1/models) and Ollama's (/api/chat, /api/generate, /api/tags, ...), with /health and
-    /metrics. The options set each request's defaults; a request may override the method and
-    sampling fields (verifier, drafter, k, temperature, ...). Requests a web page could make
+@click.option("--embedding-model", "embedding_model", default=None, metavar="NAME|PATH",
+              help="The model that computes embeddings (/v1/embeddings, /api/embed), loaded on the first request "
+                   "for them. Default: the target, in a context of its own.")
+def serve(host, port, api_key, max_queue, cors_origins, allowed_hosts, quiet, embedding_model, **opts):
+    """Serve the models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/responses,
+    /v1/completions, /v1/embeddings, /v1/models) and Ollama's (/api/chat, /api/generate,
+    /api/embed, /api/tags, ...), with /health and /metrics. The options set each request's
+    defaults; a request may override the method and sampling fields (verifier, drafter, k,
+    temperature, ...). Requests a web page could make
     (a foreign Origin, a Host that does not name the server, a POST that is not JSON) are
     refused. SIGTERM or Ctrl-C stops it once the requests in flight have ended (at most 30 s)."""
     from flylocal import models as registry
@@ -217,8 +221,9 @@ def serve(host, port, api_key, max_queue, cors_origins, allowed_hosts, quiet, **
     for name in (settings.target, settings.draft):     # a bad model is one line before anything listens
         if name:
             registry.resolve(name, note)
+    embedder = (embedding_model, registry.resolve(embedding_model, note)) if embedding_model else None
     server.serve(lambda: Session(load(settings, log=note)), settings, host, port, api_key or None, max_queue,
-                 cors_origins, note, allowed_hosts=allowed_hosts, quiet=quiet)
+                 cors_origins, note, allowed_hosts=allowed_hosts, quiet=quiet, embedding_model=embedder)
 
 
 @cli.command("rpc-server")

@@ -1,7 +1,8 @@
 """`flylocal serve`: the door local tools come through (docs/design.md, "Server").
 
-One Session behind API dialects on one port: OpenAI's (flylocal.front.serve.openai) and
-Ollama's (flylocal.front.serve.ollama). A dialect is a request model and a renderer: it
+One Session behind API dialects on one port: OpenAI's chat and completions
+(flylocal.front.serve.openai), its Responses API (flylocal.front.serve.responses) and Ollama's
+(flylocal.front.serve.ollama); embeddings for both (flylocal.front.serve.embeddings). A dialect is a request model and a renderer: it
 translates requests onto the Server's calls (flylocal.front.serve.app) and renders the typed
 events of one answer stream (flylocal.front.serve.answer, .events); its `routes(app, server)` is
 all the application knows of it. Nothing here imports llama.cpp. One generation runs at a time
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -21,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flylocal.errors import FlylocalError
-from flylocal.front.serve import ollama, openai, page
+from flylocal.front.serve import embeddings, ollama, openai, page, responses
 from flylocal.front.serve.app import ApiError, Server
 from flylocal.front.serve.guard import Guard, HostRule
 from flylocal.llama.net import check_port, is_loopback
@@ -30,18 +32,20 @@ from flylocal.settings import Settings
 
 __all__ = ["DIALECTS", "create_app", "serve"]
 
-DIALECTS = (openai, ollama)
+DIALECTS = (openai, responses, ollama)
 
 
 def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str | None = None,
                max_queue: int = 16, cors_origins: tuple[str, ...] = (), host: str = "127.0.0.1", port: int = 8080,
                allowed_hosts: tuple[str, ...] = (), on_failure: Callable[[BaseException], None] = lambda e: None,
-               log: Callable[[str], None] | None = None, dialects=DIALECTS):
+               log: Callable[[str], None] | None = None, dialects=DIALECTS,
+               embedding_model: tuple[str, Path] | None = None):
     """The application. `load` builds the Session, on the worker thread, while the server
     already answers /health ("loading"); `on_failure` hears if it fails. `host` and `port` are
     where it listens (the Host rule), `log` takes a line per request (None: quiet), `dialects`
-    the APIs it speaks (modules with `routes(app, server)`)."""
-    server = Server(load, settings, api_key, max_queue, on_failure, log)
+    the APIs it speaks (modules with `routes(app, server)`), `embedding_model` the model that
+    computes embeddings (its name and file; None: the target)."""
+    server = Server(load, settings, api_key, max_queue, on_failure, log, embedding_model)
     app = FastAPI(title="flylocal", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = server.worker
     app.state.server = server
@@ -89,13 +93,15 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
 
     for dialect in dialects:
         dialect.routes(app, server)
+    embeddings.routes(app, server)
     page.routes(app)
     return app
 
 
 def serve(load: Callable[[], Session], settings: Settings, host: str, port: int, api_key: str | None,
           max_queue: int, cors_origins: tuple[str, ...], log: Callable[[str], None],
-          allowed_hosts: tuple[str, ...] = (), quiet: bool = False) -> None:
+          allowed_hosts: tuple[str, ...] = (), quiet: bool = False,
+          embedding_model: tuple[str, Path] | None = None) -> None:
     """Listen at once, load the models, and serve until SIGTERM or Ctrl-C: then stop accepting,
     let the requests in flight end, and return."""
     import uvicorn
@@ -122,7 +128,8 @@ def serve(load: Callable[[], Session], settings: Settings, host: str, port: int,
         return session
 
     app = create_app(ready, settings, api_key=api_key, max_queue=max_queue, cors_origins=cors_origins, host=host,
-                     port=port, allowed_hosts=allowed_hosts, on_failure=failed, log=None if quiet else log)
+                     port=port, allowed_hosts=allowed_hosts, on_failure=failed, log=None if quiet else log,
+                     embedding_model=embedding_model)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                            http=BoundedH11, timeout_graceful_shutdown=30))
     servers.append(server)

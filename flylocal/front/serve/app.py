@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from pathlib import Path
+
 import click
 import numpy as np
 from fastapi import Request
@@ -25,7 +27,8 @@ from starlette.requests import ClientDisconnect
 from flylocal.errors import FlylocalError, OptionError
 from flylocal.front.serve import tools
 from flylocal.front.serve.answer import Answer
-from flylocal.front.serve.worker import Job, Metrics, Refused, Worker
+from flylocal.front.serve.events import Computed, Failed
+from flylocal.front.serve.worker import Call, Job, Metrics, Refused, Worker
 from flylocal.loader import check
 from flylocal.session import Session
 from flylocal.settings import OPTIONS, Settings
@@ -130,8 +133,11 @@ class Server:
     """What the dialects share: the settings, the worker and its metrics, the key, the log."""
 
     def __init__(self, load: Callable[[], Session], settings: Settings, api_key: str | None, max_queue: int,
-                 on_failure: Callable[[BaseException], None], log: Callable[[str], None] | None):
+                 on_failure: Callable[[BaseException], None], log: Callable[[str], None] | None,
+                 embedding_model: tuple[str, Path] | None = None):
         self.settings = settings
+        # --embedding-model: (the name given, its file); None: the target computes embeddings
+        self.embedding_name, self.embedding_model = embedding_model or (None, None)
         self.api_key = api_key
         self.metrics = Metrics()
         self.worker = Worker(load, self.metrics, max_queue, on_failure)
@@ -215,6 +221,38 @@ class Server:
         except Refused as e:
             raise ApiError(e.status, e.message, type_="server_error", code=e.code, headers=e.headers) from None
         return Answer(job, queue, ask.calls)
+
+    async def compute(self, work: Callable[[Session, Any], Any]) -> Any:
+        """Run `work(session, cancel)` on the worker thread in turn with the generations, and
+        return what it returns (ApiError 503 when the queue is full; an ApiError it raises
+        passes through; another failure is a 500)."""
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future = loop.create_future()
+
+        def emit(event):
+            def settle():
+                if not result.done():
+                    result.set_result(event)
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:         # the loop is gone (shutdown)
+                pass
+
+        call = Call(work, emit)
+        try:
+            self.worker.submit(call)
+        except Refused as e:
+            raise ApiError(e.status, e.message, type_="server_error", code=e.code, headers=e.headers) from None
+        try:
+            event = await result
+        finally:
+            call.cancel.set()            # a client gone away: the work stops between decodes
+        if isinstance(event, Failed):
+            if isinstance(event.error, ApiError):
+                raise event.error
+            raise failure(event.error)
+        assert isinstance(event, Computed)
+        return event.value
 
     def answered(self, request: Request, endpoint: str, status: int, started: float, stats=None,
                  prompt_tokens: int = 0, completion_tokens: int = 0) -> None:

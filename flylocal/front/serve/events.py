@@ -1,7 +1,8 @@
 """What a generation behind `flylocal serve` says to the request that asked for it: typed
 events, the same under every API dialect (docs/design.md, "Server").
 
-    Text*  then  Done | Failed
+    Text*  then  Done | Failed          (a generation)
+    Computed | Failed                  (any other job: embeddings)
 
 A `Text` is text that may go out now and the output tokens it completes; `Done` ends an answer
 (why it stopped, its stats, and the call it made when it was a tool call); `Failed` ends a job
@@ -65,4 +66,9 @@ class Failed:
         return str(self.error) if isinstance(self.error, FlylocalError) else f"internal error: {type(self.error).__name__}"
 
 
-Event = Text | Done | Failed
+@dataclass(frozen=True)
+class Computed:
+    value: object                  # what a job that is not a generation returned
+
+
+Event = Text | Done | Failed | Computed

@@ -267,11 +267,10 @@ def routes(app, server: Server) -> None:
                     "capabilities": ["completion", "tools"], "modified_at": entry(session)["modified_at"]}
         return await guarded(request, "ollama_show", work)
 
-    for path in ("pull", "push", "create", "copy", "delete", "embed", "embeddings", "blobs/{digest}"):
+    for path in ("pull", "push", "create", "copy", "delete", "blobs/{digest}"):
         def refuse(request: Request, path=path):
-            what = "compute embeddings" if path.startswith("embed") else "manage models"
-            return error(501, f"flylocal does not {what} (/api/{path.split('/')[0]}): it serves the models it was "
-                              f"started with; see `flylocal models`")
+            return error(501, f"flylocal does not manage models (/api/{path.split('/')[0]}): it serves the models "
+                              f"it was started with; see `flylocal models`")
         app.add_api_route(f"/api/{path}", refuse, methods=["POST", "DELETE", "HEAD"] if path != "blobs/{digest}"
                           else ["POST", "HEAD"])
 

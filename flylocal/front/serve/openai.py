@@ -153,18 +153,38 @@ def routes(app, server: Server) -> None:
         server.answered(request, endpoint, e.status, started)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
+    def model_entries() -> list[dict]:
+        """The models a request may name: the target (with the draft that speeds it up), and
+        the model that computes embeddings when it is another."""
+        created = int(time.time())
+        target = {"id": settings.target, "object": "model", "created": created, "owned_by": "flylocal",
+                  "flylocal": {"role": "target"} | ({"draft": settings.draft} if settings.draft else {})}
+        out = [target]
+        if server.embedding_name:
+            out.append({"id": server.embedding_name, "object": "model", "created": created, "owned_by": "flylocal",
+                        "flylocal": {"role": "embedding"}})
+        return out
+
     @app.get("/v1/models")
     async def list_models(request: Request):
         try:
             server.authorize(request)
         except ApiError as e:
             return error_response(e, request, "models", time.perf_counter())
-        created = int(time.time())
-        data = [{"id": settings.target, "object": "model", "created": created, "owned_by": "flylocal"}]
-        if settings.draft:
-            data.append({"id": settings.draft, "object": "model", "created": created, "owned_by": "flylocal",
-                         "flylocal": {"role": "draft"}})
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": model_entries()}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(request: Request, model_id: str):
+        started = time.perf_counter()
+        try:
+            server.authorize(request)
+            for entry in model_entries():
+                if entry["id"] == model_id:
+                    return entry
+            raise ApiError(404, f"the model {model_id!r} is not served here; GET /v1/models lists those that are",
+                           param="model", code="model_not_found")
+        except ApiError as e:
+            return error_response(e, request, "models", started)
 
     def ask_of(req: Common, chat: bool) -> Ask:
         """The request, checked, as the worker's job."""

@@ -26,7 +26,7 @@ CHECKED = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "top_
            "presence_penalty": "presence_penalty", "k": "k", "fly_entropy": "fly_entropy",
            "fly_window": "fly_window", "asd_gate": "asd_gate", "asd_cap": "asd_cap", "asd_budget": "asd_budget",
            "verifier": "verifier", "drafter": "drafter", "max_tokens": "max_tokens",
-           "max_completion_tokens": "max_tokens"}
+           "max_completion_tokens": "max_tokens", "max_output_tokens": "max_tokens"}
 
 
 # ----- requests -----
@@ -113,27 +113,11 @@ def refuse(value, why: str):
     raise ValueError(f"{json.dumps(value)}; {why}")
 
 
-class Common(BaseModel):
-    """The fields both endpoints take. Anything else is refused (extra="forbid")."""
+class Own(BaseModel):
+    """flylocal's own fields (openai's extra_body), the same on every OpenAI endpoint."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None                   # an end user's id, for the provider's abuse checks
-    service_tier: str | None = None
-    store: bool | None = None
-    metadata: dict[str, str] | None = None    # tags for stored completions: nothing is stored
-    # flylocal's own (openai's extra_body)
     verifier: str | None = None
     drafter: str | None = None
     k: int | None = None
@@ -145,6 +129,26 @@ class Common(BaseModel):
     asd_gate: float | None = None
     asd_cap: int | None = None
     asd_budget: float | None = None
+
+
+class Common(Own):
+    """The fields both endpoints take. Anything else is refused (extra="forbid")."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None                   # an end user's id, for the provider's abuse checks
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None    # tags for stored completions: nothing is stored
 
     @field_validator("n")
     @classmethod
@@ -279,19 +283,21 @@ def parse(model: type[BaseModel], raw: bytes) -> Any:
     return req
 
 
-def request_settings(base: Settings, req: Common, n_vocab: int | None = None) -> Settings:
-    """The server's settings with a request's fields applied (the request owns its ledger)."""
-    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+def request_settings(base: Settings, req: Own, n_vocab: int | None = None, max_tokens: int | None = None) -> Settings:
+    """The server's settings with a request's fields applied (the request owns its ledger);
+    `max_tokens`, where the endpoint names it otherwise (max_output_tokens)."""
+    max_tokens = max_tokens or getattr(req, "max_completion_tokens", None) or getattr(req, "max_tokens", None)
     bias = ()
-    if req.logit_bias:
+    if getattr(req, "logit_bias", None):
         bias = tuple(sorted((int(k), float(v)) for k, v in req.logit_bias.items()))
         if n_vocab is not None and bias[-1][0] >= n_vocab:
             raise ApiError(400, f"logit_bias: token id {bias[-1][0]} is not in the vocabulary (0..{n_vocab - 1})",
                            param="logit_bias")
     sampling = {k: v for k, v in dict(temperature=req.temperature, top_p=req.top_p, seed=req.seed, top_k=req.top_k,
                                       min_p=req.min_p, repeat_penalty=req.repeat_penalty,
-                                      frequency_penalty=req.frequency_penalty,
-                                      presence_penalty=req.presence_penalty).items() if v is not None}
+                                      frequency_penalty=getattr(req, "frequency_penalty", None),
+                                      presence_penalty=getattr(req, "presence_penalty", None)).items()
+                if v is not None}
     if bias:
         sampling["logit_bias"] = bias
     fly = {k: v for k, v in dict(entropy=req.fly_entropy, window=req.fly_window).items() if v is not None}

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from flylocal.front.serve.events import Done, Failed, OutToken, Text
+from flylocal.front.serve.events import Computed, Done, Failed, OutToken, Text
 from flylocal.session import Session, TextStream
 from flylocal.settings import Settings
 
@@ -71,6 +71,16 @@ class Job:
     grammar: tuple[str, str] | None = None    # (what it is, its llguidance grammar): the output under it
 
 
+@dataclass
+class Call:
+    """A job that is not a generation (embeddings): `work(session, cancel)` runs on the worker
+    thread, in turn with the generations; what it returns goes to `emit` as Computed."""
+    work: Callable[[Session, threading.Event], Any]
+    emit: Callable[[Any], None]
+    cancel: threading.Event = field(default_factory=threading.Event)
+    queued_at: float = field(default_factory=time.perf_counter)
+
+
 class Worker:
     """One thread loads the models, then runs the jobs, first come first served, one at a time."""
 
@@ -79,7 +89,7 @@ class Worker:
         self.metrics, self.max_queue = metrics, max_queue
         self.session: Session | None = None         # None while the models load
         self.failed: BaseException | None = None
-        self.jobs: collections.deque[Job] = collections.deque()     # waiting, oldest first
+        self.jobs: collections.deque[Job | Call] = collections.deque()     # waiting, oldest first
         self.busy = False                                           # a job is running
         self.ready = threading.Condition()
         self.stopping = False
@@ -87,7 +97,7 @@ class Worker:
                                        daemon=True)
         self.thread.start()
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Job | Call) -> None:
         with self.ready:
             if any(j.cancel.is_set() for j in self.jobs):       # their clients went away
                 self.jobs = collections.deque(j for j in self.jobs if not j.cancel.is_set())
@@ -123,7 +133,10 @@ class Worker:
                 self.busy = True
             try:
                 with self.session.lock:
-                    self._generate(job)
+                    if isinstance(job, Call):
+                        job.emit(Computed(job.work(self.session, job.cancel)))
+                    else:
+                        self._generate(job)
             except BaseException as e:  # noqa: BLE001 - reported to its request; the server goes on
                 job.emit(Failed(e))
             finally:

@@ -1,0 +1,207 @@
+"""Embeddings behind `flylocal serve` (docs/design.md, "Embeddings"): OpenAI's /v1/embeddings,
+and Ollama's /api/embed and its older /api/embeddings.
+
+Vectors come from the target, in an embedding context of its own (flylocal.llama.embedding),
+or from the model `--embedding-model` names; the job runs on the worker thread in turn with
+the generations (flylocal.front.serve.worker.Call), so the queue's bound holds for it too.
+An input longer than the embedding context is a 400 naming it (Ollama's `truncate`, its
+default, cuts it instead).
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from flylocal.errors import FlylocalError
+from flylocal.front.serve.app import ApiError, Server, parse_request
+from flylocal.front.serve.ollama import IDLE, error
+
+MAX_INPUTS = 2048          # inputs in one request (OpenAI's own bound)
+
+
+class OpenAIEmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def some(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("input must not be empty")
+        if isinstance(v, list) and len(v) > MAX_INPUTS:
+            raise ValueError(f"{len(v)} inputs; at most {MAX_INPUTS} a request")
+        return v
+
+
+class OllamaEmbedRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    input: str | list[str]
+    truncate: bool = True
+    dimensions: int | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None      # the model stays loaded for the server's life
+
+    @field_validator("input")
+    @classmethod
+    def bounded(cls, v):
+        if isinstance(v, list) and len(v) > MAX_INPUTS:
+            raise ValueError(f"{len(v)} inputs; at most {MAX_INPUTS} a request")
+        return v
+
+
+class OllamaEmbeddingsRequest(BaseModel):          # /api/embeddings, ollama's older endpoint
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None
+
+
+def check_options(options: dict | None, n_ctx: int) -> int | None:
+    """Ollama's options on an embedding request: those unset or at do-nothing values, and num_ctx (at
+    most the embedding context: inputs are cut to it when truncating). The num_ctx asked for, if
+    any; ApiError 400 naming any other."""
+    num_ctx = None
+    for name, value in (options or {}).items():
+        if value is None:                    # an option left unset (LangChain sends them all)
+            continue
+        if name == "num_ctx":
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= n_ctx:
+                raise ApiError(400, f"options.num_ctx: {value!r}; between 1 and the embedding context's {n_ctx} "
+                                    "tokens (flylocal serve --ctx)", param="options")
+            num_ctx = value
+        elif name in IDLE and (IDLE[name] is None or value == IDLE[name]):
+            continue
+        else:
+            raise ApiError(400, f"options.{name}: flylocal does not take it on embeddings", param="options")
+    return num_ctx
+
+
+def routes(app, server: Server) -> None:
+    def embedder(session):
+        return session.models.embeddings(server.embedding_model)
+
+    def names(session) -> set[str]:
+        if server.embedding_model is None:
+            return server.names(session)
+        path = server.embedding_model
+        return {server.embedding_name, path.name, path.name.removesuffix(".gguf")}
+
+    def check_model(session, name: str | None, ollama: bool) -> None:
+        if name is None:
+            return
+        if (name.removesuffix(":latest") if ollama else name) not in names(session):
+            listed = "/api/tags" if ollama else "/v1/models"
+            raise ApiError(404, f"the model {name!r} does not compute embeddings here; {listed} lists the models "
+                                "of this server", param="model", code="model_not_found")
+
+    async def vectors(texts: list, truncate_to: int | None, param: str) -> tuple[np.ndarray, int, float]:
+        """The unit vectors of `texts` (strings, or token-id lists), the tokens they took and the
+        seconds the job ran; inputs longer than the context cut to `truncate_to` when given,
+        refused (400 naming the input) otherwise."""
+        def work(session, cancel):
+            e = embedder(session)
+            started = time.perf_counter()
+            inputs = []
+            for i, t in enumerate(texts):
+                ids = e.tokenize(t) if isinstance(t, str) else np.asarray(t, dtype=np.int64)
+                if not isinstance(t, str) and len(ids) and not (0 <= ids.min() and ids.max() < e.n_vocab):
+                    raise ApiError(400, f"{param}[{i}]: a token id outside the vocabulary (0..{e.n_vocab - 1})",
+                                   param=param)
+                if truncate_to is not None:
+                    ids = ids[:min(truncate_to, e.n_ctx)]
+                inputs.append(ids.astype(np.int32))
+            try:
+                out = e.embed(inputs, cancel.is_set)
+            except FlylocalError as err:
+                index = getattr(err, "index", None)
+                raise ApiError(400, f"{param}: {err}" if index is None else f"{param}[{index}]: {err}",
+                               param=param, code="context_length_exceeded" if index is not None else None) from None
+            return out, sum(len(i) for i in inputs), time.perf_counter() - started
+
+        return await server.compute(work)
+
+    async def guarded(request: Request, endpoint: str, ollama: bool, work):
+        started = time.perf_counter()
+        try:
+            server.authorize(request)
+            response = await work(await server.body(request))
+        except ApiError as e:
+            server.answered(request, endpoint, e.status, started)
+            if ollama:
+                return error(e.status, e.message, e.headers)
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        server.answered(request, endpoint, 200, started)
+        return response
+
+    @app.post("/v1/embeddings")
+    async def openai_embeddings(request: Request):
+        async def work(raw: bytes):
+            req = parse_request(OpenAIEmbeddingRequest, raw)
+            session = server.session()
+            check_model(session, req.model, ollama=False)
+            texts = [req.input] if isinstance(req.input, str) else req.input
+            if texts and isinstance(texts[0], int):
+                texts = [texts]                         # one input of token ids
+            if any(isinstance(t, str) and not t for t in texts) or any(isinstance(t, list) and not t for t in texts):
+                raise ApiError(400, "input: an input is empty", param="input")
+            out, n_tokens, _ = await vectors(texts, None, "input")
+            if req.dimensions is not None and req.dimensions != out.shape[1]:
+                raise ApiError(400, f"dimensions: {req.dimensions}; this model's vectors have {out.shape[1]} "
+                                    "(flylocal does not shorten them)", param="dimensions")
+            if req.encoding_format == "base64":
+                data = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in out]
+            else:
+                data = [v.tolist() for v in out]
+            return {"object": "list", "model": req.model or embedder_name(session),
+                    "data": [{"object": "embedding", "index": i, "embedding": d} for i, d in enumerate(data)],
+                    "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
+        return await guarded(request, "embeddings", False, work)
+
+    @app.post("/api/embed")
+    async def ollama_embed(request: Request):
+        async def work(raw: bytes):
+            req = parse_request(OllamaEmbedRequest, raw, forbidden="flylocal does not take the field {param!r}")
+            session = server.session()
+            check_model(session, req.model, ollama=True)
+            num_ctx = check_options(req.options, server.settings.ctx)
+            texts = [req.input] if isinstance(req.input, str) else req.input
+            if not texts or any(not t for t in texts):
+                raise ApiError(400, "input: an input is empty", param="input")
+            out, n_tokens, seconds = await vectors(texts, (num_ctx or server.settings.ctx) if req.truncate else None,
+                                                   "input")
+            if req.dimensions is not None and req.dimensions != out.shape[1]:
+                raise ApiError(400, f"dimensions: {req.dimensions}; this model's vectors have {out.shape[1]}",
+                               param="dimensions")
+            ns = int(seconds * 1e9)
+            return {"model": req.model or embedder_name(session), "embeddings": [v.tolist() for v in out],
+                    "total_duration": ns, "load_duration": 0, "prompt_eval_count": n_tokens}
+        return await guarded(request, "ollama_embed", True, work)
+
+    @app.post("/api/embeddings")
+    async def ollama_embeddings(request: Request):
+        async def work(raw: bytes):
+            req = parse_request(OllamaEmbeddingsRequest, raw, forbidden="flylocal does not take the field {param!r}")
+            session = server.session()
+            check_model(session, req.model, ollama=True)
+            num_ctx = check_options(req.options, server.settings.ctx)
+            if not req.prompt:
+                return {"embedding": []}                # what ollama answers
+            out, _, _ = await vectors([req.prompt], num_ctx, "prompt")
+            return {"embedding": out[0].tolist()}
+        return await guarded(request, "ollama_embeddings", True, work)
+
+    def embedder_name(session) -> str:
+        return server.embedding_name or server.settings.target

@@ -1,0 +1,472 @@
+"""OpenAI's Responses API in `flylocal serve`: POST /v1/responses, GET and DELETE
+/v1/responses/{id} (docs/design.md, "Server").
+
+The same generation path as chat completions: the request's `input` items become a
+conversation (messages, earlier function calls and their outputs), `instructions` its system
+turn, `tools` the functions offered and `text.format` the output's grammar; the Server's
+`chat_prompt` and `start` do the rest. The answer is one output item: a `message` with its
+`output_text`, or one `function_call`.
+
+Responses are kept in memory for the server's life, the last MAX_STORED of them (`store`,
+true by default as on OpenAI's), so a request can go on from one (`previous_response_id`: its
+conversation, without its instructions, then the new input). Streams carry OpenAI's event
+sequence (response.created ... response.completed). Built-in tools and reasoning settings are
+refused by name; fields at their do-nothing values are accepted.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from flylocal.errors import FlylocalError
+from flylocal.front.serve.answer import stats_report
+from flylocal.front.serve.app import ApiError, Ask, Server, failure
+from flylocal.front.serve.events import Done, Text
+from flylocal.front.serve.openai_requests import Own, parse, request_settings
+
+MAX_STORED = 256           # responses kept for previous_response_id, the newest
+
+
+# ----- requests -----
+
+class Format(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None                # flylocal's output always follows the schema
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    format: Format | None = None
+    verbosity: Literal["medium"] | None = None
+
+
+class Reasoning(BaseModel):
+    """Reasoning settings: flylocal's models run no reasoning mode, so only do-nothing values."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    effort: Literal["none"] | None = None
+    summary: None = None
+    generate_summary: None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_obfuscation: bool | None = None    # padding against length side channels: nothing to hide on loopback
+
+
+class ResponsesRequest(Own):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None   # an answer makes at most one call here
+    max_tool_calls: int | None = None
+    text: TextConfig | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None       # the cache is reused by prefix, whatever the key
+    service_tier: str | None = None
+    truncation: Literal["disabled"] | None = None
+    include: list[str] | None = None
+    reasoning: Reasoning | None = None
+    background: Literal[False] | None = None
+
+    @field_validator("input")
+    @classmethod
+    def some(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("input must not be empty")
+        return v
+
+    @field_validator("metadata")
+    @classmethod
+    def sixteen(cls, v):
+        if v is not None and len(v) > 16:
+            raise ValueError(f"{len(v)} keys; at most 16")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def no_logprobs(cls, v):
+        if v:
+            raise ValueError(f"{v}; the Responses API here gives no logprobs (chat completions does)")
+        return v
+
+    @field_validator("max_tool_calls")
+    @classmethod
+    def at_least_one(cls, v):
+        if v is not None and v < 1:
+            raise ValueError(f"{v}; at least 1")
+        return v
+
+    @field_validator("service_tier")
+    @classmethod
+    def one_tier(cls, v):
+        if v not in (None, "auto", "default"):
+            raise ValueError(f"{json.dumps(v)}; flylocal has one service tier (auto, default)")
+        return v
+
+    @field_validator("include")
+    @classmethod
+    def nothing_to_include(cls, v):
+        for item in v or ():
+            if item != "reasoning.encrypted_content":        # there is no reasoning to include
+                raise ValueError(f"{json.dumps(item)}; flylocal includes nothing more in a response")
+        return v
+
+
+# ----- input items -> a conversation -----
+
+BOOKKEEPING = {"id", "status", "phase", "annotations", "logprobs"}    # item fields that change nothing here
+BUILT_IN = {"web_search", "web_search_preview", "file_search", "computer_use_preview", "computer_use",
+            "code_interpreter", "image_generation", "mcp", "local_shell", "shell", "apply_patch"}
+
+
+def _text(content, where: str) -> str:
+    """A message's content: a string, or text parts (input_text, output_text)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise FlylocalError(f"{where}.content: a string or a list of text parts")
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise FlylocalError(f"{where}.content[{j}]: flylocal takes text parts only "
+                                f"(input_text, output_text), not {json.dumps(kind)}")
+        out.append(part["text"])
+    return "".join(out)
+
+
+def _fields(item: dict, where: str, allowed: set[str]) -> None:
+    extra = set(item) - allowed - BOOKKEEPING - {"type"}
+    if extra:
+        raise FlylocalError(f"{where}.{sorted(extra)[0]}: flylocal does not support this field")
+
+
+def turns_of(items: str | list, where: str = "input") -> list[dict]:
+    """Input items as a conversation in chat completions' shapes (flylocal.front.serve.tools):
+    consecutive function calls become one assistant turn that makes them."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict] = []
+    for i, item in enumerate(items):
+        at = f"{where}[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            _fields(item, at, {"role", "content"})
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise FlylocalError(f"{at}.role: {json.dumps(role)}; user, system, developer or assistant")
+            out.append({"role": "system" if role == "developer" else role,
+                        "content": _text(item.get("content", ""), at)})
+        elif kind == "function_call":
+            _fields(item, at, {"call_id", "name", "arguments", "caller", "namespace"})
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise FlylocalError(f"{at}: a function_call has call_id, name and arguments (JSON text)")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            _fields(item, at, {"call_id", "output"})
+            if not isinstance(item.get("call_id"), str):
+                raise FlylocalError(f"{at}.call_id: the call this output answers")
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": _text(item.get("output", ""), at)})
+        else:
+            raise FlylocalError(f"{at}.type: flylocal takes message, function_call and function_call_output "
+                                f"items, not {json.dumps(kind)}")
+    return out
+
+
+def chat_tools(tools: list | None) -> list[dict]:
+    """Function tools in chat completions' shape; a built-in tool is a 400 naming it."""
+    out = []
+    for i, tool in enumerate(tools or ()):
+        kind = tool.get("type")
+        if kind in BUILT_IN or (kind != "function" and kind is not None):
+            raise ApiError(400, f"tools[{i}].type: flylocal runs no built-in tools ({json.dumps(kind)}); "
+                                "offer functions (type function)", param=f"tools[{i}].type")
+        extra = set(tool) - {"type", "name", "description", "parameters", "strict"}
+        if extra:
+            raise ApiError(400, f"tools[{i}].{sorted(extra)[0]}: flylocal does not support this field",
+                           param=f"tools[{i}]")
+        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
+                                                     if k in tool}})
+    return out
+
+
+def chat_choice(choice):
+    """tool_choice in chat completions' shape."""
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or set(choice) - {"type", "name"}:
+            raise ApiError(400, f"tool_choice: {json.dumps(choice)[:80]}; auto, none, required or "
+                                '{"type": "function", "name": ...}', param="tool_choice")
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def param_of(message: str) -> str:
+    for prefix, param in (("tools", "tools"), ("the tools'", "tools"), ("tool_choice", "tool_choice"),
+                          ("text.format", "text.format"), ("tool_calls", "input")):
+        if message.startswith(prefix):
+            return param
+    return "input"
+
+
+# ----- responses -----
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def finite(report: dict) -> dict:
+    """JSON has no infinity (an unbounded ASD budget): null."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in report.items()}
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict:
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress"
+            else []}
+
+
+def call_item(item_id: str, call: dict, status: str = "completed") -> dict:
+    return {"id": item_id, "type": "function_call", "call_id": "call_" + uuid.uuid4().hex[:24],
+            "name": call["name"], "arguments": json.dumps(call["arguments"]), "status": status}
+
+
+def output_turns(output: list[dict]) -> list[dict]:
+    """A response's output items as the conversation's next turns."""
+    items = [{k: v for k, v in item.items() if k not in ("id", "status")} for item in output]
+    return turns_of(items, "output")
+
+
+class Responses:
+    """The responses kept for previous_response_id: id -> (its body, its conversation)."""
+
+    def __init__(self, limit: int = MAX_STORED):
+        self.limit = limit
+        self.kept: collections.OrderedDict[str, tuple[dict, list[dict]]] = collections.OrderedDict()
+
+    def keep(self, body: dict, turns: list[dict]) -> None:
+        self.kept[body["id"]] = (body, turns)
+        while len(self.kept) > self.limit:
+            self.kept.popitem(last=False)
+
+    def find(self, rid: str, param: str | None = None) -> tuple[dict, list[dict]]:
+        if rid not in self.kept:
+            raise ApiError(404, f"no response with id {rid!r} is kept here (responses are kept in memory, the last "
+                                f"{self.limit}, for the server's life)", param=param, code="not_found")
+        return self.kept[rid]
+
+
+def routes(app, server: Server) -> None:
+    settings = server.settings
+    kept = Responses()
+
+    def error_response(e: ApiError, request: Request, started: float) -> JSONResponse:
+        server.answered(request, "responses", e.status, started)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    def ask_of(req: ResponsesRequest) -> tuple[Ask, list[dict]]:
+        """The request, checked, as the worker's job; and its conversation (without instructions)."""
+        session = server.session()
+        if req.model is not None and req.model not in server.names(session):
+            raise ApiError(404, f"the model {req.model!r} is not loaded here; GET /v1/models lists the one "
+                                "that is", param="model", code="model_not_found")
+        run_settings = request_settings(settings, req, session.target.n_vocab, max_tokens=req.max_output_tokens)
+        server.check_settings(run_settings)
+        offered, choice = chat_tools(req.tools), chat_choice(req.tool_choice)
+        fmt = req.text.format if req.text is not None else None
+        if offered and choice != "none" and fmt is not None and fmt.type != "text":
+            raise ApiError(400, "text.format and tools: flylocal constrains an answer to one of them",
+                           param="text.format")
+        try:
+            history = kept.find(req.previous_response_id, "previous_response_id")[1] \
+                if req.previous_response_id is not None else []
+            turns = history + turns_of(req.input)
+            system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+            ask = server.chat_prompt(session, system + turns, offered, choice)
+            if ask.grammar is None and fmt is not None and fmt.type != "text":
+                from flylocal.decoding.grammar import json_output
+
+                if fmt.type == "json_object":
+                    grammar = json_output()
+                else:
+                    if fmt.name is None:
+                        raise FlylocalError("text.format: type json_schema needs a name and a schema")
+                    grammar = json_output(fmt.schema_ or {}, f"text.format {fmt.name!r}")
+                ask = dataclasses.replace(ask, grammar=grammar)
+        except FlylocalError as e:
+            raise ApiError(400, str(e), param=param_of(str(e))) from None
+        server.check_fits(ask.ids, session, "input")
+        return dataclasses.replace(ask, settings=run_settings), turns
+
+    @app.post("/v1/responses")
+    async def create(request: Request):
+        started = time.perf_counter()
+        try:
+            server.authorize(request)
+            req = parse(ResponsesRequest, await server.body(request))
+            ask, turns = ask_of(req)
+            answer = server.start(ask)
+        except ApiError as e:
+            return error_response(e, request, started)
+
+        rid, created = new_id("resp"), time.time()
+        model = req.model or settings.target
+        fmt = req.text.format if req.text is not None and req.text.format is not None else None
+
+        def body(status: str, output: list[dict], done: Done | None = None, error: dict | None = None) -> dict:
+            out = {"id": rid, "object": "response", "created_at": created, "status": status, "error": error,
+                   "incomplete_details": None, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+                   "model": model, "output": output, "parallel_tool_calls": bool(req.parallel_tool_calls
+                                                                                    if req.parallel_tool_calls is not None else True),
+                   "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+                   "store": req.store is not False, "temperature": ask.settings.sampling.temperature,
+                   "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+                   "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+                   "tools": req.tools or [], "top_p": ask.settings.sampling.top_p, "truncation": "disabled",
+                   "usage": None, "user": req.user, "metadata": req.metadata or {}}
+            if done is not None:
+                if done.finish == "length":
+                    out["status"] = "incomplete"
+                    out["incomplete_details"] = {"reason": "max_output_tokens"}
+                n_in = len(ask.ids)
+                out["usage"] = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": done.stats.prompt_reused},
+                                "output_tokens": done.n_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                                "total_tokens": n_in + done.n_tokens,
+                                "flylocal": finite(stats_report(done, ask.settings))}
+            return out
+
+        def finish(done: Done, output: list[dict]) -> dict:
+            whole = body("completed", output, done)
+            if req.store is not False:
+                kept.keep(whole, turns + output_turns(output))
+            server.answered(request, "responses", 200, started, done.stats, len(ask.ids), done.n_tokens)
+            return whole
+
+        if not req.stream:
+            whole = await answer.whole(request)
+            done = whole.end
+            if not isinstance(done, Done):
+                return error_response(failure(done.error if done is not None else None), request, started)
+            status = "incomplete" if done.finish == "length" else "completed"
+            item = call_item(new_id("fc"), done.call) if done.call is not None \
+                else message_item(new_id("msg"), whole.text, status)
+            return JSONResponse(finish(done, [item]))
+
+        async def events():
+            sequence = 0
+
+            def event(kind: str, **fields) -> str:
+                nonlocal sequence
+                data = {"type": kind, "sequence_number": sequence} | fields
+                sequence += 1
+                return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+            msg_id, text, opened, ended = new_id("msg"), [], False, False
+
+            def open_message():
+                yield event("response.output_item.added", output_index=0, item=message_item(msg_id, "", "in_progress"))
+                yield event("response.content_part.added", item_id=msg_id, output_index=0, content_index=0,
+                            part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+
+            try:
+                yield event("response.created", response=body("in_progress", []))
+                yield event("response.in_progress", response=body("in_progress", []))
+                async for ev in answer.events():
+                    if isinstance(ev, Text):
+                        if not opened:
+                            opened = True
+                            for line in open_message():
+                                yield line
+                        text.append(ev.text)
+                        yield event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0,
+                                    delta=ev.text, logprobs=[])
+                    elif isinstance(ev, Done):
+                        ended = True
+                        if ev.call is not None:
+                            item = call_item(new_id("fc"), ev.call)
+                            yield event("response.output_item.added", output_index=0, item=item | {"arguments": "",
+                                                                                                  "status": "in_progress"})
+                            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=0,
+                                        delta=item["arguments"])
+                            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=0,
+                                        name=item["name"], arguments=item["arguments"])
+                            yield event("response.output_item.done", output_index=0, item=item)
+                        else:
+                            if not opened:
+                                opened = True
+                                for line in open_message():
+                                    yield line
+                            status = "incomplete" if ev.finish == "length" else "completed"
+                            item = message_item(msg_id, "".join(text), status)
+                            part = item["content"][0]
+                            yield event("response.output_text.done", item_id=msg_id, output_index=0, content_index=0,
+                                        text=part["text"], logprobs=[])
+                            yield event("response.content_part.done", item_id=msg_id, output_index=0,
+                                        content_index=0, part=part)
+                            yield event("response.output_item.done", output_index=0, item=item)
+                        whole = finish(ev, [item])
+                        kind = "response.incomplete" if whole["status"] == "incomplete" else "response.completed"
+                        yield event(kind, response=whole)
+                    else:
+                        ended = True
+                        yield event("response.failed", response=body("failed", [], error={
+                            "code": "server_error", "message": ev.message}))
+                        server.answered(request, "responses", 500, started)
+            finally:
+                answer.close()         # a client that went away frees the model within a round
+                if not ended:
+                    server.answered(request, "responses", 499, started)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.get("/v1/responses/{rid}")
+    async def retrieve(request: Request, rid: str):
+        started = time.perf_counter()
+        try:
+            server.authorize(request)
+            return JSONResponse(kept.find(rid)[0])
+        except ApiError as e:
+            return error_response(e, request, started)
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete(request: Request, rid: str):
+        started = time.perf_counter()
+        try:
+            server.authorize(request)
+            kept.find(rid)
+            del kept.kept[rid]
+            return {"id": rid, "object": "response.deleted", "deleted": True}
+        except ApiError as e:
+            return error_response(e, request, started)

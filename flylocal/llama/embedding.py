@@ -1,0 +1,149 @@
+"""Embeddings of texts by a loaded model (docs/design.md, "Embeddings").
+
+A context of its own, in llama.cpp's embedding mode: the model's hidden states at every
+position of an input, averaged (mean pooling) and scaled to unit length (L2), so that a dot
+product of two vectors is their cosine similarity. Generation's context, its cache and its
+cost curve are never touched. Several inputs go in one decode, each a sequence of its own;
+the cache is cleared before each decode, so no input sees another.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from flylocal.errors import FlylocalError, ModelError
+from flylocal.llama.binding import interrupts_deferred, last_error, llama_cpp
+from flylocal.llama.config import RuntimeConfig
+from flylocal.llama.model import Model
+from flylocal.llama.vocab import Vocabulary
+
+MAX_SEQS = 16        # inputs per decode
+
+
+class TooLong(FlylocalError):
+    """An input longer than the embedding context: `index` is its place in the request."""
+
+    def __init__(self, index: int, n_tokens: int, n_ctx: int):
+        super().__init__(f"input {index} is {n_tokens} tokens; the embedding context holds {n_ctx} (--ctx)")
+        self.index, self.n_tokens, self.n_ctx = index, n_tokens, n_ctx
+
+
+class Embedder:
+    """Mean-pooled, L2-normalized embeddings from `model` (its `vocab` reads text), inputs of
+    at most `n_ctx` tokens. `owned`: the model is the embedder's own, freed with it."""
+
+    def __init__(self, model: Model, vocab: Vocabulary, n_ctx: int, threads: int, owned: bool = False):
+        self.model, self.vocab, self.owned = model, vocab, owned
+        self.name = model.name
+        self.n_vocab = vocab.n_vocab
+        n_ctx = max(16, min(n_ctx, model.n_ctx_train or n_ctx))
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_ctx          # one input is one ubatch: pooling sees all of it at once
+        cparams.n_ubatch = n_ctx
+        cparams.n_seq_max = MAX_SEQS
+        cparams.kv_unified = True        # the inputs of a decode share the n_ctx cells
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.embeddings = True
+        cparams.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_MEAN
+        cparams.no_perf = True
+        with interrupts_deferred():
+            self._ctx = llama_cpp.llama_init_from_model(model.handle, cparams)
+        if not self._ctx:
+            if owned:
+                model.free()
+            raise ModelError(f"cannot create an embedding context for {model.path}: {last_error()}")
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self.n_ctx = min(n_ctx, llama_cpp.llama_n_ctx(self._ctx))
+        self.n_embd = int(llama_cpp.llama_model_n_embd(model.handle))
+        self._batch = llama_cpp.llama_batch_init(self.n_ctx, 0, MAX_SEQS)
+        n = self.n_ctx
+        self._b_token = np.ctypeslib.as_array(self._batch.token, shape=(n,))     # [n_ctx] int32
+        self._b_pos = np.ctypeslib.as_array(self._batch.pos, shape=(n,))         # [n_ctx] int32
+        self._b_out = np.ctypeslib.as_array(self._batch.logits, shape=(n,))      # [n_ctx] int8
+        self._b_nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n,))   # [n_ctx] int32
+
+    @classmethod
+    def open(cls, path, n_ctx: int, threads: int, n_gpu_layers: int = 0) -> Embedder:
+        """An embedder of the model at `path`, loaded for embeddings alone."""
+        model = Model(path, RuntimeConfig(n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers))
+        try:
+            vocab = Vocabulary(model)
+        except BaseException:
+            model.free()
+            raise
+        return cls(model, vocab, n_ctx, threads, owned=True)
+
+    def tokenize(self, text: str) -> np.ndarray:
+        """A text as this model reads it for embedding: plain text, its own special tokens
+        (a beginning of sequence) added."""
+        return self.vocab.tokenize(text, add_special=True, parse_special=False)
+
+    def check(self, inputs: list[np.ndarray]) -> None:
+        """TooLong for the first input the context cannot hold; FlylocalError for an empty one."""
+        for i, ids in enumerate(inputs):
+            if len(ids) == 0:
+                raise FlylocalError(f"input {i} is empty")
+            if len(ids) > self.n_ctx:
+                raise TooLong(i, len(ids), self.n_ctx)
+
+    def embed(self, inputs: list[np.ndarray], cancelled=lambda: False) -> np.ndarray:
+        """[len(inputs), n_embd] float32 unit vectors of token-id inputs, packed several to a
+        decode. `cancelled()` is asked between decodes (FlylocalError when it says so)."""
+        self.check(inputs)
+        if self._ctx is None:
+            raise FlylocalError(f"{self.name} was already closed")
+        out = np.empty((len(inputs), self.n_embd), dtype=np.float32)
+        i = 0
+        while i < len(inputs):
+            if cancelled():
+                raise FlylocalError("the request was cancelled")
+            group, used = [], 0
+            while i < len(inputs) and len(group) < MAX_SEQS and used + len(inputs[i]) <= self.n_ctx:
+                group.append(i)
+                used += len(inputs[i])
+                i += 1
+            self._decode([inputs[j] for j in group])
+            for seq, j in enumerate(group):
+                pointer = llama_cpp.llama_get_embeddings_seq(self._ctx, seq)
+                if not pointer:
+                    raise FlylocalError(f"llama.cpp gave no pooled embedding for input {j}")
+                vector = np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)),
+                                               shape=(self.n_embd,))
+                norm = float(np.linalg.norm(vector))
+                out[j] = vector / norm if norm > 0 else vector
+        return out
+
+    def _decode(self, group: list[np.ndarray]) -> None:
+        at = 0
+        for seq, ids in enumerate(group):
+            n = len(ids)
+            self._b_token[at:at + n] = ids
+            self._b_pos[at:at + n] = np.arange(n, dtype=np.int32)
+            for row in range(at, at + n):
+                self._batch.seq_id[row][0] = seq
+            at += n
+        self._b_nseq[:at] = 1
+        self._b_out[:at] = 1
+        self._batch.n_tokens = at
+        with interrupts_deferred():
+            llama_cpp.llama_memory_clear(self._mem, True)
+            rc = llama_cpp.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            raise FlylocalError(f"llama_decode failed on {self.name} (embeddings): error {rc}")
+
+    def close(self) -> None:
+        if self._ctx:
+            ctx, self._ctx = self._ctx, None
+            llama_cpp.llama_batch_free(self._batch)
+            llama_cpp.llama_free(ctx)
+        if self.owned:
+            self.model.free()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass

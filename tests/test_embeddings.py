@@ -1,0 +1,179 @@
+"""Embeddings: the embedding context on real models (flylocal.llama.embedding), and
+/v1/embeddings, /api/embed and /api/embeddings on `flylocal serve`, driven by the clients that
+use them (openai, LangChain's OpenAIEmbeddings and OllamaEmbeddings, the ollama package).
+"""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import pytest
+
+from conftest import GEMMA, SMOL, model_path
+from test_server import free_port, start, stop, wait_ready
+
+pytestmark = pytest.mark.slow      # real models
+
+KEY = "embeddings-key"
+CTX = 256
+NEAR = ("The cat sat on the mat.", "A cat was sitting on the rug.")
+FAR = "Quarterly tax filings are due in April."
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    from flylocal.llama.config import RuntimeConfig
+    from flylocal.llama.embedding import Embedder
+    from flylocal.llama.runtime import Runtime
+
+    rt = Runtime(model_path(SMOL), RuntimeConfig(n_ctx=CTX, n_threads=1))
+    e = Embedder(rt.model, rt.vocab, CTX, threads=1)
+    yield rt, e
+    e.close()
+    rt.close()
+
+
+def test_vectors_are_unit_length_and_similar_texts_score_closer(embedder):
+    _, e = embedder
+    v = e.embed([e.tokenize(t) for t in (*NEAR, FAR)])
+    assert v.shape == (3, e.n_embd)
+    assert np.allclose(np.linalg.norm(v, axis=1), 1, atol=1e-5)
+    assert v[0] @ v[1] > v[0] @ v[2] and v[0] @ v[1] > v[1] @ v[2]
+
+
+def test_inputs_packed_in_one_decode_see_only_themselves(embedder):
+    _, e = embedder
+    first = [e.tokenize(t) for t in NEAR]
+    # Beside inputs of the same lengths but other text, an input's vector is the same: the
+    # decode's shape is the same, and what the others say does not reach it.
+    beside_x = e.embed([*first, e.tokenize("x " * 40)])
+    beside_y = e.embed([*first, e.tokenize("y " * 40)])
+    assert len(e.tokenize("x " * 40)) == len(e.tokenize("y " * 40))
+    assert np.abs(beside_x[:2] - beside_y[:2]).max() < 1e-6
+    # Alone, it differs only by the rounding of a decode of another size.
+    alone = np.stack([e.embed([ids])[0] for ids in first])
+    assert (np.sum(beside_x[:2] * alone, axis=1) > 0.999).all()
+    assert np.array_equal(e.embed(first[:1]), e.embed(first[:1]))
+
+
+def test_embeddings_leave_the_generation_context_as_it_was(embedder):
+    rt, e = embedder
+    ids = rt.tokenize("The capital of France is")
+    rt.reset()
+    before = rt.decode(ids, logits_from=len(ids) - 1).copy()
+    cached = rt.tokens.copy()
+    e.embed([e.tokenize("something else entirely")] * 3)
+    assert np.array_equal(rt.tokens, cached)
+    rt.truncate(len(ids) - 1)
+    after = rt.decode(ids[-1:], logits_from=0)
+    assert np.array_equal(before[0], after[0])
+
+
+def test_an_input_longer_than_the_context_names_its_place(embedder):
+    from flylocal.llama.embedding import TooLong
+
+    _, e = embedder
+    with pytest.raises(TooLong) as caught:
+        e.embed([e.tokenize("short"), np.ones(e.n_ctx + 1, dtype=np.int32)])
+    assert caught.value.index == 1 and "input 1" in str(caught.value)
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    proc = start("--target", SMOL, "--api-key", KEY, "--ctx", str(CTX), port=port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url)
+        yield url
+    finally:
+        stop(proc)
+
+
+def test_openai_embeddings_float_and_base64_agree(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server + "/v1", api_key=KEY, timeout=120, max_retries=0)
+    made = client.embeddings.create(model=SMOL, input=[*NEAR, FAR])      # the client asks for base64
+    v = np.array([d.embedding for d in made.data])
+    assert [d.index for d in made.data] == [0, 1, 2] and made.usage.prompt_tokens > 0
+    assert v[0] @ v[1] > v[0] @ v[2]
+    one = np.array(client.embeddings.create(model=SMOL, input=NEAR[0]).data[0].embedding, dtype=np.float32)
+    assert np.abs(one - v[0]).max() < 1e-5
+    raw = httpx.post(server + "/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"model": SMOL, "input": NEAR[0], "encoding_format": "float"}).json()
+    assert np.array_equal(np.array(raw["data"][0]["embedding"], dtype=np.float32), one)     # the same text, the same vector
+    packed = httpx.post(server + "/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"},
+                        json={"input": NEAR[0], "encoding_format": "base64"}).json()["data"][0]["embedding"]
+    assert np.array_equal(np.frombuffer(base64.b64decode(packed), dtype="<f4"), one)
+
+
+def test_openai_embeddings_refusals_name_the_field(server):
+    from openai import BadRequestError, NotFoundError, OpenAI
+
+    client = OpenAI(base_url=server + "/v1", api_key=KEY, timeout=120, max_retries=0)
+    with pytest.raises(BadRequestError) as e:
+        client.embeddings.create(model=SMOL, input=["short", "word " * (CTX + 10)])
+    assert "input[1]" in e.value.message and e.value.code == "context_length_exceeded"
+    with pytest.raises(BadRequestError) as e:
+        client.embeddings.create(model=SMOL, input="hi", dimensions=8)
+    assert "dimensions" in e.value.message
+    with pytest.raises(BadRequestError) as e:
+        client.embeddings.create(model=SMOL, input=[[1, 2, 10 ** 9]])
+    assert "vocabulary" in e.value.message
+    with pytest.raises(NotFoundError):
+        client.embeddings.create(model="text-embedding-3-small", input="hi")
+
+
+def test_token_arrays_embed_as_their_text(server, embedder):
+    _, e = embedder
+    ids = e.tokenize(NEAR[0]).tolist()
+    auth = {"Authorization": f"Bearer {KEY}"}
+    by_ids = httpx.post(server + "/v1/embeddings", headers=auth, json={"input": [ids, ids]}).json()["data"]
+    by_text = httpx.post(server + "/v1/embeddings", headers=auth, json={"input": NEAR[0]}).json()["data"]
+    assert np.abs(np.array(by_ids[0]["embedding"]) - np.array(by_text[0]["embedding"])).max() < 1e-5
+
+
+def test_ollama_and_langchain_clients_embed(server):
+    import ollama
+    from langchain_ollama import OllamaEmbeddings
+    from langchain_openai import OpenAIEmbeddings
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    client = ollama.Client(host=server, headers=auth, timeout=120)
+    made = client.embed(model=SMOL, input=[*NEAR, FAR])
+    v = np.array(made.embeddings)
+    assert v.shape[0] == 3 and v[0] @ v[1] > v[0] @ v[2] and made.prompt_eval_count > 0
+    old = client.embeddings(model=f"{SMOL}:latest", prompt=NEAR[0]).embedding
+    assert np.abs(np.array(old) - v[0]).max() < 1e-5
+    long = "word " * (CTX + 10)
+    assert len(client.embed(model=SMOL, input=long).embeddings) == 1            # truncate: ollama's default
+    with pytest.raises(ollama.ResponseError) as e:
+        client.embed(model=SMOL, input=long, truncate=False)
+    assert e.value.status_code == 400 and "input[0]" in e.value.error
+    lc_ollama = OllamaEmbeddings(model=SMOL, base_url=server, client_kwargs={"headers": auth})
+    assert np.abs(np.array(lc_ollama.embed_query(NEAR[0])) - v[0]).max() < 1e-5
+    lc_openai = OpenAIEmbeddings(model=SMOL, base_url=server + "/v1", api_key=KEY, check_embedding_ctx_length=False,
+                                 max_retries=0)
+    docs = np.array(lc_openai.embed_documents(list(NEAR)))
+    assert np.abs(docs - v[:2]).max() < 1e-5
+
+
+def test_embedding_model_names_another_model(tmp_path):
+    from openai import NotFoundError, OpenAI
+
+    port = free_port()
+    proc = start("--target", SMOL, "--embedding-model", GEMMA, "--ctx", str(CTX), port=port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url)
+        client = OpenAI(base_url=url + "/v1", api_key="none", timeout=120, max_retries=0)
+        assert [m.id for m in client.models.list()] == [SMOL, GEMMA]
+        made = client.embeddings.create(model=GEMMA, input=list(NEAR))
+        assert len(made.data[0].embedding) == 640                    # Gemma-3-270M's width, not SmolLM2's 576
+        with pytest.raises(NotFoundError):
+            client.embeddings.create(model=SMOL, input="hi")
+    finally:
+        stop(proc)
