@@ -243,6 +243,87 @@ def test_forced_tokens_are_drafted_first_and_counted():
     assert off.stats.forced == 0 and off.tokens == plain.tokens
 
 
+def accepts(grammar: G.Grammar, text: str) -> bool:
+    """Whether `grammar` takes `text` whole (spelled in the 32-token vocabulary)."""
+    m = llguidance.LLMatcher(grammar.tokenizer, grammar.grammar, log_level=0)
+    return bool(m.consume_tokens(VOCAB.tokenize(text.encode()))) and m.is_accepting()
+
+
+def test_an_integer_has_at_most_16_digits_unless_its_schema_bounds_it():
+    # A drafter that drafts '1' after '1', accepted by a verifier that accepts anything, writes
+    # the number until the token limit; the grammar ends it at 16 digits.
+    class Ones(Drafter):
+        name = "ones"
+
+        def propose(self, context, k):
+            written = len(context) - len(PROMPT)
+            return Draft(np.array((OPEN[written:] + [11] * k)[:k], dtype=np.int32))
+
+    loose = Asd(AsdParams(gate=1e9, cap=8, budget=1e9))
+    gen = Engine(FakeTarget(LM, n_ctx=96), Ones(), loose,
+                 EngineConfig(k=8, max_tokens=40, forced=False)).generate(PROMPT, grammar=OBJ_A).run()
+    written = text(gen.tokens)
+    assert written.startswith('{"a": ') and len(written[6:].rstrip("}")) == 16 and written[6:22].isdigit(), written
+
+    def schema(**number):
+        return G.Grammar(VOCAB, G.json_schema({"type": "object", "properties": {"a": number}, "required": ["a"]}), "s")
+
+    integer, number = schema(type="integer"), schema(type="number")
+    for g in (integer, number):
+        assert accepts(g, '{"a": ' + "3" * 16 + "}") and accepts(g, '{"a": -' + "3" * 16 + "}")
+        assert not accepts(g, '{"a": ' + "3" * 17 + "}") and not accepts(g, '{"a": -' + "3" * 17 + "}")
+    assert accepts(number, '{"a": ' + "3" * 16 + ".25}")
+    # The schema's own bounds stand; a side it leaves open is bounded.
+    assert accepts(schema(type="integer", maximum=10**18), '{"a": ' + "3" * 18 + "}")
+    assert not accepts(schema(type="integer", maximum=10**18), '{"a": -' + "3" * 17 + "}")
+    assert not accepts(schema(type="integer", minimum=0), '{"a": ' + "3" * 17 + "}")
+    assert accepts(schema(type="integer", minimum=10**17), '{"a": ' + "3" * 18 + "}")
+    # Numbers in any value: an anyOf's branch, a $ref's target, {}, an object's other properties.
+    anyof = G.Grammar(VOCAB, G.json_schema({"anyOf": [{"type": "integer"}, {"type": "null"}]}), "s")
+    ref = G.Grammar(VOCAB, G.json_schema({"type": "array", "items": {"$ref": "#/$defs/b"},
+                                          "$defs": {"b": {"type": "integer"}}}), "s")
+    anything = G.Grammar(VOCAB, G.json_schema({}), "s")
+    objects = G.Grammar(VOCAB, G.json_object(), "the JSON object")
+    for g, ok, long in [(anyof, "null", "1" * 17), (ref, "[1, 2]", "[" + "1" * 17 + "]"), (anything, "[1, null]", "1" * 17),
+                        (anything, '{"a": [1]}', '{"a": [' + "1" * 17 + "]}"),
+                        (objects, '{"a": {"b": [1, 2.3]}}', '{"a": {"b": [1, ' + "1" * 17 + "]}}")]:
+        assert accepts(g, ok) and not accepts(g, long), ok
+
+
+def test_a_grammar_that_allows_nothing_the_vocabulary_can_write_says_where():
+    # No token spells "q": after "ab" nothing can be written (llguidance says "NoExtensionBias").
+    grammar = G.Grammar(VOCAB, G.grammar_text('start: "ab" "q"'), "the grammar")
+    for drafter in (NoDraft(), Scripted([22])):
+        with pytest.raises(FlylocalError) as e:
+            Engine(FakeTarget(LM, n_ctx=64), drafter, Strict(), EngineConfig(k=4, max_tokens=8)) \
+                .generate(PROMPT, grammar=grammar).run()
+        assert str(e.value) == "the grammar failed after 'ab': it allows nothing this model's vocabulary can write"
+
+
+def test_a_bad_regex_says_what_is_wrong_with_it():
+    with pytest.raises(FlylocalError) as e:
+        G.checked(G.json_schema({"type": "string", "pattern": "a("}), "the JSON schema")
+    assert str(e.value) == 'the JSON schema cannot be used: invalid regex "a(": unclosed group'
+    with pytest.raises(FlylocalError) as e:
+        G.checked(G.grammar_text("start: /[z-a]/"), "the grammar")
+    assert str(e.value).endswith("invalid character class range, the start must be <= the end")
+    assert "\n" not in str(e.value)
+
+
+def test_a_schema_nested_too_deep_says_so():
+    deep_text = '{"type": "object", "properties": {"a": ' * 500 + "{}" + "}}" * 500   # past Python's json reader
+    deep = {"type": "integer"}
+    for _ in range(300):                                                            # past llguidance's
+        deep = {"type": "array", "items": deep}
+    for schema in (deep_text, deep):
+        with pytest.raises(FlylocalError, match="^the JSON schema is nested too deep: at most 100 levels"):
+            G.json_schema(schema)
+    shallow = {"type": "integer"}
+    for _ in range(99):
+        shallow = {"type": "array", "items": shallow}
+    G.checked(G.json_schema(shallow), "the JSON schema")
+
+
 def test_bad_grammars_are_one_line_errors():
     with pytest.raises(FlylocalError, match="not valid JSON"):
         G.json_schema("{nope")

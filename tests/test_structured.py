@@ -59,10 +59,24 @@ def test_generate_under_a_json_schema_gives_valid_json_and_strict_is_plain(tmp_p
         assert result["tokens"] == reference["tokens"] and result["stats"]["forced"] > 0, drafter
 
 
+def nested(depth: int, key: str = "items") -> dict:
+    """A schema `depth` arrays (key "items") or objects (key "properties") deep."""
+    schema = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema} if key == "items" else {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 def test_bad_constraints_are_one_line_errors(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}')
+    deep = tmp_path / "deep.json"           # 500 objects deep: too deep for Python's own json reader
+    deep.write_text('{"type": "object", "properties": {"a": ' * 500 + "{}" + "}}" * 500)
+    pattern = tmp_path / "pattern.json"
+    pattern.write_text('{"type": "string", "pattern": "a("}')
     for args, words in [(["--json-schema", str(bad)], "cannot be used"),
+                        (["--json-schema", str(deep)], "nested too deep"),
+                        (["--json-schema", str(pattern)], 'invalid regex "a(": unclosed group'),
                         (["--json-schema", str(tmp_path / "none.json")], "cannot read the JSON schema"),
                         (["--json-object", "--grammar", str(bad)], "not several")]:
         out = flylocal("generate", "hi", *args)
@@ -110,6 +124,37 @@ def test_openai_response_format_json_schema_and_its_parse_helper(client):
                                          messages=[{"role": "user", "content": "A JSON object about a cat."}])
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+class Town(BaseModel):
+    population: int
+    founded: int
+    area: int
+
+
+TOWNS = ["Lyon", "Osaka", "Quito", "Perth", "Bergen", "Tucson", "Gdansk", "Mysore", "Cusco", "Dakar"]
+
+
+def test_openai_parse_of_integer_fields_ends_before_the_token_limit(client):
+    # Unbounded, an integer ran to the token limit one run in two ("population": 1111...).
+    # Bounded at 16 digits, three of them fit in 63 tokens: every run ends, with every method.
+    from openai import LengthFinishReasonError
+
+    methods = [(v, d) for v in ("strict", "fly", "asd") for d in ("mla", "model", "pld", "none")]
+    cut = []
+    for i in range(20):
+        verifier, drafter = methods[i % len(methods)]
+        try:
+            r = client.chat.completions.parse(
+                model=SMOL, messages=[{"role": "user", "content": f"Facts about {TOWNS[i % len(TOWNS)]}, in numbers."}],
+                response_format=Town, max_tokens=96, temperature=0.9, seed=i,
+                extra_body={"verifier": verifier, "drafter": drafter})
+        except LengthFinishReasonError:
+            cut.append((i, verifier, drafter))
+            continue
+        town = r.choices[0].message.parsed
+        assert all(abs(n) < 10**16 for n in (town.population, town.founded, town.area))
+    assert cut == []
 
 
 def test_openai_tools_round_trip(client):
@@ -187,7 +232,12 @@ def test_bad_formats_and_tools_are_400s(server):
                         ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "needs a name"),
                         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
                          "not among the tools"),
-                        ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "one of them")]:
+                        ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "one of them"),
+                        ({"tools": [{"type": "function", "function": {"name": "say", "parameters": {"type": "string"}}}],
+                          "tool_choice": "required"}, "tools[0].function.parameters: a call of 'say'"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"name": "deep",
+                                                                                     "schema": nested(300)}}},
+                         "nested too deep")]:
         r = httpx.post(url, json={"messages": msg, **body}, timeout=30)
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
     r = httpx.post(server + "/api/chat", json={"model": SMOL, "messages": msg, "format": "yaml"}, timeout=30)

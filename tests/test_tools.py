@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from flylocal.decoding import grammar as grammars
 from flylocal.errors import FlylocalError
 from flylocal.front.serve import tools
 
@@ -76,3 +77,73 @@ def test_a_template_with_tagged_calls_gets_a_grammar_for_them():
 ])
 def test_which_answers_are_calls(text, call):
     assert tools.read_call(text) == call
+
+
+class Bytes:
+    """A vocabulary of the 256 bytes and an end of generation: what a Grammar reads of a model."""
+
+    n_vocab = 257
+    bos = None
+    eog_mask = [False] * 256 + [True]
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        return bytes([token]) if token < 256 else b"</s>"
+
+    def is_control(self, token: int) -> bool:
+        return token == 256
+
+    def tokenize(self, data: bytes, add_special: bool = False) -> list[int]:
+        return list(data)
+
+
+BYTES = Bytes()
+
+
+def calls(plan: tools.Plan, text: str) -> bool:
+    """Whether the answer `text` is whole under the plan's grammar."""
+    import llguidance
+
+    grammar = grammars.Grammar(BYTES, plan.grammar, "the tools' grammar")
+    m = llguidance.LLMatcher(grammar.tokenizer, grammar.grammar, log_level=0)
+    return bool(m.consume_tokens(list(text.encode()))) and m.is_accepting()
+
+
+@pytest.mark.parametrize("params", [{"type": "string"}, {"type": "array", "items": {"type": "integer"}},
+                                    {"type": ["string", "null"]}])
+def test_a_function_whose_arguments_are_not_an_object_is_refused(params):
+    say = {"type": "function", "function": {"name": "say", "parameters": params}}
+    with pytest.raises(FlylocalError, match=r"^tools\[1\]\.function\.parameters: a call of 'say' passes its "
+                                            r"arguments as one JSON object"):
+        tools.plan(TALK, [F, say], "required", None)
+
+
+def test_a_function_without_parameters_is_called_with_no_arguments():
+    plan = tools.plan(TALK, [G], "required", None)
+    assert calls(plan, '{"name": "g", "arguments": {}}')
+    assert not calls(plan, '{"name": "g", "arguments": {"x": 1}}')
+
+
+def test_a_call_is_an_object_and_its_numbers_are_bounded():
+    untyped = {"type": "function", "function": {"name": "h", "parameters": {"properties": {"n": {"type": "integer"}}}}}
+    plan = tools.plan(TALK, [F, untyped], "required", None)
+    assert calls(plan, '{"name": "f", "arguments": {"x": ' + "9" * 16 + "}}")
+    assert not calls(plan, '{"name": "f", "arguments": {"x": ' + "9" * 17 + "}}")
+    assert calls(plan, '{"name": "h", "arguments": {"n": 3}}') and not calls(plan, '{"name": "h", "arguments": 3}')
+
+
+def test_a_function_with_nested_models_can_be_called():
+    # pydantic writes a nested model as a $ref into the parameters' own $defs.
+    from pydantic import BaseModel
+
+    class Place(BaseModel):
+        city: str
+
+    class Trip(BaseModel):
+        start: Place
+        days: int
+
+    trip = {"type": "function", "function": {"name": "trip", "parameters": Trip.model_json_schema()}}
+    plan = tools.plan(TALK, [F, trip], "auto", None)
+    assert calls(plan, '{"name": "trip", "arguments": {"start": {"city": "Oslo"}, "days": 3}}')
+    assert not calls(plan, '{"name": "trip", "arguments": {"start": {"town": "Oslo"}, "days": 3}}')
+    assert calls(plan, "Where to?")

@@ -31,6 +31,13 @@ from flylocal.errors import FlylocalError, GrammarError
 # JSON as people write it: ", " and ": " between items, no other whitespace. Fixed separators
 # are forced tokens, and a model cannot pad its answer with endless newlines.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# A number's integral part has at most 16 digits where its schema sets no bound (as llama.cpp's
+# own schema converter bounds it): an unbounded integer lets a model write digits until the
+# token limit. The bound is written into the schema: strictly within ±10**16 (`bounded`).
+DIGITS = 16
+# How deep a schema's objects and arrays may lie within each other: llguidance reads 124 levels
+# of JSON, and a tool's call and the bounds of numbers wrap a schema in a few more.
+MAX_DEPTH = 100
 
 _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # vocabulary owner -> LLTokenizer
 
@@ -87,19 +94,102 @@ def json_schema(schema, source: str = "the JSON schema") -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
+        except RecursionError:
+            raise GrammarError(f"{source} is nested too deep: at most {MAX_DEPTH} levels of objects and arrays") from None
         except json.JSONDecodeError as e:
             raise GrammarError(f"{source} is not valid JSON: {e}") from None
     if not isinstance(schema, dict):
         raise GrammarError(f"{source} is a {type(schema).__name__}; a JSON schema is an object")
+    check_depth(schema, source)
     try:
-        return llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        # As text: llguidance takes no Python int past 64 bits, and reads one in JSON as it is.
+        return llg.LLMatcher.grammar_from_json_schema(json.dumps(bounded(schema)), defaults=JSON_LAYOUT)
     except (ValueError, TypeError) as e:
-        raise GrammarError(f"{source} cannot be used: {_line(e)}") from None
+        raise GrammarError(f"{source} cannot be used: {_line(str(e))}") from None
 
 
 def json_object() -> str:
     """Any JSON object."""
     return json_schema({"type": "object"})
+
+
+def check_depth(schema, source: str) -> None:
+    """GrammarError naming `source` where `schema`'s objects and arrays lie more than MAX_DEPTH
+    levels within each other (counted without recursion: a request may hold a thousand)."""
+    level, deepest = [schema], 0
+    while level:
+        deepest += 1
+        if deepest > MAX_DEPTH:
+            raise GrammarError(f"{source} is nested too deep: at most {MAX_DEPTH} levels of objects and arrays")
+        level = [v for node in level for v in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(v, (dict, list))]
+
+
+# Where a schema puts a subschema of the values it allows (not under "not", "if" or
+# "propertyNames": a bound there would widen or say nothing).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMAS = ("items", "additionalProperties", "additionalItems", "then", "else")
+# A schema with one of these is not bounded itself (a bound beside them would be an
+# intersection, or says nothing): the schemas within it are.
+_COMPOSED = ("$ref", "anyOf", "oneOf", "allOf", "const", "enum")
+_ANY = "flylocal_any"                     # the bounded "any value", in the root's $defs
+
+
+def bounded(schema: dict) -> dict:
+    """`schema` (checked by check_depth) with every number it allows bounded to DIGITS
+    integral digits where it leaves them open: a side the schema bounds itself keeps its own
+    bound, a side it leaves open lies at ±10**16 (unless the other side's bound lies past
+    it), and any value it allows ({}, true, an object's other properties, an array's items
+    when not given) is one whose numbers, at any depth, are bounded likewise."""
+    limit = 10**DIGITS
+    ref = {"$ref": f"#/$defs/{_ANY}"}
+    used = []
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    def walk(node):
+        if node is True:
+            used.append(True)
+            return ref
+        if not isinstance(node, dict):
+            return node
+        out = dict(node)
+        for key in _SCHEMA_MAPS:
+            if isinstance(out.get(key), dict):
+                out[key] = {name: walk(v) for name, v in out[key].items()}
+        for key in _SCHEMA_LISTS:
+            if isinstance(out.get(key), list):
+                out[key] = [walk(v) for v in out[key]]
+        for key in _SCHEMAS:
+            if isinstance(out.get(key), (dict, bool)):
+                out[key] = walk(out[key])
+        if any(key in out for key in _COMPOSED):
+            return out
+        types = out.get("type", ("null", "boolean", "number", "integer", "string", "array", "object"))
+        types = (types,) if isinstance(types, str) else types
+        if "number" in types or "integer" in types:
+            low = out.get("minimum", out.get("exclusiveMinimum"))
+            high = out.get("maximum", out.get("exclusiveMaximum"))
+            if low is None and (high is None or number(high) and high > -limit):
+                out["exclusiveMinimum"] = -limit
+            if high is None and (low is None or number(low) and low < limit):
+                out["exclusiveMaximum"] = limit
+        if "object" in types and "additionalProperties" not in out:
+            used.append(True)
+            out["additionalProperties"] = ref
+        if "array" in types and "items" not in out:
+            used.append(True)
+            out["items"] = ref
+        return out
+
+    out = walk(schema)
+    if used:
+        any_value = {"exclusiveMinimum": -limit, "exclusiveMaximum": limit, "items": ref, "additionalProperties": ref}
+        defs = out.get("$defs")
+        out["$defs"] = {**(defs if isinstance(defs, dict) else {}), _ANY: any_value}
+    return out
 
 
 def json_output(schema=None, source: str = "the JSON schema") -> tuple[str, str]:
@@ -116,7 +206,7 @@ def grammar_text(text: str, source: str = "the grammar") -> str:
     try:
         return llg.grammar_from("grammar", text)
     except (ValueError, TypeError) as e:
-        raise GrammarError(f"{source} cannot be read: {_line(e)}") from None
+        raise GrammarError(f"{source} cannot be read: {_line(str(e))}") from None
 
 
 def checked(grammar: str, source: str) -> str:
@@ -124,13 +214,24 @@ def checked(grammar: str, source: str) -> str:
     naming `source` otherwise."""
     error, messages = _llg().LLMatcher.validate_grammar_with_warnings(grammar)
     if error:
-        raise GrammarError(f"{source} cannot be used: {_line(Exception(messages[0]))}")
+        raise GrammarError(f"{source} cannot be used: {_line(messages[0])}")
     return grammar
 
 
-def _line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
+def _line(message: str) -> str:
+    """llguidance's message in one line: its first, with the detail a regex error gives below
+    it ("regex parse error:", the pattern, carets, "error: unclosed group")."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return "an unknown error"
+    first = lines[0]
+    detail = next((line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")), None)
+    if not first.endswith("regex parse error:") or detail is None:
+        return first
+    head = first.removesuffix("regex parse error:").rstrip(": ")
+    if not head:                                    # a schema's pattern: say which
+        head = f"invalid regex {json.dumps(lines[1])}" if not lines[1].startswith("error:") else "invalid regex"
+    return f"{head}: {detail}"
 
 
 class Grammar:
@@ -143,7 +244,7 @@ class Grammar:
         self.n_vocab = model.n_vocab
         error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if error:
-            raise GrammarError(f"{name} cannot be used: {_line(Exception(messages[0]))}")
+            raise GrammarError(f"{name} cannot be used: {_line(messages[0])}")
         self.grammar = grammar
 
     def start(self) -> Constraint:
@@ -157,15 +258,38 @@ class Constraint:
         llg = _llg()
         self._llg = llg
         self.grammar = grammar
+        self.tokens: list[int] = []         # committed: to say where the grammar failed, if it does
         self.matcher = llg.LLMatcher(grammar.tokenizer, grammar.grammar, log_level=0)
         self._check()
         self.n_vocab = grammar.n_vocab
         self._words = (grammar.tokenizer.vocab_size + 31) // 32
         self._executor = _executor()
 
-    def _check(self) -> None:
-        if self.matcher.is_error():
-            raise GrammarError(f"{self.grammar.name} failed: {_line(Exception(self.matcher.get_error()))}")
+    def _check(self, ahead=()) -> None:
+        """GrammarError, saying where, once the matcher has failed: after the committed tokens
+        and the first of `ahead` (the draft, or the tokens being committed) it accepts."""
+        if not self.matcher.is_error():
+            return
+        reason = _line(self.matcher.get_error())
+        if reason in ("NoExtension", "NoExtensionBias"):      # llguidance's words for a dead end
+            reason = "it allows nothing this model's vocabulary can write"
+        elif reason in ("LexerTooComplex", "ParserTooComplex"):
+            reason = f"it is too complex for llguidance ({reason})"
+        raise GrammarError(f"{self.grammar.name} failed {self._where(ahead)}: {reason}")
+
+    def _where(self, ahead) -> str:
+        """"after '<the text>'" (its end) or "at the start": how far a fresh matcher gets over
+        the committed tokens and `ahead` (the failed one stays failed)."""
+        matcher = self._llg.LLMatcher(self.grammar.tokenizer, self.grammar.grammar, log_level=0)
+        tokens = list(self.tokens)
+        matcher.consume_tokens(tokens)
+        for t in [int(t) for t in ahead]:
+            matcher.compute_bitmask()
+            if matcher.is_error() or not matcher.consume_token(t):
+                break
+            tokens.append(t)
+        text = self.grammar.tokenizer.decode_str(tokens)
+        return f"after {'…' if len(text) > 40 else ''}{text[-40:]!r}" if text else "at the start"
 
     def forced(self, limit: int) -> np.ndarray:
         """The next tokens the grammar allows no alternative to (up to `limit`) [f] int32."""
@@ -187,15 +311,17 @@ class Constraint:
                 self._executor, [(self.matcher, 0, draft.tolist())], masks)
         else:
             self._llg.numpy.fill_next_token_bitmask(self.matcher, masks)
-        self._check()
+        self._check(draft)
         for j in range(rows):
             forbid(logits[j], masks[j])
 
     def commit(self, tokens) -> None:
         """Advance over committed tokens (each allowed where it stands)."""
-        if len(tokens) and not self.matcher.consume_tokens([int(t) for t in tokens]):
-            self._check()
+        tokens = [int(t) for t in tokens]
+        if len(tokens) and not self.matcher.consume_tokens(tokens):
+            self._check(tokens)
             raise FlylocalError(f"{self.grammar.name} refused a committed token")  # pragma: no cover
+        self.tokens += tokens
 
 
 def forbid(row: np.ndarray, words: np.ndarray) -> None:

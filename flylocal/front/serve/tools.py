@@ -17,6 +17,11 @@ character tells the two apart.
 
 `tool_choice`: "auto" (text or a call), "required" (a call), a named function (a call of it),
 "none" (text; the functions are not shown).
+
+A call's arguments are one JSON object: a function whose `parameters` describe something else
+(`{"type": "string"}`) is refused, naming it; one without `parameters` is called with `{}`.
+Each call's schema is a document of its own, so that references into the parameters' `$defs`
+resolve, with its numbers bounded as every JSON schema's are (grammar.bounded).
 """
 
 from __future__ import annotations
@@ -60,10 +65,15 @@ def functions(tools: list, where: str = "tools") -> list[Function]:
         if not isinstance(name, str) or not name:
             raise FlylocalError(f"{where}[{i}].function.name: a function needs a name")
         params = spec.get("parameters")
-        if params is None:
-            params = {"type": "object", "properties": {}}
+        if params is None:                      # no parameters: the arguments are {}
+            params = {"type": "object", "properties": {}, "additionalProperties": False}
         if not isinstance(params, dict):
             raise FlylocalError(f"{where}[{i}].function.parameters: a JSON schema is an object")
+        kind = params.get("type", "object")
+        if "object" not in ([kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []):
+            raise FlylocalError(f"{where}[{i}].function.parameters: a call of {name!r} passes its arguments as "
+                                f"one JSON object; a schema of type {json.dumps(kind)} cannot describe them")
+        G.check_depth(params, f"{where}[{i}].function.parameters")
         if any(f.name == name for f in out):
             raise FlylocalError(f"{where}[{i}].function.name: {name!r} is offered twice")
         out.append(Function(name, str(spec.get("description") or ""), params))
@@ -88,15 +98,24 @@ def call_grammar(functions: list[Function], required: bool, wrapped: bool = Fals
     """The llguidance grammar of an answer: one call of one of `functions` (with `wrapped`,
     also inside <tool_call> tags), or (unless `required`) plain text that does not begin with
     "{" (nor "<" when wrapped)."""
-    calls = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.parameters},
-              "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
-    schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
-    schema["x-guidance"] = G.JSON_LAYOUT
     first = "{<" if wrapped else "{"
     text = "" if required else f" | /([^{first}][\\s\\S]*)?/"
     tagged = f' | "{WRAP[0]}" /\\n?/ object /\\n?/ "{WRAP[1]}"' if wrapped else ""
-    lark = f"start: call{text}\ncall: object{tagged}\nobject: %json {json.dumps(schema)}\n"
+    calls = "".join(f"call_{i}: %json {json.dumps(call_schema(f))}\n" for i, f in enumerate(functions))
+    lark = (f"start: call{text}\ncall: object{tagged}\n"
+            f"object: {' | '.join(f'call_{i}' for i in range(len(functions)))}\n{calls}")
     return G.checked(G.grammar_text(lark, "the tools' grammar"), "the tools' schemas")
+
+
+def call_schema(f: Function) -> dict:
+    """The JSON schema of a call of `f`: a document of its own, so that the parameters' $defs
+    (pydantic's nested models) sit at its root, where their "#/$defs/..." references point."""
+    defs = {key: f.parameters[key] for key in ("$defs", "definitions") if key in f.parameters}
+    arguments = {key: v for key, v in f.parameters.items() if key not in defs}
+    arguments["type"] = "object"                # a call's arguments, where the schema allows more
+    schema = {"type": "object", "properties": {"name": {"const": f.name}, "arguments": arguments},
+              "required": ["name", "arguments"], "additionalProperties": False, **defs}
+    return {**G.bounded(schema), "x-guidance": G.JSON_LAYOUT}
 
 
 def plan(messages: list[dict], tools: list, choice, template: str | None) -> Plan:
