@@ -141,6 +141,8 @@ def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Mod
             draft.close()
         target.close()
         raise
+    for rt in (target, draft) if draft is not None else (target,):
+        rt.costs.say = log         # a calibration the cost cache cannot spare says so (flylocal.decoding.costs)
     return Models(settings, target, draft, corpus, through_text)
 
 

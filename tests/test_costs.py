@@ -5,12 +5,17 @@ one, where a row costs 40% of a step, and a GPU-like flat one."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from flylocal.decoding.adaptive import ModelDraftLength
-from flylocal.decoding.costs import SWITCH_PRIOR, CostCurve, costs_dir
+from flylocal.decoding.costs import BUDGET, SWITCH_PRIOR, CostCurve, costs_dir, store
+from flylocal.decoding.costs import curve as curve_module
 from flylocal.decoding.drafters.pld import Corpus, PromptLookup, find_match
 
 KEY = {"model": "/m.gguf", "size": 1, "threads": 2}
@@ -224,3 +229,82 @@ def test_a_larger_size_extends_the_calibration_without_changing_it():
     curve.update(1, 0.011)
     curve.update(80, 0.2)
     assert curve.calibrated and curve.cost(80)[79] >= curve.cost(33)[32] > 0
+
+
+def said_before_measuring(costs, case: str) -> tuple[list[str], Path]:
+    """What a first request says, the cache holding `case` for KEY: its lines, and the path."""
+    path = store.path_for(KEY)
+    costs.mkdir(exist_ok=True)
+    content = {"empty": "", "garbage": "\x00{not json", "absurd": json.dumps(
+        {"format": 2, "key": KEY, "calibration": {"seconds": [1e300, 1.4e300, 1.8e300]}, "refined": []})}
+    if case in content:
+        path.write_text(content[case])
+    said = []
+    curve = CostCurve(key=KEY)
+    curve.say = said.append
+    curve.ensure(probe([]), max_rows=9)
+    return said, path
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "garbage", "absurd"])
+def test_a_calibration_the_cache_cannot_spare_says_in_one_line_what_it_measures_and_why(costs, case):
+    said, path = said_before_measuring(costs, case)
+    why = {"missing": f"no curve of it is cached in {costs} yet",
+           "empty": f"the cost cache at {path} is empty",
+           "garbage": f"the cost cache at {path} is not JSON",
+           "absurd": f"the cost cache at {path} holds an absurd curve: a single step of 1e+300 s"}[case]
+    assert len(said) == 1 and said[0].startswith(f"measuring the decode cost of m on this machine ({why}")
+    assert said[0].endswith(f"): up to {BUDGET:g} s")
+
+
+def test_a_curve_read_from_the_cache_or_measured_again_later_says_nothing(costs, monkeypatch):
+    """The usual case, a curve read from the cache, is silent as before; so are a larger size
+    measured onto a cached curve, --recalibrate (asked for) and a provisional curve's retries."""
+    said_before_measuring(costs, "missing")
+    said = []
+    for max_rows, recalibrate in ((9, False), (33, False), (9, True)):
+        curve = CostCurve(key=KEY)
+        curve.say = said.append
+        curve.ensure(probe([]), max_rows=max_rows, limit=64, recalibrate=recalibrate)
+    stalls = [0]
+
+    def never_agreeing(rows):
+        stalls[0] += 1
+        return 0.01 * (1 + 0.4 * (rows - 1)) * 1.5 ** stalls[0]
+
+    other = CostCurve(key={**KEY, "threads": 1})
+    other.ensure(never_agreeing, max_rows=9)
+    assert other.state == "provisional"
+    other.say = said.append
+    monkeypatch.setattr(curve_module.time, "monotonic", lambda: 1e12)
+    other.ensure(never_agreeing, max_rows=9)
+    assert said == []
+
+
+@pytest.mark.slow
+def test_generate_says_why_it_measures_over_an_unreadable_cache_and_nothing_over_a_sound_one(tmp_path, smol):
+    """The command line, on the default target: a cache file that is not JSON is measured over,
+    after one line on stderr naming the model, the file and why; a sound file is read in
+    silence."""
+    env = {**os.environ, "FLYLOCAL_COSTS": str(tmp_path / "costs")}
+    key = smol.costs.key                      # the command's own curve: same file, build, threads, batch
+    path = tmp_path / "costs" / store.path_for(key).name
+    path.parent.mkdir()
+    path.write_bytes(b"\x00\x01garbage")
+
+    def generate():
+        return subprocess.run([sys.executable, "-m", "flylocal", "generate", "Name three colours.", "--max-tokens",
+                               "4", "--json", "--drafter", "pld"], capture_output=True, text=True, env=env, timeout=300)
+
+    done = generate()
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "measuring" in line]
+    assert lines == ["flylocal: measuring the decode cost of smollm2-135m-instruct on this machine (the cost cache at "
+                     f"{path} is not JSON): up to {BUDGET:g} s"], done.stderr
+    assert json.loads(done.stdout)["stats"]["cost_curve"]["source"] == "measured"
+    path.write_text(json.dumps({"format": 2, "key": key, "refined": [],
+                                "calibration": {"seconds": [0.009 * (1 + 0.4 * n) for n in range(17)]}}))
+    done = generate()
+    assert done.returncode == 0, done.stderr
+    assert "measuring" not in done.stderr, done.stderr
+    assert json.loads(done.stdout)["stats"]["cost_curve"]["source"] == "cache"

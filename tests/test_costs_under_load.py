@@ -11,6 +11,7 @@ does not draft is the controller's own doing.
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -20,7 +21,8 @@ from flylocal.decoding.costs import curve as costs_module
 from flylocal.decoding.costs import meter as meter_module
 from flylocal.decoding.costs import store
 from flylocal.decoding.adaptive import DraftLength, ModelDraftLength, timed_decode
-from flylocal.decoding.costs import EXPLORE, CostCurve, read_record
+from flylocal.decoding.costs import BUDGET, EXPLORE, CostCurve, read_record
+from flylocal.decoding.costs.shape import SWITCH_MAX
 from flylocal.decoding.engine import Engine, EngineConfig, generate_all
 from flylocal.decoding.verifiers.strict import Strict
 
@@ -170,10 +172,12 @@ def test_a_load_that_passes_leaves_no_trace_in_the_decisions():
 def test_stalls_of_100x_never_move_the_saved_shape(cache, seed):
     """One decode in ten stalls 100x, in calibration and in the rounds. What is saved (the
     calibrated shape and the refinement) is within a few percent of what the same machine
-    saves without stalls."""
+    saves without stalls. (The calibration is given the time such stalls take: within its
+    usual budget it would be cut short and saved nowhere.)"""
     def saved(p_stall: float) -> np.ndarray:
         key = dict(KEY, stalls=p_stall, seed=seed)
         curve = CostCurve(key=key)
+        curve.budget = 1000.0
         machine = Machine(step=0.01, noise=0.01, p_stall=p_stall, seed=seed)
         target, engine = engine_on(machine, curve, p_corrupt=0.2, seed=seed, max_tokens=250)
         for turn in range(2):
@@ -396,3 +400,142 @@ def test_rounds_on_another_thread_count_than_the_curves_refine_it_unsaved(cache)
     curve.save()
     again = CostCurve(key=KEY)
     assert again.load() and again.shape(9) == pytest.approx(TRUE_SHAPE[8])
+
+
+# What a cost cache file can hold that is no curve of the model: the file's bytes, given its
+# key, and the words a line to the user says of it. Each one is measured over.
+def cost_file(key: dict, seconds, **calibration) -> bytes:
+    return json.dumps({"format": 2, "key": key, "calibration": {"seconds": list(seconds), **calibration},
+                       "refined": []}).encode()
+
+
+UNUSABLE = {
+    "empty": (lambda key: b"", "is empty"),
+    "truncated": (lambda key: cost_file(key, 0.01 * TRUE_SHAPE)[:60], "is not JSON"),
+    "garbage": (lambda key: np.random.default_rng(0).bytes(3000), "is not JSON"),
+    "nested past the parser": (lambda key: b"[" * 100_000, "is not JSON"),
+    "not a curve": (lambda key: b'{"hello": 1}', "is not a cost curve"),
+    "another key's": (lambda key: cost_file({"model": "/other.gguf"}, 0.01 * TRUE_SHAPE), "holds another curve"),
+    "negative": (lambda key: cost_file(key, [-0.01, 0.014, 0.018]), "not positive"),
+    "NaN single step": (lambda key: cost_file(key, [math.nan, 0.014, 0.018]), "absurd curve"),
+    "huge": (lambda key: cost_file(key, [1e300, 1.4e300, 1.8e300]), "absurd curve"),
+    "tiny": (lambda key: cost_file(key, [1e-300, 1.4e-300, 1.8e-300]), "absurd curve"),
+    "an integer past floats": (lambda key: cost_file(key, [0.01, 0.014]).replace(b"0.014", b"1" + b"0" * 400),
+                               "not positive and finite"),
+    "thousands of sizes": (lambda key: cost_file(key, 0.02 * (1 + 0.4 * np.arange(5000))), "5000 sizes"),
+    "numbers as strings": (lambda key: cost_file(key, [str(0.02 * s) for s in TRUE_SHAPE]), "not numbers"),
+    "breaks physics": (lambda key: cost_file(key, [0.159, 0.021, 0.026]), "absurd curve"),
+}
+
+
+def stalling_machine() -> Machine:
+    """Busy loops beside the model: 3 decodes in 10 stall 100x. On 2 cores beside busy loops and
+    another llama.cpp process, today's calibration took 144 s over 8 passes."""
+    return Machine(step=0.01, p_stall=0.3, seed=1)
+
+
+@pytest.mark.parametrize("case", ["missing", *UNUSABLE])
+def test_a_calibration_on_a_stalling_machine_ends_within_its_budget_whatever_the_cache_held(cache, case):
+    """Whatever the cache file holds, the calibration that replaces it decodes for at most
+    BUDGET seconds, give or take the one decode that crossed it, and the curve is what it
+    measured: used, provisional, not saved. One line said why it measured, before it did."""
+    cache.mkdir()
+    if case != "missing":
+        store.path_for(KEY).write_bytes(UNUSABLE[case][0](KEY))
+    curve = CostCurve(key=KEY)
+    said = []
+    curve.say = said.append
+    machine = stalling_machine()
+    target = FakeTarget(LM, n_ctx=256, costs=curve, machine=machine)
+    target.decode(prompt(2))
+    start = machine()
+    curve.ensure(lambda rows: timed_decode(target, 3, rows, machine), max_rows=9)
+    longest = machine.stall * machine.step * machine.shape(17)
+    assert machine() - start <= BUDGET + longest
+    assert curve.source == "measured" and curve.calibrated and curve.state == "provisional"
+    assert not CostCurve(key=KEY).load()                 # nothing measured in such a spell is saved
+    why = "no curve of it is cached" if case == "missing" else UNUSABLE[case][1]
+    assert len(said) == 1 and why in said[0], said
+
+
+def test_a_calibration_out_of_time_keeps_what_it_measured_and_goes_no_further(cache):
+    """A machine 50x slower than usual everywhere: its passes agree, but three of them would
+    take a minute. The calibration stops once BUDGET seconds of decodes are spent, keeps the
+    sizes it reached at what they cost (a coarser curve, the rest along the last slope), and
+    the request after it measures nothing."""
+    machine = Machine(step=0.01)
+    machine.slow = 50.0
+    curve = CostCurve(key=KEY)
+    target = FakeTarget(LM, n_ctx=256, costs=curve, machine=machine)
+    target.decode(prompt(3))
+    sizes = []
+
+    def probe(rows):
+        sizes.append(rows)
+        return timed_decode(target, 3, rows, machine)
+
+    start = machine()
+    curve.ensure(probe, max_rows=9)
+    assert machine() - start <= BUDGET + 50 * 0.01 * machine.shape(17)
+    assert curve.source == "measured" and curve.state == "provisional" and "out of time" in curve.problem
+    assert 2 <= curve.largest() < 17
+    seen = np.flatnonzero(~np.isnan(curve.base)) + 1
+    assert np.allclose(curve.base[seen - 1], 0.5 * TRUE_SHAPE[seen - 1])      # what it measured stands
+    n = len(sizes)
+    curve.ensure(probe, max_rows=9)
+    assert len(sizes) == n
+
+
+@pytest.mark.parametrize("case", ["huge", "tiny", "an integer past floats", "thousands of sizes", "numbers as strings",
+                                  "negative", "NaN single step", "breaks physics"])
+def test_absurd_times_in_a_cache_file_are_never_used_as_costs(cache, case):
+    """A file whose times no decode can take (or more sizes than any curve has) is not read as a
+    curve: the model is measured again on its first request and the file replaced."""
+    cache.mkdir()
+    path = store.path_for(KEY)
+    path.write_bytes(UNUSABLE[case][0](KEY))
+    curve = CostCurve(key=KEY)
+    machine = Machine(step=0.01)
+    target = FakeTarget(LM, n_ctx=256, costs=curve, machine=machine)
+    target.decode(prompt(2))
+    curve.ensure(lambda rows: timed_decode(target, 3, rows, machine), max_rows=9)
+    assert curve.source == "measured" and curve.state in ("settled", "repaired")
+    assert curve.calibrated_step() == pytest.approx(0.01) and curve.largest() == 17
+    assert np.allclose(curve.calibrated_shape(17), TRUE_SHAPE)
+    assert 0 <= curve.switch() <= SWITCH_MAX
+    on_disk = read_record(json.loads(path.read_text()))
+    assert on_disk is not None and on_disk["base"][0] == pytest.approx(0.01) and len(on_disk["base"]) == 17
+
+
+def test_absurd_fields_beside_a_sound_calibration_are_dropped_and_the_file_repaired(cache):
+    """A sound calibration with a row switch no decode can cost (1e308 s), and fields of the
+    wrong type: the calibration is used, the switch falls back to the prior, the rest goes, and
+    the file is rewritten without them."""
+    cache.mkdir()
+    path = store.path_for(KEY)
+    path.write_bytes(cost_file(KEY, 0.01 * TRUE_SHAPE, switch=1e308, passes="many", spread=math.nan,
+                               busy_cores=[1, 2], measured="2026-12-03T11:00:00"))
+    curve = CostCurve(key=KEY)
+    assert curve.load() and curve.state == "repaired" and "switch" in curve.problem
+    assert curve.switch() == costs_module.SWITCH_PRIOR
+    assert curve.cost(2)[1] == pytest.approx(0.01 * (TRUE_SHAPE[1] + costs_module.SWITCH_PRIOR))
+    assert curve.meta == {"measured": "2026-12-03T11:00:00"}
+    on_disk = json.loads(path.read_text())["calibration"]
+    assert "switch" not in on_disk and "passes" not in on_disk and "busy_cores" not in on_disk
+    again = CostCurve(key=KEY)
+    assert again.load() and again.state == "settled"
+
+
+def test_a_switch_measured_beyond_physics_is_not_believed():
+    """A single step after a larger decode measured 2 single steps dearer than a steady one (a
+    stall, seen beside busy loops): no decode of one row costs that, so the prior stands."""
+    last = [1]
+
+    def probe(rows):
+        t = 0.01 * (1 + 0.4 * (rows - 1)) + (0.02 if rows == 1 and last[0] != 1 else 0.0)
+        last[0] = rows
+        return t
+
+    curve = CostCurve(key=None)
+    curve.calibrate(probe, max_rows=9, meter=Quiet())
+    assert curve.switch() == costs_module.SWITCH_PRIOR

@@ -9,7 +9,6 @@ batch, and the logits compared.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import numpy as np
 
 from flylocal import models
 from flylocal.decoding.adaptive import timed_decode
-from flylocal.decoding.costs import CALIBRATION_SIZES, CostCurve, costs_dir, read_record
+from flylocal.decoding.costs import CALIBRATION_SIZES, CostCurve, costs_dir, read_file
 from flylocal.llama import kernels
 from flylocal.llama.config import RuntimeConfig
 from flylocal.llama.devices import build_info
@@ -128,10 +127,7 @@ def cache_report() -> list[str]:
     files = sorted(folder.glob("*.json")) if folder.is_dir() else []
     lines = [f"cost curves cached in {folder}: {len(files)}"]
     for path in files:
-        try:
-            record = read_record(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            record = None
+        record, _ = read_file(path)             # bounded in size and depth, as a run reads it
         if record is None:
             lines.append(f"  {path.name}: not a cost curve (measured over when its model is next used)")
             continue

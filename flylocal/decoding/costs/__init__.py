@@ -2,11 +2,11 @@
 model, as decisions see it (curve), how it is calibrated (calibration), what a curve can be
 (shape), how busy other work kept the cores (meter), and the disk cache (store)."""
 
-from flylocal.decoding.costs.calibration import CALIBRATION_SIZES
+from flylocal.decoding.costs.calibration import BUDGET, CALIBRATION_SIZES
 from flylocal.decoding.costs.curve import EXPLORE, STALE, SWITCH_PRIOR, CostCurve, Source, State
 from flylocal.decoding.costs.shape import median
-from flylocal.decoding.costs.store import read_record
+from flylocal.decoding.costs.store import read_file, read_record
 from flylocal.host import costs_dir
 
-__all__ = ["CALIBRATION_SIZES", "EXPLORE", "STALE", "SWITCH_PRIOR", "CostCurve", "Source", "State", "costs_dir",
-           "median", "read_record"]
+__all__ = ["BUDGET", "CALIBRATION_SIZES", "EXPLORE", "STALE", "SWITCH_PRIOR", "CostCurve", "Source", "State",
+           "costs_dir", "median", "read_file", "read_record"]

@@ -1,8 +1,9 @@
 """Calibrating a cost curve: a decode of each usual size timed in passes until the two lowest
 times of each agree (docs/design.md, "Cost model"). A stall only ever adds time, so the lowest
-counts. The result is settled when the passes agreed, the shape obeys physics, other work kept
-the cores quiet meanwhile and the single step is not SLOWER than the rounds just before it;
-otherwise it is provisional: used, never saved, measured again later."""
+counts. A calibration spends at most BUDGET seconds decoding: one that runs out keeps what it
+has measured. The result is settled when the passes agreed, the shape obeys physics, other work
+kept the cores quiet meanwhile and the single step is not SLOWER than the rounds just before
+it; otherwise it is provisional: used, never saved, measured again later."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flylocal.decoding.costs import meter as meters
-from flylocal.decoding.costs.shape import distortion, median
+from flylocal.decoding.costs.shape import SWITCH_MAX, distortion, median
 from flylocal.host import usable_cores
 
 CALIBRATION_SIZES = (1, 2, 3, 5, 9, 17)
@@ -23,6 +24,9 @@ AGREE = 0.30             # the two lowest samples of a size within 30% (or ABS_A
                          # time varies by 10-15%, and the two lowest of 8 by up to 27% at times
 ABS_AGREE = 2e-4
 SLOWER = 1.5             # a calibrated single step this much slower than the rounds before it: loaded
+BUDGET = 5.0             # seconds of decoding a calibration may spend: on an idle 2-core machine it
+                         # takes 1-1.5 s, and beside busy loops on both cores its stalled decodes
+                         # took 96 s over 8 passes (2026-12-03)
 
 
 @dataclass(frozen=True)
@@ -33,33 +37,43 @@ class Calibration:
 
 
 def calibrate(timed_decode, max_rows: int, limit: int | None = None, meter=None,
-              anchor: float | None = None) -> Calibration | None:
+              anchor: float | None = None, budget: float = BUDGET) -> Calibration | None:
     """Measure t at the usual sizes and at `max_rows`, none above `limit` (the batch size). On a
     CPU the step from 1 to 2 rows is the steepest (a matrix-vector kernel gives way to a
     matrix-matrix one), so the small sizes are all measured. `timed_decode(n)` decodes n rows,
     rolls them back and returns the seconds taken. `anchor`: the seconds of the single-row
-    rounds just before, when there were any. None when fewer than two sizes could be timed."""
+    rounds just before, when there were any. Once the decodes have taken `budget` seconds no
+    other starts (but for the two sizes a curve needs): what was measured is kept, provisional
+    unless its passes agreed. None when fewer than two sizes could be timed."""
     sizes = sorted(s for s in set(CALIBRATION_SIZES) | {max_rows} if limit is None or s <= limit)
     meter = meter if meter is not None else meters.CpuLoad()
-    timed_decode(sizes[0])                  # the first decode pays for pages and buffers
-    meter.start()
     samples: dict[int, list[float]] = {rows: [] for rows in sizes}
     back: list[float] = []                  # single steps right after a larger decode
     steady: list[float] = []                # single steps right after a single step
+    # A pass: 1, 2, 1, 1, 3, 1, 1, ...: each size after a single step, as a draft's round comes;
+    # after it a single step, which pays for changing the row count back, and another.
+    schedule = []
+    for rows in sizes:
+        schedule.append((samples[rows], rows))
+        if rows > 1 and sizes[0] == 1:
+            schedule += [(back, 1), (steady, 1)]
+    first = timed_decode(sizes[0])          # the first decode pays for pages and buffers
+    spent = first if first > 0 and math.isfinite(first) else 0.0
+    meter.start()
+
+    def out_of_time() -> bool:
+        return spent >= budget and sum(1 for v in samples.values() if v) >= 2
+
     passes = 0
-    while passes < MAX_PASSES:
-        # 1, 2, 1, 1, 3, 1, 1, ...: each size after a single step, as a draft's round comes;
-        # after it a single step, which pays for changing the row count back, and another.
-        for rows in sizes:
+    while passes < MAX_PASSES and not out_of_time():
+        passes += 1
+        for into, rows in schedule:
+            if out_of_time():
+                break
             t = timed_decode(rows)
             if t > 0 and math.isfinite(t):
-                samples[rows].append(t)
-            if rows > 1 and sizes[0] == 1:
-                for kind in (back, steady):
-                    t = timed_decode(1)
-                    if t > 0 and math.isfinite(t):
-                        kind.append(t)
-        passes += 1
+                into.append(t)
+                spent += t
         if passes >= MIN_PASSES and all(_agree(v) for v in samples.values()):
             break
     busy = meter.stop()
@@ -69,20 +83,29 @@ def calibrate(timed_decode, max_rows: int, limit: int | None = None, meter=None,
     values = np.full(max(best), np.nan)
     for rows, t in best.items():
         values[rows - 1] = t
-    spread = max((sorted(v)[1] / sorted(v)[0] - 1) for v in samples.values() if len(v) >= 2)
+    spread = max((sorted(v)[1] / sorted(v)[0] - 1 for v in samples.values() if len(v) >= 2), default=None)
     problem = distortion(values)
     if not all(_agree(v) for v in samples.values()):
-        problem = problem or f"passes disagree by up to {spread:.0%}"
+        disagree = f"passes disagree by up to {spread:.0%}" if any(
+            len(v) >= 2 and not _agree(v) for v in samples.values()) else ""
+        if out_of_time():
+            problem = problem or (f"out of time after {passes} passes ({spent:.1f} s of decodes, at most "
+                                  f"{budget:g} s)" + (f"; {disagree}" if disagree else ""))
+        else:
+            problem = problem or disagree or "a size was measured fewer than twice"
     if busy is not None and busy > meters.QUIET:
         problem = problem or f"{busy:.2f} cores were busy with other work"
     if anchor is not None and best[sizes[0]] > SLOWER * anchor:
         problem = problem or f"a single step took {best[sizes[0]] / anchor:.1f}x the rounds' just before"
-    # Medians of as many samples each: the lowest of many is lower than the lowest of few.
+    # Medians of as many samples each: the lowest of many is lower than the lowest of few. A
+    # switch no single-row decode can cost is a stall, not llama.cpp's graph being built again.
     switch = max(median(back) - median(steady), 0.0) if back and steady else None
+    if switch is not None and switch > SWITCH_MAX * values[0]:
+        switch = None
     meta = {"measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "passes": passes,
             **({"switch": switch} if switch is not None else {}),
-            "spread": round(float(spread), 4), "busy_cores": None if busy is None else round(busy, 3),
-            "cores": usable_cores()}
+            **({"spread": round(float(spread), 4)} if spread is not None else {}),
+            "busy_cores": None if busy is None else round(busy, 3), "cores": usable_cores()}
     return Calibration(values, meta, problem)
 
 

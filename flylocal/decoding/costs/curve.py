@@ -28,13 +28,15 @@ from __future__ import annotations
 import enum
 import math
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
 from flylocal.decoding.costs import meter as meters
 from flylocal.decoding.costs import store
-from flylocal.decoding.costs.calibration import CALIBRATION_SIZES, calibrate
-from flylocal.decoding.costs.shape import PHYSICS, distortion, interpolate, median, plausible, prior_shape
+from flylocal.decoding.costs.calibration import BUDGET, CALIBRATION_SIZES, calibrate
+from flylocal.decoding.costs.shape import PHYSICS, SWITCH_MAX, distortion, interpolate, median, plausible, prior_shape
 
 SWITCH_PRIOR = 0.07      # single steps the round after a draft pays to go back to one row, where
                          # a curve has no measurement of it: llama.cpp rebuilds its compute graph
@@ -82,7 +84,9 @@ class CostCurve:
     from, `problem` why it is provisional or was repaired. A `fixed`
     curve never changes (tests, a cost model given by hand). A `pinned` curve answers from
     `base` alone, ignores rounds and never explores, so that decisions made on it do not depend
-    on this run's timings (a seeded run)."""
+    on this run's timings (a seeded run). `say`, when set (by whoever shows the user notes), is
+    told in one line what is measured and why, before a calibration the cache could not spare:
+    none cached, the file unusable or absurd."""
 
     def __init__(self, key: dict | None = None, seconds=None, fixed: bool = False):
         self.key = key
@@ -97,6 +101,9 @@ class CostCurve:
         self.state = State.SETTLED if seconds is not None else State.NONE
         self.problem: str | None = None
         self.dirty = False
+        self.say: Callable[[str], None] | None = None
+        self.budget = BUDGET                                 # seconds of decoding a calibration may spend
+        self._unusable: str | None = None                    # why the cache held no curve, at the last load
         self._ensured = 0
         self._retry_at = 0.0
         self._retry_wait = RETRY
@@ -213,9 +220,10 @@ class CostCurve:
         if self.fixed or self.source == Source.GIVEN:
             return 0.0
         measured = self.meta.get("switch")
-        if isinstance(measured, (int, float)) and self.calibrated and measured >= 0:
-            return float(measured) / self.calibrated_step()
-        return SWITCH_PRIOR
+        if not (isinstance(measured, (int, float)) and self.calibrated):
+            return SWITCH_PRIOR
+        steps = float(measured) / self.calibrated_step()
+        return steps if 0 <= steps <= SWITCH_MAX else SWITCH_PRIOR      # beyond physics: a stall
 
     def cost(self, rows: int) -> np.ndarray:
         """Seconds of a round of 1..rows rows: t(1..rows), with the single step back after a
@@ -292,9 +300,10 @@ class CostCurve:
 
     # ---- calibration and the disk cache
     def calibrate(self, timed_decode, max_rows: int, limit: int | None = None, meter=None) -> None:
-        """Measure the curve now (flylocal.decoding.costs.calibration): settled, or provisional
-        when it was taken under load, disagreed or broke physics."""
-        done = calibrate(timed_decode, max_rows, limit, meter, anchor=self._anchor())
+        """Measure the curve now (flylocal.decoding.costs.calibration), spending at most `budget`
+        seconds decoding: settled, or provisional when it was taken under load, disagreed, ran
+        out of time or broke physics."""
+        done = calibrate(timed_decode, max_rows, limit, meter, anchor=self._anchor(), budget=self.budget)
         if done is None:
             return
         self.base = np.full(len(done.seconds), np.nan)
@@ -331,6 +340,10 @@ class CostCurve:
             keep = self.calibrated and not recalibrate and self.state != State.PROVISIONAL
             kept, kept_meta = self.base.copy(), self.meta
             repaired = self.problem if self.state == State.REPAIRED else None
+            if self.say is not None and self._unusable is not None and not (retry or keep):
+                self.say(f"measuring the decode cost of {self.name()} on this machine ({self._unusable}): "
+                         f"up to {self.budget:g} s")
+            self._unusable = None
             self.calibrate(timed_decode, max_rows, limit, meter)
             if keep:                 # a larger size was asked for: the calibration so far stands,
                 n = min(len(kept), len(self.base))      # and the new sizes join it in its units
@@ -350,18 +363,29 @@ class CostCurve:
                 self._retry_wait *= 2
         self._ensured = max(max_rows, self._ensured)
 
+    def name(self) -> str:
+        """The model's file name, without .gguf: what the curve is of, in a line to the user."""
+        return Path(str((self.key or {}).get("model", "the model"))).stem
+
     def load(self) -> bool:
         """Read the cached curve for this key, if there is a valid one. A file whose
         calibration is distorted is not obeyed (the curve is measured again: `state` becomes
-        REPAIRED once it is); a refinement that is distorted is dropped and the file is
-        rewritten without it."""
-        record = store.read(self.key) if self.key is not None else None
+        REPAIRED once it is); what else is absurd in it (a refinement, the row switch's cost) is
+        dropped and the file is rewritten without it."""
+        if self.key is None:
+            return False
+        record, unusable = store.read(self.key)
+        path = store.path_for(self.key)
         if record is None:
+            self._unusable = (f"the cost cache at {path} {unusable}" if unusable else
+                              f"no curve of it is cached in {path.parent} yet")
             return False
         base, refined, problem = record["base"], record["refined"], record["problem"]
         if record["calibration_problem"] is not None:
             self.state, self.problem = State.REPAIRED, f"cached calibration distorted: {record['calibration_problem']}"
+            self._unusable = f"the cost cache at {path} holds an absurd curve: {record['calibration_problem']}"
             return False
+        self._unusable = None
         self.base = np.full(len(base), np.nan)
         self._set_base(base)
         self.refined = np.full(len(self.base), np.nan)

@@ -1,6 +1,7 @@
 """What a decode's cost curve can be (docs/design.md, "Cost model"): the prior before anything
 is measured, interpolation between measured sizes, and the physics a measured curve must obey
-(n rows never dearer than PHYSICS * n single steps, never much cheaper than one)."""
+(n rows never dearer than PHYSICS * n single steps, never much cheaper than one, and a single
+step neither under FASTEST nor over SLOWEST seconds)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ PRIOR_ROW_COST = 0.4     # extra cost of one more row relative to a single-row d
 PHYSICS = 1.5            # at most 1.5 * n: batching never makes a row dearer than a step of its own
 FLOOR = 0.7              # at least 0.7: more rows are never much cheaper than one
 FAR = 3.0                # a refined shape more than 3x from the calibrated one (either way) is a stall
+FASTEST = 1e-6           # seconds: no single-row decode takes less (a GPU kernel launch alone takes more)
+SLOWEST = 3600.0         # seconds: nor more (a cache file saying so is absurd, not a slow model)
+SWITCH_MAX = PHYSICS - 1  # single steps: the step back to one row is a single-row decode, at most PHYSICS steps
 
 
 def prior_shape(rows: int) -> np.ndarray:
@@ -38,6 +42,8 @@ def distortion(seconds: np.ndarray) -> str | None:
     seen = np.flatnonzero(~np.isnan(seconds))
     if seen.size < 2 or seen[0] != 0:
         return "no single-row time" if seen.size else "nothing measured"
+    if not FASTEST <= seconds[0] <= SLOWEST:
+        return f"a single step of {seconds[0]:.3g} s (none takes under {FASTEST:g} s or over {SLOWEST:g} s)"
     shape = seconds[seen] / seconds[0]
     for n, s in zip(seen + 1, shape):
         if s > PHYSICS * n:

@@ -7,23 +7,34 @@ leave a torn file.
      "refined": [shape at 1..m, null where none]}
 
 Format 1 (before shape and speed were apart) kept the calibration as "base" and a refined curve
-in seconds as "seconds"; it is read and rewritten as format 2."""
+in seconds as "seconds"; it is read and rewritten as format 2.
+
+Whatever a file holds, reading it is cheap and nothing absurd in it is used: a file over
+MAX_BYTES, not JSON, not a cost curve or another key's is not read; a size past MAX_ROWS or a
+time that is not a positive number makes it no curve; a calibration outside physics is reported
+(the curve is measured again), and what else is absurd (a refined shape, the row switch's cost,
+a field of the wrong type) is dropped."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from flylocal.decoding.costs.shape import distortion, interpolate, plausible
+from flylocal.decoding.costs.shape import SWITCH_MAX, distortion, interpolate, plausible
 from flylocal.host import costs_dir
 
 COST_FORMAT = 2
+MAX_BYTES = 1 << 20      # a curve of MAX_ROWS sizes, calibrated and refined, takes about 200 KB
+MAX_ROWS = 4096          # sizes a curve can hold: no round verifies a longer draft
+META = {"measured": str, "extended": str, "passes": int, "cores": int, "spread": float, "busy_cores": float,
+        "switch": float}  # what a calibration's record may say beside its times, and of which type
 
 
 def path_for(key: dict) -> Path:
@@ -31,15 +42,36 @@ def path_for(key: dict) -> Path:
     return costs_dir() / f"{digest}.json"
 
 
-def read(key: dict) -> dict | None:
-    """The checked record (read_record) cached for `key`, or None: none, unreadable, another
-    key's."""
+def read(key: dict) -> tuple[dict | None, str | None]:
+    """The checked record (read_record) cached for `key`, and None; or None and what makes the
+    file no curve for it ("is empty", "is not JSON", ...), None when there is no file."""
+    record, problem = read_file(path_for(key))
+    if record is not None and record["key"] != key:
+        return None, "holds another curve (its key differs)"
+    return record, problem
+
+
+def read_file(path: Path) -> tuple[dict | None, str | None]:
+    """The checked record in the file at `path`, whatever its key, as read() reads it."""
     try:
-        data = json.loads(path_for(key).read_text())
-    except (OSError, ValueError):
-        return None
-    record = read_record(data)
-    return record if record is not None and record["key"] == key else None
+        with path.open("rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, f"is unreadable ({e.strerror})"
+    if len(raw) > MAX_BYTES:
+        return None, f"is over {MAX_BYTES >> 20} MB, more than a cost curve can take"
+    if not raw.strip():
+        return None, "is empty"
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):        # RecursionError: nested past what the parser follows
+        return None, "is not JSON"
+    record = _check(data)
+    if isinstance(record, str):
+        return None, record
+    return record, None
 
 
 def write(key: dict, meta: dict, base: np.ndarray, refined: np.ndarray) -> bool:
@@ -69,44 +101,82 @@ def _json_list(values: np.ndarray) -> list:
     return [None if np.isnan(v) else float(v) for v in values]
 
 
-def _floats(raw) -> np.ndarray | None:
+def _floats(raw) -> np.ndarray | str:
+    """[m] float64 from a JSON list of positive numbers and nulls (NaN), m <= MAX_ROWS; else
+    what the list is instead."""
     if not isinstance(raw, list):
-        return None
+        return "is not a cost curve"
+    if len(raw) > MAX_ROWS:
+        return f"holds {len(raw)} sizes (a curve has at most {MAX_ROWS})"
+    if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in raw):
+        return "holds times that are not numbers"
     try:
         values = np.array([np.nan if v is None else float(v) for v in raw], dtype=np.float64)
-    except (TypeError, ValueError):
-        return None
+    except OverflowError:                       # an integer past what a float holds
+        return "holds times that are not positive and finite"
     seen = values[~np.isnan(values)]
     if not np.isfinite(seen).all() or (seen <= 0).any():
-        return None
+        return "holds times that are not positive and finite"
     return values
+
+
+def _meta(raw: dict, step: float) -> tuple[dict, str | None]:
+    """The fields of META in `raw` that are of their type (a number finite, not negative and
+    not huge, a string short), and what was dropped of the row switch's cost as absurd, or
+    None. `step`: the calibrated single step, NaN when there is none."""
+    meta = {}
+    for name, kind in META.items():
+        v = raw.get(name)
+        if kind is str:
+            ok = isinstance(v, str) and len(v) <= 32
+        else:
+            ok = (isinstance(v, int if kind is int else (int, float)) and not isinstance(v, bool)
+                  and 0 <= v <= 1e6) or (name == "busy_cores" and name in raw and v is None)   # NaN fails too
+        if ok:
+            meta[name] = v
+    if "switch" in raw and not meta.get("switch", math.inf) <= SWITCH_MAX * step:
+        meta.pop("switch", None)
+        return meta, (f"a switch back to one row of {repr(raw['switch'])[:24]} s dropped (at most "
+                      f"{SWITCH_MAX:g} single steps can be real)")
+    return meta, None
 
 
 def read_record(data) -> dict | None:
     """A cache file's contents, checked: {"format", "key", "base" [m] seconds, "refined" [m]
     shape, "meta", "calibration_problem" (why the calibration is not a curve, or None),
-    "problem" (what was dropped from the refinement, or None)}; None when it is not a cost
-    file at all."""
+    "problem" (what was dropped as absurd, or None)}; None when it is not a cost file at all."""
+    record = _check(data)
+    return None if isinstance(record, str) else record
+
+
+def _check(data) -> dict | str:
+    """read_record's record, or what makes `data` no cost curve."""
     if not isinstance(data, dict) or data.get("format") not in (1, COST_FORMAT) or not isinstance(data.get("key"), dict):
-        return None
+        return "is not a cost curve"
     if data["format"] == 1:
         base = _floats(data.get("base", data.get("seconds")))
         seconds = _floats(data.get("seconds"))
-        if base is None or seconds is None or np.isnan(seconds[0]):
-            return None
-        refined, meta = seconds / seconds[0], {}
+        for values in (base, seconds):
+            if isinstance(values, str):
+                return values
+        if not len(seconds) or np.isnan(seconds[0]):
+            return "holds no single-row time"
+        refined, raw_meta = seconds / seconds[0], {}
     else:
         calibration = data.get("calibration")
         if not isinstance(calibration, dict):
-            return None
+            return "is not a cost curve"
         base, refined = _floats(calibration.get("seconds")), _floats(data.get("refined", []))
-        if base is None or refined is None:
-            return None
-        meta = {k: v for k, v in calibration.items() if k != "seconds"}
+        for values in (base, refined):
+            if isinstance(values, str):
+                return values
+        raw_meta = calibration
+    meta, dropped_switch = _meta(raw_meta, float(base[0]) if len(base) else math.nan)
     record = {"format": data["format"], "key": data["key"], "base": base, "meta": meta,
               "calibration_problem": distortion(base), "problem": None}
     refined = refined.copy()
     if record["calibration_problem"] is None:
+        problems = []
         cost = interpolate(base, max(len(base), len(refined)))
         dropped = []
         for i in np.flatnonzero(~np.isnan(refined)):
@@ -116,7 +186,10 @@ def read_record(data) -> dict | None:
                     dropped.append(f"{n}: {refined[i]:.1f}")
                 refined[i] = np.nan
         if dropped:
-            record["problem"] = ("refined shape distorted (single steps at " + ", ".join(dropped)
-                                 + "), dropped; the calibration stands")
+            problems.append("refined shape distorted (single steps at " + ", ".join(dropped)
+                            + "), dropped; the calibration stands")
+        if dropped_switch:
+            problems.append(dropped_switch)
+        record["problem"] = "; ".join(problems) or None
     record["refined"] = refined
     return record
