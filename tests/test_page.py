@@ -393,3 +393,140 @@ def test_with_a_key_the_page_asks_once_and_then_works_under_a_lan_name():
     finally:
         quit_chrome(driver)
         stop(proc)
+
+
+# ----- what a reload, a narrow screen, a refused setting, a broken store and a second tab must not break -----
+
+def test_a_compare_turn_is_still_one_after_a_reload(site):
+    driver, url, _ = site
+    fresh(driver, url)
+    settings(driver, drafter="pld", max_tokens="8", compare=True)
+    type_and_send(driver, "Name a colour.")
+    before = [(body_text(a), a.find_element("css selector", ".head").text) for a in finished(driver, 2)]
+    note = driver.find_element("css selector", ".compare-turn .note").text
+    driver.refresh()
+    [turn] = until(driver, lambda: driver.find_elements("css selector", "#messages .compare-turn"), timeout=30)
+    after = [(body_text(a), a.find_element("css selector", ".head").text)
+             for a in turn.find_elements("css selector", ".answer")]
+    assert after == before and before[0][1].startswith("strict \u00b7 ") and before[1][1].startswith("fly \u00b7 ")
+    assert turn.find_element("css selector", ".note").text == note
+    assert "[object Object]" not in driver.find_element("id", "messages").text
+
+
+def test_on_a_narrow_screen_the_sidebar_never_hides_its_toggle_and_new_chat_closes_it(site):
+    driver, url, _ = site
+    fresh(driver, url)
+    driver.set_window_size(375, 812)
+    try:
+        assert driver.execute_script("return innerWidth") <= 700            # the narrow layout
+        toggle, sidebar = driver.find_element("id", "toggle-sidebar"), driver.find_element("id", "sidebar")
+
+        def shown(node) -> bool:     # the point a click lands on is the node's, not something over it
+            return driver.execute_script(
+                "const r = arguments[0].getBoundingClientRect();"
+                "return r.width > 0 && arguments[0].contains(document.elementFromPoint(r.left + r.width / 2,"
+                " r.top + r.height / 2));", node)
+
+        def settled(is_open: bool) -> bool:                # the slide finished, the sidebar in or out
+            return driver.execute_script(
+                "const s = arguments[0], r = s.getBoundingClientRect();"
+                "return s.getAnimations().length === 0 && s.classList.contains('open') === arguments[1]"
+                " && (arguments[1] ? r.left === 0 : r.right <= 0);", sidebar, is_open)
+
+        toggle.click()
+        until(driver, lambda: settled(True), timeout=10)
+        assert shown(toggle) and shown(driver.find_element("id", "new-chat"))
+        assert toggle.get_attribute("aria-expanded") == "true"
+        toggle.click()                                                       # it closes it again
+        until(driver, lambda: settled(False), timeout=10)
+        toggle.click()
+        until(driver, lambda: settled(True), timeout=10)
+        driver.find_element("id", "new-chat").click()
+        until(driver, lambda: settled(False), timeout=10)
+        assert toggle.get_attribute("aria-expanded") == "false" and shown(toggle)
+    finally:
+        driver.set_window_size(1280, 900)
+
+
+def test_a_setting_the_server_refuses_is_not_kept_and_its_default_is_offered(site):
+    driver, url, _ = site
+    fresh(driver, url)
+    settings(driver, k="999", max_tokens="8")           # the page allows it; the server's batch does not
+    type_and_send(driver, "Say hello.")
+    offer = driver.find_element("id", "refused")
+    until(driver, offer.is_displayed, timeout=60)
+    assert "k 999" in offer.text, offer.text
+    assert not answers(driver)                                    # refused: no turn
+    kept = lambda: json.loads(driver.execute_script("return localStorage.getItem('flylocal.settings')"))
+    assert kept().get("k", "") == "" and kept()["max-tokens"] == "8"
+    driver.refresh()
+    until(driver, lambda: driver.execute_script("return document.readyState") == "complete")
+    assert driver.find_element("id", "k").get_attribute("value") == ""      # not back after a reload
+    assert driver.find_element("id", "max-tokens").get_attribute("value") == "8"
+    settings(driver, k="999")
+    type_and_send(driver, "Say hello.")
+    offer = driver.find_element("id", "refused")
+    until(driver, offer.is_displayed, timeout=60)
+    use = driver.find_element("id", "use-default")
+    assert "auto" in use.text, use.text                            # k's default: the server chooses
+    use.click()
+    assert driver.find_element("id", "k").get_attribute("value") == "" and not offer.is_displayed()
+    assert driver.find_element("id", "input").get_attribute("value") == "Say hello."    # the message came back
+    driver.find_element("id", "send").click()
+    [answer] = finished(driver)
+    assert body_text(answer) and "error" not in answer.find_element("css selector", ".stats").text
+
+
+def test_a_broken_stored_conversation_is_repaired_and_the_page_works(site):
+    driver, url, _ = site
+    fresh(driver, url)
+    answer = {"text": "Blue.", "tokens": [["T", 5]], "usage": None, "seconds": 1, "stopped": False, "error": None}
+    store = [None, 7, {"id": "x", "title": "kept", "messages": [
+        None, {"role": "user", "content": "Name a colour."}, None, {"role": "assistant", "answer": answer},
+        {"role": "assistant", "answer": None}, "junk", {"role": "user"}]}]
+    driver.execute_script("localStorage.setItem('flylocal.conversations', arguments[0]);"
+                          "localStorage.setItem('flylocal.current', 'x');", json.dumps(store))
+    driver.refresh()
+    [shown] = until(driver, lambda: answers(driver), timeout=30)
+    assert body_text(shown) == "Blue."
+    assert driver.find_element("css selector", "#messages .user").text == "Name a colour."
+    settings(driver, max_tokens="8")
+    type_and_send(driver, "Another one.")
+    until(driver, lambda: len(answers(driver)) == 2, timeout=30)
+    finished(driver)
+    [kept] = stored(driver)
+    assert [m["role"] for m in kept["messages"]] == ["user", "assistant", "user", "assistant"]
+    driver.find_element("id", "new-chat").click()                 # New chat works too
+    until(driver, lambda: not answers(driver), timeout=10)
+
+
+def test_two_tabs_each_start_a_conversation_and_both_are_kept(site):
+    driver, url, _ = site
+    fresh(driver, url)
+    settings(driver, max_tokens="8")
+    driver.find_element("id", "input").click()                    # the setting is kept (change on blur)
+    first = driver.current_window_handle
+    driver.switch_to.new_window("window")
+    second = driver.current_window_handle
+    try:
+        driver.get(url + "/")                                     # both tabs open before either sends
+        until(driver, lambda: driver.execute_script("return document.readyState") == "complete")
+        listed = lambda: sorted(e.text for e in driver.find_elements("css selector", "#conversations .open"))
+        driver.switch_to.window(first)
+        type_and_send(driver, "Name a colour.")
+        finished(driver)
+        driver.switch_to.window(second)
+        type_and_send(driver, "Name a fruit.")
+        finished(driver)
+        titles = ["Name a colour.", "Name a fruit."]
+        assert sorted(c["title"] for c in stored(driver)) == titles
+        assert listed() == titles
+        driver.switch_to.window(first)
+        until(driver, lambda: listed() == titles, timeout=10)     # the other tab's save shows here too
+        driver.refresh()
+        until(driver, lambda: listed() == titles, timeout=30)
+    finally:
+        if driver.current_window_handle != second:
+            driver.switch_to.window(second)
+        driver.close()
+        driver.switch_to.window(first)

@@ -30,46 +30,197 @@ const el = (tag, cls, text) => {
   return node;
 };
 
-let conversations = loadConversations();     // [{id, title, messages: [...]}], newest first
+let conversations = readStore();            // [{id, title, messages: [...]}], newest first
 let current = null;                          // the open conversation
 let running = null;                          // the AbortController of the request in flight
+let answering = null;                        // the conversation that request answers
 let pinned = true;                           // the reader follows the conversation's end (watchScrolling)
+let changed = new Set();                     // ids of conversations this tab changed since it last wrote
+let deleted = new Set();                     // ids of conversations this tab deleted since it last wrote
 
 // ----- storage -----
-function loadConversations() {
+// What is stored may be hand-edited, from an older page or half-written, so it is read
+// defensively: an entry that cannot be repaired is skipped, never trusted. Other tabs write the
+// same store, so a save re-reads it and merges by conversation id instead of overwriting it.
+function readStore() {
+  let value;
   try {
-    const value = JSON.parse(localStorage.getItem(STORE) || "[]");
-    return Array.isArray(value) ? value.filter((c) => c && Array.isArray(c.messages)) : [];
+    value = JSON.parse(localStorage.getItem(STORE) || "[]");
   } catch (e) {
     return [];
   }
+  if (!Array.isArray(value)) return [];
+  const seen = new Set();
+  const out = [];
+  for (const c of value.map(readConversation)) {
+    if (c && !seen.has(c.id)) {
+      seen.add(c.id);
+      out.push(c);
+    }
+  }
+  return out;
+}
+
+function readConversation(c) {
+  if (!c || typeof c !== "object" || !Array.isArray(c.messages)) return null;
+  const id = typeof c.id === "number" ? String(c.id) : c.id;
+  if (typeof id !== "string" || !id) return null;
+  const messages = c.messages.map(readMessage).filter(Boolean);
+  const first = messages.find((m) => m.role === "user");
+  if (!first) return null;
+  return { id, title: typeof c.title === "string" ? c.title : first.content.trim().slice(0, 60), messages };
+}
+
+function readMessage(m) {
+  if (!m || typeof m !== "object") return null;
+  if (m.role === "user") return typeof m.content === "string" ? { role: "user", content: m.content } : null;
+  if (m.role !== "assistant") return null;
+  const runs = Array.isArray(m.compare) && m.compare.length === 2 ? m.compare.map(readAnswer) : null;
+  if (runs && runs.every(Boolean)) return { role: "assistant", answer: runs[1], compare: runs };
+  const answer = readAnswer(m.answer);
+  return answer ? { role: "assistant", answer } : null;
+}
+
+function readAnswer(a) {
+  if (!a || typeof a !== "object") return null;
+  // tokens: [[kind, chars, alternative?, p?], ...]; one bad token and the colours would not line
+  // up with the text, so the answer is then kept as plain text
+  const token = (t) => Array.isArray(t) && typeof t[0] === "string" && Number.isInteger(t[1]) && t[1] >= 0;
+  const tokens = Array.isArray(a.tokens) && a.tokens.every(token) ? a.tokens : [];
+  return { text: typeof a.text === "string" ? a.text : "", tokens,
+           usage: a.usage && typeof a.usage === "object" ? a.usage : null,
+           seconds: Number.isFinite(a.seconds) && a.seconds > 0 ? a.seconds : 0, stopped: a.stopped === true,
+           error: typeof a.error === "string" ? a.error : null,
+           verifier: typeof a.verifier === "string" ? a.verifier : null };
+}
+
+// What is stored now, with this tab's changes over it: the conversations it changed replace
+// theirs (new ones first), those it deleted are left out, and the rest are as stored, so another
+// tab's new conversations stay and one it deleted is not brought back.
+function merged() {
+  const mine = new Map(conversations.filter((c) => changed.has(c.id)).map((c) => [c.id, c]));
+  const stored = readStore().filter((c) => !deleted.has(c.id));
+  const there = new Set(stored.map((c) => c.id));
+  return [...mine.values()].filter((c) => !there.has(c.id)).concat(stored.map((c) => mine.get(c.id) || c));
+}
+
+function merge() {
+  conversations = merged();
+  if (current) current = conversations.find((c) => c.id === current.id) || null;
+}
+
+function touch(conversation) {
+  changed.add(conversation.id);
+  if (!conversations.includes(conversation)) {
+    conversations = [conversation].concat(conversations.filter((c) => c.id !== conversation.id));
+  }
+}
+
+function forget(conversation) {
+  conversations = conversations.filter((c) => c.id !== conversation.id);
+  changed.delete(conversation.id);
+  deleted.add(conversation.id);
+  if (current && current.id === conversation.id) current = null;
 }
 
 function save() {
+  merge();
   try {
     localStorage.setItem(STORE, JSON.stringify(conversations));
     localStorage.setItem(CURRENT, current ? current.id : "");
   } catch (e) {
     say("the conversation could not be kept in this browser: " + e.message);
+    return;                                  // still changed: the next save tries again
   }
+  changed = new Set(answering ? [answering.id] : []);    // its answer is still to come
+  deleted = new Set();
+}
+
+// Another tab saved: show its conversations too. The open one is drawn again only if it changed
+// there, and not while an answer streams into it.
+function storedElsewhere(e) {
+  if (e.storageArea !== localStorage || (e.key !== STORE && e.key !== null)) return;
+  const before = current ? JSON.stringify(current) : null;
+  merge();
+  listConversations();
+  if (!running && (current ? JSON.stringify(current) : null) !== before) showConversation();
 }
 
 const CONTROLS = ["verifier", "drafter", "k", "temperature", "max-tokens", "system", "compare"];
+// The request fields the settings set, by the name the server gives a field it refuses.
+const FIELDS = { verifier: "verifier", drafter: "drafter", k: "k", temperature: "temperature",
+                 max_tokens: "max-tokens" };
+let refused = new Set();                     // controls whose value the server refused: not kept
 
 function saveSettings() {
   const values = {};
-  for (const id of CONTROLS) values[id] = $(id).type === "checkbox" ? $(id).checked : $(id).value;
+  for (const id of CONTROLS) {
+    if (refused.has(id)) continue;           // a reload brings its default back
+    values[id] = $(id).type === "checkbox" ? $(id).checked : $(id).value;
+  }
   try { localStorage.setItem(SETTINGS, JSON.stringify(values)); } catch (e) { /* kept for this page only */ }
 }
 
 function loadSettings() {
-  let values = {};
-  try { values = JSON.parse(localStorage.getItem(SETTINGS) || "{}") || {}; } catch (e) { values = {}; }
+  let values = null;
+  try { values = JSON.parse(localStorage.getItem(SETTINGS) || "{}"); } catch (e) { values = null; }
+  if (!values || typeof values !== "object") return;
   for (const id of CONTROLS) {
-    if (!(id in values)) continue;
-    if ($(id).type === "checkbox") $(id).checked = Boolean(values[id]);
-    else $(id).value = String(values[id]);
+    const control = $(id);
+    const value = values[id];
+    if (control.type === "checkbox") {
+      if (typeof value === "boolean") control.checked = value;
+    } else if (typeof value === "string" || typeof value === "number") {
+      const text = String(value);
+      if (control.tagName !== "SELECT" || Array.from(control.options).some((o) => o.value === text)) control.value = text;
+    }
   }
+}
+
+function labelOf(id) { return $(id).closest("label").firstChild.textContent.trim(); }
+
+function defaultOf(control) {
+  if (control.tagName === "SELECT") {
+    const option = Array.from(control.options).find((o) => o.defaultSelected) || control.options[0];
+    return { value: option.value, text: option.textContent };
+  }
+  return { value: control.defaultValue, text: control.defaultValue || control.placeholder || "empty" };
+}
+
+// The server refused a request for a setting's value (a 400 naming the field): the value is not
+// kept, the control is marked, and the default is offered.
+function refuse(field, message) {
+  const id = FIELDS[field];
+  if (!id) return;
+  const control = $(id);
+  refused.add(id);
+  saveSettings();
+  control.classList.add("refused");
+  control.setAttribute("aria-invalid", "true");
+  control.title = message;
+  $("refused-text").textContent = "The server refused " + labelOf(id) + " " + control.value +
+    ", so the page does not keep it.";
+  $("use-default").textContent = "Use the default (" + defaultOf(control).text + ")";
+  $("use-default").dataset.control = id;
+  $("refused").hidden = false;
+  if ($("settings").hidden) toggleSettings();
+}
+
+function accepted(id) {
+  refused.delete(id);
+  $(id).classList.remove("refused");
+  $(id).removeAttribute("aria-invalid");
+  $(id).removeAttribute("title");
+  if ($("use-default").dataset.control === id) $("refused").hidden = true;
+}
+
+function useDefault() {
+  const id = $("use-default").dataset.control;
+  if (!id) return;
+  $(id).value = defaultOf($(id)).value;
+  accepted(id);
+  saveSettings();
+  $("input").focus();
 }
 
 function say(text) { $("status").textContent = text; }
@@ -137,7 +288,14 @@ function newConversation() {
   save();
   showConversation();
   listConversations();
+  showSidebar(false);
   $("input").focus();
+}
+
+// On a narrow screen the sidebar slides over the page; its toggle stays above it (style.css).
+function showSidebar(open) {
+  $("sidebar").classList.toggle("open", open);
+  $("toggle-sidebar").setAttribute("aria-expanded", String(open));
 }
 
 function listConversations() {
@@ -154,7 +312,7 @@ function listConversations() {
       save();
       showConversation();
       listConversations();
-      $("sidebar").classList.remove("open");
+      showSidebar(false);
     });
     const remove = el("button", "delete", "\u00d7");
     remove.type = "button";
@@ -162,8 +320,7 @@ function listConversations() {
     remove.title = "Delete";
     remove.addEventListener("click", () => {
       if (running && c === current) return;
-      conversations = conversations.filter((x) => x !== c);
-      if (current === c) current = null;
+      forget(c);
       save();
       showConversation();
       listConversations();
@@ -179,7 +336,7 @@ function showConversation() {
   if (!current) return;
   for (const m of current.messages) {
     if (m.role === "user") box.append(userNode(m.content));
-    else if (m.compare) box.append(compareNode(m.compare));
+    else if (m.compare) box.append(compareNode(m.compare).node);
     else box.append(answerNode(m.answer).node);
   }
   toEnd();
@@ -417,7 +574,7 @@ function requestBody(history, verifier) {
     const raw = $(id).value.trim();
     if (raw === "") return undefined;
     const value = parse(raw);
-    if (!Number.isFinite(value)) throw new Error($(id).closest("label").firstChild.textContent.trim() + ": not a number");
+    if (!Number.isFinite(value)) throw new Error(labelOf(id) + ": not a number");
     return value;
   };
   const maxTokens = number("max-tokens", (v) => parseInt(v, 10));
@@ -469,7 +626,13 @@ async function stream(view, history, verifier, controller) {
       }
       if (!res.ok) {
         let message = res.status + " " + res.statusText;
-        try { message = (await res.json()).error.message || message; } catch (e) { /* not JSON */ }
+        let field = null;
+        try {
+          const error = (await res.json()).error;
+          message = error.message || message;
+          field = error.param;
+        } catch (e) { /* not JSON */ }
+        if (res.status === 400 && field) refuse(field, message);
         throw new Error(message);
       }
       const reader = res.body.getReader();
@@ -570,12 +733,13 @@ async function send() {
   if (!current) {
     current = { id: String(Date.now()) + Math.random().toString(16).slice(2, 8), title: text.trim().slice(0, 60),
                 messages: [] };
-    conversations.unshift(current);
   }
   const conversation = current;
   const history = historyOf(conversation).concat([{ role: "user", content: text }]);
   const turn = { role: "user", content: text };
   conversation.messages.push(turn);
+  touch(conversation);
+  answering = conversation;
   $("input").value = "";
   const box = $("messages");
   box.append(userNode(text));
@@ -608,6 +772,7 @@ async function send() {
     }
   } finally {
     running = null;
+    answering = null;
     $("stop").disabled = true;
     $("send").disabled = false;
   }
@@ -617,17 +782,18 @@ async function send() {
     // goes back to the box so that nothing typed is lost.
     conversation.messages.pop();
     if (!$("input").value) $("input").value = text;
-    if (!conversation.messages.length) conversations = conversations.filter((c) => c !== conversation);
-    if (!conversations.includes(current)) current = null;
+    if (conversation.messages.length) touch(conversation);
+    else forget(conversation);
     const error = answers.find((a) => a.error);
     if (error) say("not sent: " + error.error);
   } else {
     conversation.messages.push(reply);
+    touch(conversation);
     say("");
   }
   save();
   listConversations();
-  if (current !== conversation) showConversation();
+  if (current !== conversation || answers.every((a) => !a.text)) showConversation();
 }
 
 function stop() {
@@ -689,14 +855,16 @@ function compareNode(runs) {
 }
 
 // ----- wiring -----
+function toggleSettings() {
+  const panel = $("settings");
+  panel.hidden = !panel.hidden;
+  $("toggle-settings").setAttribute("aria-expanded", String(!panel.hidden));
+}
+
 function init() {
-  loadSettings();
-  watchScrolling();
-  const id = localStorage.getItem(CURRENT);
-  current = conversations.find((c) => c.id === id) || null;
-  listConversations();
-  showConversation();
-  for (const id of CONTROLS) $(id).addEventListener("change", saveSettings);
+  // The controls are wired first: whatever the stored conversations hold, the page still works.
+  for (const id of CONTROLS) $(id).addEventListener("change", () => { accepted(id); saveSettings(); });
+  $("use-default").addEventListener("click", useDefault);
   $("send").addEventListener("click", send);
   $("stop").addEventListener("click", stop);
   $("new-chat").addEventListener("click", newConversation);
@@ -710,15 +878,15 @@ function init() {
     }
   });
   document.addEventListener("keydown", (e) => { if (e.key === "Escape") stop(); });
-  $("toggle-settings").addEventListener("click", () => {
-    const panel = $("settings");
-    panel.hidden = !panel.hidden;
-    $("toggle-settings").setAttribute("aria-expanded", String(!panel.hidden));
-  });
-  $("toggle-sidebar").addEventListener("click", () => {
-    const open = $("sidebar").classList.toggle("open");
-    $("toggle-sidebar").setAttribute("aria-expanded", String(open));
-  });
+  $("toggle-settings").addEventListener("click", toggleSettings);
+  $("toggle-sidebar").addEventListener("click", () => showSidebar(!$("sidebar").classList.contains("open")));
+  window.addEventListener("storage", storedElsewhere);
+  loadSettings();
+  watchScrolling();
+  const id = localStorage.getItem(CURRENT);
+  current = conversations.find((c) => c.id === id) || null;
+  listConversations();
+  showConversation();
   fetchModels();
   $("input").focus();
 }
