@@ -153,6 +153,10 @@ def test_ollama_and_langchain_clients_embed(server):
     with pytest.raises(ollama.ResponseError) as e:
         client.embed(model=SMOL, input=long, truncate=False)
     assert e.value.status_code == 400 and "input[0]" in e.value.error
+    assert len(client.embed(model=SMOL, input=NEAR[0], keep_alive="5m").embeddings) == 1
+    with pytest.raises(ollama.ResponseError) as e:
+        client.embed(model=SMOL, input=NEAR[0], keep_alive="soon")
+    assert e.value.status_code == 400 and "keep_alive" in e.value.error
     lc_ollama = OllamaEmbeddings(model=SMOL, base_url=server, client_kwargs={"headers": auth})
     assert np.abs(np.array(lc_ollama.embed_query(NEAR[0])) - v[0]).max() < 1e-5
     lc_openai = OpenAIEmbeddings(model=SMOL, base_url=server + "/v1", api_key=KEY, check_embedding_ctx_length=False,

@@ -243,7 +243,8 @@ def test_errors_have_their_status_and_openai_shape(server):
     error(httpx.post(url, json={"messages": msg, "verifier": "loose"}, headers=auth), 400, "verifier")
     error(httpx.post(url, json={"messages": msg, "asd_budget": "nan"}, headers=auth), 400, "asd_budget")
     error(httpx.post(url, content=b"{not json", headers={**auth, "Content-Type": "application/json"}), 400, "JSON")
-    error(httpx.post(url, content=b"{not json", headers=auth), 415, "application/json")
+    error(httpx.post(url, content=b"{not json", headers={**auth, "Content-Type": "text/plain"}), 415, "application/json")
+    error(httpx.post(url, content=b"{not json", headers=auth), 400, "JSON")    # no Content-Type: read as JSON
     e = error(httpx.post(url, json={"messages": msg, "k": 100000}, headers=auth), 400, "batch-size")
     assert e["param"] == "k" and e["message"].count("k 100000") == 1
     e = error(httpx.post(url, json={"messages": msg, "fly_window": 10**9}, headers=auth), 400, "batch-size")

@@ -183,19 +183,54 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     # a web page's "simple" request: text/plain, cross-site, no preflight
     ({"Origin": "http://evil.example", "Content-Type": "text/plain"}, "/v1/chat/completions", 403, "bad_origin"),
     ({"Content-Type": "text/plain"}, "/v1/chat/completions", 415, "unsupported_media_type"),
+    ({"Content-Type": "text/plain"}, "/api/chat", 415, "unsupported_media_type"),
     ({"Content-Type": "application/x-www-form-urlencoded"}, "/api/chat", 415, "unsupported_media_type"),
     ({"Host": "evil.example:8080", "Content-Type": "application/json"}, "/v1/chat/completions", 403, "bad_host"),
+    ({"Host": "evil.example:8080", "Content-Type": "application/json"}, "/api/chat", 403, "bad_host"),
     ({"Origin": "null", "Content-Type": "application/json"}, "/api/generate", 403, "bad_origin"),
     ({"Host": "127.0.0.1:9999", "Content-Type": "application/json"}, "/v1/completions", 403, "bad_host"),
+    # a cross-site POST with no Content-Type (fetch with a Blob body): a browser sends its Origin
+    ({"Origin": "http://evil.example"}, "/api/chat", 403, "bad_origin"),
+    ({"Origin": "http://evil.example"}, "/v1/chat/completions", 403, "bad_origin"),
+    # a page of the server's own origin still says what it sends
+    ({"Origin": BASE}, "/api/generate", 415, "unsupported_media_type"),
+    ({"Origin": BASE}, "/v1/chat/completions", 415, "unsupported_media_type"),
 ])
 def test_requests_a_web_page_could_make_are_refused_before_any_work(headers, path, status, code):
+    """...in the error shape of the API asked: ollama's under /api/, OpenAI's under /v1/."""
     from fastapi.testclient import TestClient
 
     app, never = app_loading()
     try:
         r = TestClient(app, base_url=BASE).post(path, content=b'{"messages": [], "prompt": "x"}', headers=headers)
         assert r.status_code == status
-        assert r.json()["error"]["code"] == code
+        if path.startswith("/api/"):
+            error = r.json()
+            assert set(error) == {"error"} and isinstance(error["error"], str), error
+            assert ("Content-Type" in error["error"]) == (code == "unsupported_media_type")
+        else:
+            assert r.json()["error"]["code"] == code
+    finally:
+        never.set()
+
+
+def test_a_post_with_neither_content_type_nor_origin_is_read_as_json():
+    """A program's POST (litellm's Ollama provider sends no Content-Type): it passes the guard,
+    and meets the models still loading; it is counted as no refusal."""
+    from fastapi.testclient import TestClient
+
+    app, never = app_loading()
+    try:
+        client = TestClient(app, base_url=BASE)
+        chat = client.post("/api/chat", content=b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}')
+        assert "content-type" not in chat.request.headers
+        assert (chat.status_code, chat.json()) == (503, {"error": "the models are still loading"})
+        generate = client.post("/api/generate", content=b'{"model": "m", "prompt": "hi", "keep_alive": {"a": 1}}')
+        assert generate.status_code == 400 and generate.json()["error"].startswith("keep_alive: ")   # read as JSON
+        v1 = client.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "hi"}]}')
+        assert v1.status_code == 503 and v1.json()["error"]["code"] == "loading"
+        page = client.get("/metrics").text
+        assert 'endpoint="refused"' not in page
     finally:
         never.set()
 
@@ -321,3 +356,56 @@ def test_settings_no_engine_can_run_name_their_own_field(fields, param, start):
         Server.check_settings(None, settings, None)
     assert e.value.status == 400 and e.value.param == param
     assert e.value.message.startswith(start) and e.value.message.count(param) == 1, e.value.message
+
+
+# ----- the Ollama dialect's fields and options -----
+
+def ollama_request(raw: bytes, n_ctx: int = 1024):
+    """An /api/generate body, parsed and turned into settings as the server does."""
+    from flylocal.front.serve.app import parse_request
+    from flylocal.front.serve.ollama import GenerateRequest
+
+    req = parse_request(GenerateRequest, raw)
+    return req, req.settings(Settings(), n_ctx)[0]
+
+
+@pytest.mark.parametrize("raw,field", [
+    (b'{"options": {"seed": -Infinity}}', "options.seed: -Infinity"),    # was an OverflowError, a 500
+    (b'{"options": {"seed": Infinity}}', "options.seed: Infinity"),
+    (b'{"options": {"top_k": -Infinity}}', "options.top_k: -Infinity"),
+    (b'{"options": {"seed": 1.5}}', "options.seed: 1.5"),                # was seed 1
+    (b'{"options": {"seed": "3"}}', "options.seed"),                     # was seed 3
+    (b'{"options": {"top_k": 2.5}}', "options.top_k: 2.5"),
+    (b'{"options": {"temperature": "0.5"}}', "options.temperature"),
+    (b'{"options": {"num_ctx": -5}}', "options.num_ctx: -5"),            # was accepted
+    (b'{"options": {"num_ctx": 0}}', "options.num_ctx: 0"),
+    (b'{"options": {"num_ctx": 2048}}', "options.num_ctx: 2048; this server's context holds 1024"),
+    (b'{"options": {"num_ctx": 512.5}}', "options.num_ctx: 512.5"),
+    (b'{"options": {"num_predict": 1.5}}', "options.num_predict: 1.5"),
+    (b'{"options": {"repeat_last_n": -2}}', "options.repeat_last_n: -2"),
+    (b'{"keep_alive": {"a": 1}}', "keep_alive: {\"a\": 1}; a duration"),  # was "Input should be a valid string"
+    (b'{"keep_alive": "soon"}', "keep_alive: \"soon\"; a duration"),
+    (b'{"keep_alive": true}', "keep_alive: true; a duration"),
+    (b'{"template": "{{ .Prompt }}"}', "template: "),                      # was ignored
+    (b'{"context": [1, "x"]}', "context.1"),
+    (b'{"context": [1, true]}', "context.1"),
+])
+def test_ollama_fields_flylocal_cannot_honour_are_400_naming_them(raw, field):
+    with pytest.raises(ApiError) as e:
+        ollama_request(raw)
+    assert e.value.status == 400 and e.value.message.startswith(field), e.value.message
+
+
+def test_ollama_values_clients_send_are_honoured():
+    """keep_alive as a duration or seconds; num_ctx within the server's context (whole, even as
+    2048.0); seed -1 (ollama's random seed); repeat_last_n 0 (ollama's "no penalties")."""
+    for keep_alive in (b'"5m"', b'"1h30m"', b'"-1"', b'"0"', b'"300"', b"-1", b"0", b"300", b"2.5", b"null"):
+        ollama_request(b'{"keep_alive": ' + keep_alive + b'}')
+    req, s = ollama_request(b'{"template": "", "context": [], "options": {"num_ctx": 1024.0, "seed": 7.0}}')
+    assert s.sampling.seed == 7 and type(s.sampling.seed) is int and req.context == []
+    assert ollama_request(b'{"options": {"seed": -1}}', 1024)[1].sampling.seed is None
+    _, s = ollama_request(b'{"options": {"repeat_last_n": 0, "repeat_penalty": 1.3, "presence_penalty": 0.5}}')
+    assert not s.sampling.penalizes
+    _, s = ollama_request(b'{"options": {"repeat_last_n": -1, "repeat_penalty": 1.3}}')
+    assert s.sampling.repeat_last_n == 1024 and s.sampling.penalizes
+

@@ -67,7 +67,8 @@ def adjust(z: np.ndarray, history: np.ndarray, p: SamplingParams) -> np.ndarray:
     z = z.astype(np.float64)
     for token, bias in p.logit_bias:
         z[token] += bias
-    if len(history) and (p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+    if len(history) and p.repeat_last_n > 0 and (p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0
+                                                 or p.presence_penalty != 0.0):
         seen, counts = np.unique(history[-p.repeat_last_n:], return_counts=True)
         vals = z[seen]
         if p.repeat_penalty != 1.0:

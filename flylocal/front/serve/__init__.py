@@ -71,8 +71,10 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception):      # never a traceback on the wire
-        return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}", type_="server_error").body(),
-                            status_code=500)
+        message = f"internal error: {type(e).__name__}"
+        if request.url.path.startswith("/api/"):               # ollama's shape where its clients read
+            return JSONResponse({"error": message}, status_code=500)
+        return JSONResponse(ApiError(500, message, type_="server_error").body(), status_code=500)
 
     @app.get("/health")
     async def health():

@@ -77,7 +77,9 @@ def read_json(raw: bytes) -> dict:
     """A request body as a JSON object, or ApiError 400."""
     try:
         data = json.loads(raw) if raw else {}
-    except (ValueError, RecursionError):         # not JSON, not UTF-8, nested too deep, a huge number
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deep") from None
+    except ValueError:                           # not JSON, not UTF-8, a huge number
         raise ApiError(400, "the request body is not valid JSON") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from flylocal.errors import FlylocalError
 from flylocal.front.serve.app import ApiError, Server, parse_request
-from flylocal.front.serve.ollama import IDLE, error
+from flylocal.front.serve.ollama import IDLE, checked_keep_alive, error
 
 MAX_INPUTS = 2048          # inputs in one request (OpenAI's own bound)
 
@@ -51,7 +51,12 @@ class OllamaEmbedRequest(BaseModel):
     truncate: bool = True
     dimensions: int | None = None
     options: dict[str, Any] | None = None
-    keep_alive: str | int | float | None = None      # the model stays loaded for the server's life
+    keep_alive: Any = None          # checked as on /api/chat: the model stays loaded for the server's life
+
+    @field_validator("keep_alive")
+    @classmethod
+    def duration(cls, v):
+        return checked_keep_alive(v)
 
     @field_validator("input")
     @classmethod
@@ -66,7 +71,12 @@ class OllamaEmbeddingsRequest(BaseModel):          # /api/embeddings, ollama's o
     model: str | None = None
     prompt: str
     options: dict[str, Any] | None = None
-    keep_alive: str | int | float | None = None
+    keep_alive: Any = None
+
+    @field_validator("keep_alive")
+    @classmethod
+    def duration(cls, v):
+        return checked_keep_alive(v)
 
 
 def check_options(options: dict | None, n_ctx: int) -> int | None:

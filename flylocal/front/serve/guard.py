@@ -9,7 +9,12 @@ A browser lets any page send a "simple" cross-site request without asking first 
   rebinding needs a name), and the names given with --allowed-host; otherwise 403;
 - a request that carries an `Origin` must come from the server's own origin (http:// and the
   Host it named) or one given with --cors-origin; otherwise 403, on every endpoint;
-- a POST must carry `Content-Type: application/json`; otherwise 415.
+- a POST must carry `Content-Type: application/json`; otherwise 415. A POST with no
+  Content-Type and no Origin at all is read as JSON: it comes from a program (litellm's Ollama
+  provider, curl --data-binary), since a browser sends Origin with every POST.
+
+Refusals are in the error shape of the API asked: ollama's `{"error": "..."}` under /api/,
+OpenAI's elsewhere.
 
 A client must send its request line, headers and body within REQUEST_TIMEOUT seconds of
 connecting (or of the previous response on a kept-alive connection); a slower one is closed.
@@ -76,9 +81,12 @@ class HostRule:
         return self.any_address and _address(name) is not None
 
 
-def _refuse(status: int, message: str, code: str):
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
+def _refuse(path: str, status: int, message: str, code: str):
+    if path.startswith("/api/"):          # the Ollama dialect's shape
+        body = json.dumps({"error": message}).encode()
+    else:
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                     "code": code}}).encode()
     return ({"type": "http.response.start", "status": status,
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]},
             {"type": "http.response.body", "body": body})
@@ -108,9 +116,11 @@ class Guard:
             if origin != f"{scope.get('scheme', 'http')}://{host.strip().lower()}" and origin not in self.origins:
                 return 403, f"requests from the origin {origin!r} are not allowed (--cors-origin allows one)", \
                     "bad_origin"
-        if scope["method"] == "POST":
-            media = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
-            if media != "application/json":
+        media = headers.get(b"content-type")
+        # A POST with neither Content-Type nor Origin is no browser's (a browser sends Origin with
+        # every POST) but a program's: its body is read as JSON, as ollama reads it (litellm sends none).
+        if scope["method"] == "POST" and (media is not None or origin is not None):
+            if (media or b"").decode("latin-1").split(";")[0].strip().lower() != "application/json":
                 return 415, "a POST must carry Content-Type: application/json", "unsupported_media_type"
         return None
 
@@ -120,7 +130,7 @@ class Guard:
             if refusal is not None:
                 status, message, code = refusal
                 self.refused(scope["method"], scope["path"], status, code)
-                for event in _refuse(status, message, code):
+                for event in _refuse(scope["path"], status, message, code):
                     await send(event)
                 return
         await self.app(scope, receive, send)

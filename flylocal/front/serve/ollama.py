@@ -4,21 +4,28 @@ decoding (`flylocal serve --port 11434` stands in for it).
 
 Requests are pydantic models, checked as the OpenAI dialect's are (flylocal.front.serve.app):
 `options` map onto flylocal's settings through the command line's declarations; an option at
-its do-nothing value is accepted, one flylocal cannot honour is an error naming it. Fields
-ollama's clients send that change nothing here (keep_alive, ...) are accepted. Chat and generate
-stream NDJSON by default (`"stream": false` for one object); the last object carries ollama's
-counts and durations (nanoseconds) and flylocal's stats. Errors are `{"error": "..."}`. flylocal
-does not manage models here: pull, push, create, copy and delete say so.
+its do-nothing value is accepted, a field or option flylocal cannot honour is a 400 naming it.
+`keep_alive` is checked (a duration or seconds) and asks nothing more: the models stay loaded
+for the server's life, which /api/ps reports as ollama reports keep_alive -1. /api/generate
+answers with its `context` (the prompt's ids and the answer's) and continues it when a request
+sends it back. Chat and generate stream NDJSON by default (`"stream": false` for one object);
+the last object carries ollama's counts and durations (nanoseconds) and flylocal's stats.
+Errors are `{"error": "..."}`. flylocal does not manage models here: pull, push, create, copy and
+delete say so.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
 
+import click
+import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, field_validator
@@ -28,7 +35,7 @@ from flylocal.front.serve.answer import stats_report
 from flylocal.front.serve.app import (ApiError, Ask, Server, check_fields, checked_option, checked_stops, failure,
                                       parse_request, read_json)
 from flylocal.front.serve.events import Done, Text
-from flylocal.settings import Settings
+from flylocal.settings import OPTIONS, Settings
 
 VERSION = "0.6.0"              # the Ollama API this dialect follows
 
@@ -41,9 +48,46 @@ IDLE = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0, "num_keep": None, "penali
         "use_mmap": None, "use_mlock": None, "numa": False, "low_vram": False, "f16_kv": True,
         "vocab_only": False, "main_gpu": 0}
 AT_START = {"num_gpu": "--gpu-layers", "num_thread": "--threads", "num_batch": "--batch-size"}
+# keep_alive: a Go duration ("5m", "1h30m", "-1s"), or seconds (a number, or a string of one)
+DURATION = re.compile(r"[-+]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|μs|ms|s|m|h))+|[-+]?\d+")
+# How long /api/ps says a model stays loaded: for the server's life, which ollama reports (for
+# keep_alive -1) as now plus the longest Go duration, about 292 years ("Forever" in `ollama ps`).
+KEPT_LOADED = timedelta(microseconds=(2**63 - 1) // 1000)
 
 
 # ----- requests -----
+
+def whole(value) -> int:
+    """A JSON number that is an integer (2, or 2.0) as an int; ValueError naming it otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (isinstance(value, float) and not value.is_integer()):          # 1.5, Infinity, NaN
+        raise ValueError(f"{json.dumps(value)[:80]} is not a whole number")
+    return int(value)
+
+
+def checked_keep_alive(value):
+    """keep_alive as ollama takes it: a duration ("5m", "1h30m", "-1" for ever) or a number of
+    seconds, or None; ValueError naming it otherwise."""
+    number = (isinstance(value, int) and not isinstance(value, bool)) or \
+        (isinstance(value, float) and math.isfinite(value))
+    if value is None or number or (isinstance(value, str) and DURATION.fullmatch(value.strip())):
+        return value
+    raise ValueError(f"{json.dumps(value)[:80]}; a duration (\"5m\", \"1h\", \"-1\" for ever) or a number of "
+                     "seconds")
+
+
+def sampling_option(name: str, value):
+    """An option of SAMPLING_OPTIONS checked by its declaration (a JSON number, a whole one for
+    an integer option); ValueError naming the value."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{json.dumps(value)[:80]} is not a number")
+    option = SAMPLING_OPTIONS[name]
+    if isinstance(OPTIONS[option].type, click.types.IntParamType):
+        value = whole(value)
+        if name == "seed" and value == -1:
+            return None                         # ollama's (and llama.cpp's) "a random seed"
+    return checked_option(value, option)
+
 
 class Function(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -89,9 +133,14 @@ class Generation(BaseModel):
     stream: bool = True
     format: str | dict[str, Any] | None = None
     think: bool | str | None = None
-    keep_alive: str | int | float | None = None     # how long ollama keeps a model loaded: flylocal keeps it
-    verifier: str | None = None                      # flylocal's own, beside ollama's fields
+    keep_alive: Any = None          # how long ollama keeps a model loaded: flylocal keeps it for good
+    verifier: str | None = None     # flylocal's own, beside ollama's fields
     drafter: str | None = None
+
+    @field_validator("keep_alive")
+    @classmethod
+    def duration(cls, v):
+        return checked_keep_alive(v)
 
     @field_validator("think")
     @classmethod
@@ -121,23 +170,33 @@ class Generation(BaseModel):
         sampling: dict[str, Any] = {}
         top = {k: v for k, v in (("verifier", self.verifier), ("drafter", self.drafter)) if v is not None}
         stops: list[str] = []
+        no_penalties = False
         for name, value in (self.options or {}).items():
             try:
                 if name in SAMPLING_OPTIONS:
-                    sampling[name] = checked_option(value, SAMPLING_OPTIONS[name])
+                    sampling[name] = sampling_option(name, value)
                 elif name == "num_predict":
-                    if not isinstance(value, int) or isinstance(value, bool) or value < -2 or value == 0:
-                        raise ValueError(f"{value!r}; a positive count, or -1 (to the context's end)")
+                    value = whole(value)
+                    if value < -2 or value == 0:
+                        raise ValueError(f"{value}; a positive count, or -1 (to the context's end)")
                     top["max_tokens"] = n_ctx if value < 0 else value
                 elif name == "stop":
                     stops = checked_stops(value)
                 elif name == "num_ctx":
-                    if not isinstance(value, int) or isinstance(value, bool) or value > n_ctx:
-                        raise ValueError(f"{value!r}; this server's context holds {n_ctx} tokens (flylocal serve --ctx)")
+                    # The context is made once, at start: a request that needs at most that much has it.
+                    value = whole(value)
+                    if value < 1:
+                        raise ValueError(f"{value}; a positive count of tokens")
+                    if value > n_ctx:
+                        raise ValueError(f"{value}; this server's context holds {n_ctx} tokens (flylocal serve --ctx)")
                 elif name == "repeat_last_n":
-                    if not isinstance(value, int) or isinstance(value, bool) or value < -1:
-                        raise ValueError(f"{value!r}")
-                    sampling["repeat_last_n"] = n_ctx if value == -1 else value
+                    value = whole(value)
+                    if value < -1:
+                        raise ValueError(f"{value}; a count of tokens, -1 (the context) or 0 (no penalties)")
+                    if value == 0:
+                        no_penalties = True
+                    else:
+                        sampling["repeat_last_n"] = n_ctx if value == -1 else value
                 elif name in IDLE:
                     if IDLE[name] is not None and value != IDLE[name]:
                         raise ValueError(f"{value!r}; flylocal does not offer it (only {IDLE[name]!r})")
@@ -145,8 +204,10 @@ class Generation(BaseModel):
                     raise ValueError(f"set when the server starts (flylocal serve {AT_START[name]})")
                 else:
                     raise ValueError("flylocal does not support this option")
-            except ValueError as e:
+            except (ValueError, OverflowError) as e:      # OverflowError: an integer no float holds
                 raise ApiError(400, f"options.{name}: {e}", param="options") from None
+        if no_penalties:                # ollama's repeat_last_n 0: the penalties look at no tokens
+            sampling.update(repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
         settings = dataclasses.replace(base, **top, sampling=dataclasses.replace(base.sampling, **sampling),
                                        trace=False)
         return settings, tuple(stops)
@@ -164,6 +225,16 @@ class GenerateRequest(Generation):
     images: list | None = None
     suffix: str | None = None
     tools: list | None = None
+    template: str | None = None
+    context: list[int] | None = None     # an earlier answer's `context`: the ids it continues
+
+    @field_validator("template")
+    @classmethod
+    def own_template(cls, v):
+        if v:
+            raise ValueError("flylocal renders a prompt with the model's own chat template (\"raw\": true sends "
+                             "a prompt as it is)")
+        return v
 
     @field_validator("images", "suffix")
     @classmethod
@@ -178,6 +249,51 @@ class GenerateRequest(Generation):
         if v:
             raise ValueError("/api/generate calls no tools (/api/chat does)")
         return v
+
+    def history(self, n_vocab: int) -> np.ndarray:
+        """`context` as ids ([n] int32), each one of the vocabulary's; ApiError 400 otherwise."""
+        bad = next((t for t in self.context or () if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"context: {bad} is no token of this model (0 to {n_vocab - 1}); send back the "
+                                "context an answer gave", param="context")
+        return np.array(self.context or (), dtype=np.int32)
+
+
+def next_turn(target, prompt: str) -> np.ndarray | None:
+    """The chat template's ids after an assistant's answer: the end of that turn, the user's
+    `prompt` and the start of the next answer ([n] int32), read off a conversation rendered with
+    and without them; None for a template whose earlier turns are not a prefix of the later ones."""
+    ask = [{"role": "user", "content": "a"}]
+    first = target.tokenize_chat(ask)
+    answer = target.tokenize("b", add_special=False)
+    full = target.tokenize_chat(ask + [{"role": "assistant", "content": "b"}, {"role": "user", "content": prompt}])
+    end = len(first) + len(answer)
+    if len(full) <= end or not np.array_equal(full[:end], np.concatenate([first, answer])):
+        return None
+    return full[end:]
+
+
+def generate_ids(session, req: GenerateRequest) -> np.ndarray:
+    """The ids ([n] int32) of a /api/generate prompt, after the `context` it continues: raw (or
+    for a model with no template) the prompt's text follows on; otherwise it is the user's next
+    turn, as the chat template renders a conversation."""
+    target = session.target
+    history = req.history(target.n_vocab)
+    if req.raw or not session.has_template:
+        return np.concatenate([history, target.tokenize(req.prompt, add_special=not len(history),
+                                                        parse_special=False)]).astype(np.int32)
+    if not len(history):
+        return target.tokenize_chat(([{"role": "system", "content": req.system}] if req.system else [])
+                                    + [{"role": "user", "content": req.prompt}])
+    if req.system:
+        raise ApiError(400, "system: the context a request continues holds its system prompt (give system with "
+                            "the first request)", param="system")
+    turn = next_turn(target, req.prompt)
+    if turn is None:
+        raise ApiError(400, f"context: the chat template of {target.name} does not render a conversation turn "
+                            "after turn, so a context cannot be continued (/api/chat takes the conversation)",
+                       param="context")
+    return np.concatenate([history, turn]).astype(np.int32)
 
 
 # ----- answers -----
@@ -248,7 +364,8 @@ def routes(app, server: Server) -> None:
     async def ps(request: Request):
         async def work(started):
             session = server.session()
-            return {"models": [entry(session) | {"expires_at": "0001-01-01T00:00:00Z", "size_vram": 0,
+            expires = (datetime.now(timezone.utc) + KEPT_LOADED).isoformat().replace("+00:00", "Z")
+            return {"models": [entry(session) | {"expires_at": expires, "size_vram": 0,
                                                  "context_length": session.target.n_ctx}]}
         return await guarded(request, "ollama_ps", work)
 
@@ -295,12 +412,8 @@ def routes(app, server: Server) -> None:
         else:
             if not req.prompt:
                 return None
-            if req.raw or not session.has_template:
-                ids = session.target.tokenize(req.prompt, add_special=True, parse_special=False)
-            else:
-                ids = session.target.tokenize_chat(([{"role": "system", "content": req.system}] if req.system else [])
-                                                   + [{"role": "user", "content": req.prompt}])
-            ask = Ask(settings, ids, grammar=grammar)
+            # the answer's tokens too: its `context` holds them
+            ask = Ask(settings, generate_ids(session, req), grammar=grammar, tokens=True)
         server.check_fits(ask.ids, session, "prompt")
         return dataclasses.replace(ask, settings=run, stops=stops)
 
@@ -326,7 +439,7 @@ def routes(app, server: Server) -> None:
                 return head | {"message": {"role": "assistant", "content": text}, "done": False}
             return head | {"response": text, "done": False}
 
-        def final(done: Done, text: str = "") -> dict:
+        def final(done: Done, text: str = "", made: tuple[int, ...] | list[int] = ()) -> dict:
             stats = done.stats
             last = piece(text) | {
                 "done": True, "done_reason": "stop" if done.call is not None else done.finish,
@@ -334,8 +447,8 @@ def routes(app, server: Server) -> None:
                 "prompt_eval_count": stats.prompt_evaluated, "prompt_eval_duration": int(stats.prefill_s * 1e9),
                 "eval_count": done.n_tokens, "eval_duration": int(stats.decode_s * 1e9),
                 "flylocal": stats_report(done, ask.settings)}
-            if not chat:
-                last["context"] = []
+            if not chat:            # what a request sends back to continue from here
+                last["context"] = ask.ids.tolist() + list(made)
             if done.call is not None:
                 last["message"]["tool_calls"] = [{"function": {"name": done.call["name"],
                                                                "arguments": done.call["arguments"]}}]
@@ -349,17 +462,18 @@ def routes(app, server: Server) -> None:
                 server.answered(request, endpoint, e.status, started)
                 return error(e.status, e.message)
             server.answered(request, endpoint, 200, started, done.stats, len(ask.ids), done.n_tokens)
-            return JSONResponse(final(done, whole.text))
+            return JSONResponse(final(done, whole.text, [t.id for t in whole.tokens]))
 
         async def lines():
-            done, status = None, 200
+            done, status, made = None, 200, []
             try:
                 async for event in answer.events():
                     if isinstance(event, Text):
+                        made += [t.id for t in event.tokens]
                         yield json.dumps(piece(event.text)) + "\n"
                     elif isinstance(event, Done):
                         done = event
-                        yield json.dumps(final(event)) + "\n"
+                        yield json.dumps(final(event, made=made)) + "\n"
                     else:
                         status = 500
                         yield json.dumps({"error": event.message}) + "\n"
