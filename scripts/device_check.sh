@@ -23,34 +23,46 @@
 # machine went back between the calls) SmolLM2's parts are skipped, and said so. The calls:
 #   run(command="scripts/device_check.sh --receive", carry=[".device-first"], timeout_s=60)
 #   run(command="scripts/device_check.sh", carry=[".device"], timeout_s=580)
+# Each step says in one line which step comes first when run out of order. For its test, two
+# variables move what --prepare reads and writes: FLYLOCAL_DEVICE_DIR (instead of .device) and
+# FLYLOCAL_DEVICE_SDIST (a llama-cpp-python sdist at hand, instead of downloading it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/build_flags.sh
 source scripts/build_flags.sh
 
 LLAMA_CPP_PYTHON_VERSION=0.3.36
-DEV=.device
+DEV=${FLYLOCAL_DEVICE_DIR:-.device}
 SITE_PACKAGES=(click diskcache gguf jinja2 llama_cpp markupsafe typing_extensions.py yaml)
 say() { echo "device_check: $*" >&2; }
+# One line saying which step comes first, and exit 1.
+first() { say "$1 first: $2"; exit 1; }
+
+TMP=""                               # --prepare's scratch folder, removed on exit however it ends
+trap '[ -z "$TMP" ] || rm -rf "$TMP"' EXIT
+trap 'exit 130' INT                  # bash runs the EXIT trap on a signal only through exit
 
 prepare() {
-  local tmp site src
-  tmp=$(mktemp -d)
-  trap 'rm -rf "$tmp"' EXIT
-  trap 'exit 130' INT                # bash runs the EXIT trap on a signal only through exit
+  local site src
+  TMP=$(mktemp -d)
   rm -rf "$DEV" && mkdir -p "$DEV/models" "$DEV/site"
   say "llama.cpp's source, trimmed to libllama with the CPU, CUDA, HIP and RPC backends"
-  .venv/bin/python -m pip download -q --no-deps --no-binary :all: -d "$tmp" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
-  tar xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp"
-  src=$(echo "$tmp"/llama_cpp_python-*/vendor/llama.cpp)
-  mkdir -p "$tmp/trim/ggml/src"
-  cp -a "$src"/{CMakeLists.txt,LICENSE,cmake,include,src} "$tmp/trim/"
-  mkdir -p "$tmp/trim/vendor"        # llama.cpp's CMakeLists adds vendor/ whatever is built
-  cp -a "$src"/vendor/{CMakeLists.txt,hash,miniaudio,nlohmann,sheredom,stb} "$tmp/trim/vendor/"
-  cp -a "$src"/ggml/{CMakeLists.txt,cmake,include} "$tmp/trim/ggml/"
-  find "$src/ggml/src" -maxdepth 1 -type f -exec cp -a {} "$tmp/trim/ggml/src/" \;
-  cp -a "$src"/ggml/src/{ggml-cpu,ggml-cuda,ggml-hip,ggml-rpc} "$tmp/trim/ggml/src/"
-  tar cJf "$DEV/llama.cpp.tar.xz" -C "$tmp/trim" .
+  if [ -n "${FLYLOCAL_DEVICE_SDIST:-}" ]; then
+    cp "$FLYLOCAL_DEVICE_SDIST" "$TMP/"
+  else
+    .venv/bin/python -m pip download -q --no-deps --no-binary :all: -d "$TMP" \
+      "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+  fi
+  tar xzf "$TMP"/llama_cpp_python-*.tar.gz -C "$TMP"
+  src=$(echo "$TMP"/llama_cpp_python-*/vendor/llama.cpp)
+  mkdir -p "$TMP/trim/ggml/src"
+  cp -a "$src"/{CMakeLists.txt,LICENSE,cmake,include,src} "$TMP/trim/"
+  mkdir -p "$TMP/trim/vendor"        # llama.cpp's CMakeLists adds vendor/ whatever is built
+  cp -a "$src"/vendor/{CMakeLists.txt,hash,miniaudio,nlohmann,sheredom,stb} "$TMP/trim/vendor/"
+  cp -a "$src"/ggml/{CMakeLists.txt,cmake,include} "$TMP/trim/ggml/"
+  find "$src/ggml/src" -maxdepth 1 -type f -exec cp -a {} "$TMP/trim/ggml/src/" \;
+  cp -a "$src"/ggml/src/{ggml-cpu,ggml-cuda,ggml-hip,ggml-rpc} "$TMP/trim/ggml/src/"
+  tar cJf "$DEV/llama.cpp.tar.xz" -C "$TMP/trim" .
   say "the Python packages flylocal loads (numpy is there already)"
   site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   for p in "${SITE_PACKAGES[@]}"; do cp -a "$site/$p" "$DEV/site/"; done
@@ -65,9 +77,12 @@ prepare() {
   tail -c +"$((half + 1))" "$model" > "$DEV/models/smollm2.part1"
   sha256sum "$model" | cut -d' ' -f1 > "$DEV/models/smollm2.sha256"
   du -sh "$DEV" "$DEV-first" >&2
+  say "prepared: carry $DEV-first to --receive, then $DEV to the measuring call"
 }
 
 receive() {
+  [ -f "$DEV-first/smollm2.part0" ] || first "scripts/device_check.sh --prepare" \
+    "$DEV-first/smollm2.part0 is missing (--prepare writes it here; --receive needs it carried)"
   mkdir -p build/device && cp "$DEV-first/smollm2.part0" build/device/ && say "kept the first half in build/device"
 }
 
@@ -83,6 +98,8 @@ smollm2() {
 build() {
   # libllama from the trimmed source, into $DEV/build/bin.
   local args
+  [ -f "$DEV/llama.cpp.tar.xz" ] || first "scripts/device_check.sh --prepare" \
+    "$DEV/llama.cpp.tar.xz is missing (--prepare writes it; the measuring call needs $DEV carried)"
   if [ "$1" = gpu ]; then
     args=$(CMAKE_ARGS= choose_cmake_args)
     [[ "$args" == *GGML_CUDA=ON* || "$args" == *GGML_HIP=ON* ]] || { say "no GPU found (nvidia-smi, rocminfo)"; exit 1; }
@@ -149,5 +166,5 @@ case "${1:-}" in
   --receive) receive ;;
   --cpu) build cpu && measure ;;
   "") build gpu && measure ;;
-  *) sed -n '2,27p' "$0"; exit 2 ;;
+  *) sed -n '2,28p' "$0"; exit 2 ;;
 esac
