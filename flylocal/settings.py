@@ -29,6 +29,11 @@ from flylocal.decoding.verifiers.fly import FlyParams
 from flylocal.host import usable_cores
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
+# A target whose decode is bound by memory bandwidth, as a desktop-class model's is (8 rows cost
+# about 1.6 single steps, where the default target's cost 4.7), and a same-vocabulary draft for
+# it: where drafts pay, measured here (docs/benchmarks.md). Not a model to chat with.
+STANDIN_TARGET = "gemma-3-270m-f32"
+STANDIN_DRAFT = "gemma-3-270m-q2_k"
 DEFAULT_K = 8
 DEFAULT_P_MIN = 0.5     # a draft model's token it gives less than this ends its draft (adaptive runs)
 

@@ -68,6 +68,11 @@ def smol_file():
     return model_path(SMOL)
 
 
+@pytest.fixture(scope="module")
+def gemma_file():
+    return model_path("gemma-3-270m")
+
+
 @pytest.mark.slow
 def test_derive_by_quantizer_matches_recorded_sha(smol_file, isolated_cache):
     os.symlink(smol_file, isolated_cache / f"{SMOL}.gguf")
@@ -76,6 +81,19 @@ def test_derive_by_quantizer_matches_recorded_sha(smol_file, isolated_cache):
     assert path == isolated_cache / f"{SMOL_Q4_0}.gguf"
     assert models.sha256_file(path) == models.load_registry()[SMOL_Q4_0].sha256
     assert any("deriving" in n for n in notes)
+
+
+@pytest.mark.slow
+def test_the_bandwidth_bound_stand_in_derives_as_f32(gemma_file, isolated_cache):
+    """F32 is llama.cpp's ALL_F32 file type, not a MOSTLY_ one: the stand-in target derives from
+    Gemma's Q4_K_M file to the registry's sha256, and its tensors are F32."""
+    from flylocal.gguf_info import read_info
+    from flylocal.settings import STANDIN_TARGET
+
+    os.symlink(gemma_file, isolated_cache / "gemma-3-270m.gguf")
+    path = models.resolve(STANDIN_TARGET)
+    assert models.sha256_file(path) == models.load_registry()[STANDIN_TARGET].sha256
+    assert read_info(path).file_type == "F32"
 
 
 def test_missing_model_says_how_to_fetch(isolated_cache):

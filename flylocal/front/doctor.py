@@ -23,7 +23,7 @@ from flylocal.llama.config import RuntimeConfig
 from flylocal.llama.devices import build_info
 from flylocal.llama.runtime import Runtime
 from flylocal.loader import gpu_layers, open_model
-from flylocal.settings import DEFAULT_TARGET, Settings
+from flylocal.settings import DEFAULT_TARGET, STANDIN_TARGET, Settings
 
 PROBE_TEXT = (
     "The committee met on Tuesday to review the budget. After a long discussion, the members "
@@ -132,7 +132,10 @@ def cache_report() -> list[str]:
             lines.append(f"  {path.name}: not a cost curve (measured over when its model is next used)")
             continue
         key = record["key"]
-        what = (f"{os.path.basename(str(key.get('model', '?')))}, {key.get('kernels', '?')} build, "
+        name = os.path.basename(str(key.get("model", "?")))
+        role = {f"{DEFAULT_TARGET}.gguf": " (the default target)",
+                f"{STANDIN_TARGET}.gguf": " (the bandwidth-bound stand-in)"}.get(name, "")
+        what = (f"{name}{role}, {key.get('kernels', '?')} build, "
                 f"{key.get('threads', '?')} threads, batch {key.get('batch', '?')}")
         if record["calibration_problem"]:
             lines.append(f"  {what}: DISTORTED ({record['calibration_problem']}); measured again when next used")
@@ -144,6 +147,9 @@ def cache_report() -> list[str]:
         if record["problem"]:
             line += f"; DISTORTED refinement, dropped when next used: {record['problem']}"
         lines.append(line)
+    if not any(STANDIN_TARGET in line for line in lines):
+        lines.append(f"  (the bandwidth-bound stand-in, whose curve shows where drafts pay: `flylocal doctor "
+                     f"--model {STANDIN_TARGET}` measures it)")
     return lines
 
 

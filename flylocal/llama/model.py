@@ -116,7 +116,8 @@ class Model:
 
 def quantize(src: Path, dst: Path, qtype: str, threads: int = 0) -> None:
     """Write `src` requantized to `qtype` (for example Q4_0, Q8_0) at `dst` with llama.cpp's quantizer."""
-    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype.upper()}", None)
+    name = "ALL_F32" if qtype.upper() == "F32" else f"MOSTLY_{qtype.upper()}"   # F32 is all of it, not most
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{name}", None)
     if ftype is None:
         raise FlylocalError(f"unknown quantization type {qtype}")
     params = llama_cpp.llama_model_quantize_default_params()
