@@ -276,7 +276,7 @@ def test_a_failing_method_is_recorded_and_the_run_goes_on(smol, tmp_path):
     assert "## Failures" in report and "second line" not in report
     assert "- `llama-cpp-python-pld` on `b` (repeat 1): RuntimeError: boom" in report
     table = [line for line in report.splitlines() if line.startswith("| llama-cpp-python |")]
-    assert table and table[0].endswith("| 2 |")                   # the "failed" column
+    assert len(table) == 2 and table[1].endswith("| 2 |")        # the "failed" column, in the details table
 
 
 def test_humaneval_execution_judges_completions():
@@ -359,7 +359,7 @@ def test_spec_bench_questions_second_turns_and_category_tables(tmp_path):
     (data / "question.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SPEC_BENCH_ROWS))
     out = tmp_path / "o"
     done = bench("--prompts", str(data), "--per-category", "1", "--methods", "autoregressive,strict-pld",
-                 "--max-tokens", "8", "--out", str(out))
+                 "--max-tokens", "8", "--repeat", "1", "--out", str(out))
     assert done.returncode == 0, done.stderr
     results = json.loads((out / "results.json").read_text())
     # one per group: the multi-turn group's first (writing), translation's, qa's first
@@ -375,6 +375,9 @@ def test_spec_bench_questions_second_turns_and_category_tables(tmp_path):
     report = (out / "report.md").read_text()
     assert "## Speedup by category, end to end" in report and "| multi-turn | translation | qa |" in report
     assert "## Per prompt" in report
+    steps = [line for line in done.stderr.splitlines() if line.startswith("flylocal bench: [")]
+    assert [line.split("]")[0] for line in steps] == [f"flylocal bench: [{i}/6" for i in range(1, 7)]  # stderr a pipe
+    assert "strict-pld on 301" in steps[-1]
 
 
 def test_per_group_takes_the_first_of_each_group_in_turn_from_its_categories():

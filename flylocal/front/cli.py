@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 
 import click
 
@@ -138,8 +139,9 @@ def stream_generation(generation, target, trace_out, trace_file, as_json) -> Non
                    "absolute path you can. Use a container for code you do not trust.")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Directory for the results.")
 @click.option("--methods", default=None, help=f"Comma-separated subset of: {', '.join(__import__('flylocal.front.bench', fromlist=['METHODS']).METHODS)}. Default: all (those needing --draft only with it).")
-@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Run every method on every prompt this many times (interleaved).")
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Run every method on every prompt this many times (interleaved): the speeds are summed over "
+                   "the repeats, so that one noisy pass weighs less.")
 @json_schema_option
 @options("raw")
 @options(*DRAFTING, *LLAMA, *VERIFIER_PARAMS, *SAMPLING)
@@ -156,9 +158,13 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
     schema = read_input(json_schema_file, "JSON schema") if json_schema_file else None
 
     bar = None
+    started = time.monotonic()
 
     def progress(step, total, what):     # before step `step` of `total` runs: step - 1 are done
         nonlocal bar
+        if not sys.stderr.isatty():      # a pipe or a log: one line a step, which a bar would not give
+            click.echo(f"flylocal bench: [{step}/{total}] {what} ({time.monotonic() - started:.0f} s)", err=True)
+            return
         if bar is None:
             bar = click.progressbar(length=total, label="flylocal bench", file=sys.stderr, show_pos=True,
                                     item_show_func=lambda item: item)

@@ -58,6 +58,46 @@ def _ratios(mine: dict, ref: dict | None) -> dict:
     return out
 
 
+RESAMPLES = 2000         # bootstrap resamples of the prompts for a speed ratio's interval
+NEAR_ONE = 1.1           # mean accepted length below which a speedup is not speculation's doing
+BUSY = 0.25              # cores kept busy by other processes above which the report warns
+
+
+def interval(row: Row, ref: Row, ids: list[str], e2e: bool) -> list[float] | None:
+    """The 95% interval of a speed ratio (row's summed tokens over summed seconds, over ref's)
+    over the prompts `ids`: a percentile bootstrap of the prompts (RESAMPLES, a fixed seed, so
+    a report is reproducible). None for fewer than two prompts."""
+    import numpy as np
+
+    if len(ids) < 2:
+        return None
+    tokens, seconds = ("tokens", "wall_s") if e2e else ("decode_tokens", "decode_s")
+    a = np.array([[row.per_prompt[i][tokens], row.per_prompt[i][seconds],
+                   ref.per_prompt[i][tokens], ref.per_prompt[i][seconds]] for i in ids], dtype=np.float64)
+    pick = np.random.default_rng(0).integers(0, len(ids), size=(RESAMPLES, len(ids)))
+    sums = a[pick].sum(axis=1)                                     # [RESAMPLES, 4]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = (sums[:, 0] / sums[:, 1]) / (sums[:, 2] / sums[:, 3])
+    ratios = ratios[np.isfinite(ratios)]
+    if not len(ratios):
+        return None
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return [round(float(low), 3), round(float(high), 3)]
+
+
+def repeated_4grams(tokens) -> float | None:
+    """The share of a text's 4-grams (of token ids) that already occurred earlier in it: 0 for
+    text that never repeats itself, near 1 for a loop. None for fewer than 4 tokens."""
+    grams = [tuple(tokens[i:i + 4]) for i in range(len(tokens) - 3)]
+    if not grams:
+        return None
+    seen, again = set(), 0
+    for g in grams:
+        again += g in seen
+        seen.add(g)
+    return again / len(grams)
+
+
 def metrics(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
     """One dict per method. Speed ratios compare a method with autoregressive decoding over the
     prompts both completed; each quality metric is over the prompts the method completed
@@ -73,6 +113,9 @@ def metrics(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
         if both:
             speed.update({k: v for k, v in _ratios(_speed(row, both), _speed(ref, both)).items()
                           if k.endswith("speedup")})
+            if row is not ref:
+                speed["speedup_ci"] = interval(row, ref, both, e2e=False)
+                speed["e2e_speedup_ci"] = interval(row, ref, both, e2e=True)
         with_answers = [p for p in done if p.answers]
         accuracy = _mean(any(a.lower() in row.outputs[p.id][1].lower() for a in p.answers) for p in with_answers)
         agreement = None
@@ -87,7 +130,9 @@ def metrics(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
             if not ids:
                 continue
             g = _speed(row, ids)
-            categories[group] = {**_ratios(_speed(row, ref_ids), _speed(ref, ref_ids) if ref_ids else None),
+            cis = ({"speedup_ci": interval(row, ref, ref_ids, e2e=False),
+                    "e2e_speedup_ci": interval(row, ref, ref_ids, e2e=True)} if ref_ids and row is not ref else {})
+            categories[group] = {**_ratios(_speed(row, ref_ids), _speed(ref, ref_ids) if ref_ids else None), **cis,
                                  "mean_accepted_length": round(g["tokens"] / g["rounds"], 3) if g["rounds"] else None,
                                  "prompts": len(ids)}
         nll = _mean(row.nll.values())
@@ -98,6 +143,11 @@ def metrics(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
             "acceptance": round(mine["accepted"] / mine["drafted"], 3) if mine["drafted"] else None,
             "loose_rate": round(mine["loose"] / mine["tokens"], 4) if mine["rounds"] and mine["tokens"] else None,
             "agreement": agreement,
+            "changed": (sum(row.outputs[p.id][0] != ref.outputs[p.id][0] or row.later.get(p.id, []) != ref.later.get(p.id, [])
+                            for p in done if p.id in ref.outputs) if ref is not None else None),
+            "compared": sum(p.id in ref.outputs for p in done) if ref is not None else None,
+            "repeated_4grams": _rounded(_mean(x for x in (repeated_4grams(row.outputs[p.id][0]) for p in done)
+                                              if x is not None), 4),
             "first_divergence": first_divergence(row, ref, done),
             "accuracy": accuracy,
             "pass_at_1": _mean(row.passed.values()),
@@ -113,6 +163,10 @@ def metrics(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
             "failures": list(row.failures),
         })
     return out
+
+
+def _rounded(v: float | None, digits: int) -> float | None:
+    return None if v is None else round(v, digits)
 
 
 def first_divergence(row: Row, ref: Row | None, done: list[Prompt]) -> float | None:
@@ -156,34 +210,103 @@ def machine_info(build: dict) -> dict:
             "cpus": os.cpu_count(), "python": platform.python_version(), **build}
 
 
+def _ratio(v: float | None, ci: list | None = None) -> str:
+    if not v:
+        return "–"
+    return f"{v:.2f}×" + (f" ({ci[0]:.2f}–{ci[1]:.2f})" if ci else "")
+
+
+def _noise(ci: list | None) -> bool:
+    return ci is not None and ci[0] <= 1.0 <= ci[1]
+
+
+def summary(results: dict) -> list[str]:
+    """The report's opening: a warning when other processes kept the cores busy, then one plain
+    sentence per method on its speed against plain decoding and how much its text changed."""
+    lines = []
+    busy = results["machine"].get("busy_cores")
+    if busy is not None and busy > BUSY:
+        lines += [f"**Warning: other processes kept {busy:.2f} of this process's {results['machine']['cpus']} cores "
+                  "busy during the run.** Its speeds are lower and noisier than on a quiet machine; compare only "
+                  "figures from one run.", ""]
+    for r in results["methods"]:
+        if r["method"] == "autoregressive" or not r.get("e2e_speedup"):
+            continue
+        ci = r.get("e2e_speedup_ci")
+        words = f"- **{r['method']}**: {_ratio(r['e2e_speedup'], ci)} plain decoding end to end, over {r['completed']} prompts"
+        if r.get("changed") is not None and r.get("compared"):
+            words += (f"; its answers equal plain decoding's on all {r['compared']}" if not r["changed"] else
+                      f"; {r['changed']} of {r['compared']} answers differ from plain decoding's")
+        words += "."
+        if _noise(ci):
+            words += " The interval includes 1.0: the difference from plain decoding is noise."
+        tau = r.get("mean_accepted_length")
+        if tau is not None and tau < NEAR_ONE and r["e2e_speedup"] > 1.0 and not _noise(ci):
+            words += (f" Its mean accepted length is {tau:.2f}: whatever the speed difference, it does not come "
+                      "from speculation.")
+        lines.append(words)
+    if len(lines) and lines[-1].startswith("- "):
+        lines += ["", "Intervals: 95%, a bootstrap over the prompts (the ratio of summed speeds, prompts resampled)."]
+    strict = [r for r in results["methods"] if r["method"].startswith("strict") and r.get("agreement") is not None
+              and r["agreement"] < 1.0]
+    if strict and results["machine"].get("kernels", "fast") != "exact":
+        lines += ["", f"Strict verification ({', '.join(r['method'] for r in strict)}) left plain decoding on some "
+                      "prompts: in the fast build a batch of rows can give logits a hair different from one row's, and where two "
+                      "tokens are near-tied the argmax flips (near-ties, not errors; `--exact` gives identical "
+                      "output)."]
+    return lines
+
+
 def report_md(results: dict) -> str:
-    cols = ["method", "tokens_per_s", "speedup", "e2e_tokens_per_s", "e2e_speedup", "mean_accepted_length",
-            "acceptance", "loose_rate", "agreement", "first_divergence", "accuracy", "pass_at_1", "valid", "forced_per_round",
-            "mask_ms_per_round", "target_nll", "budget_spent",
-            "verify_share", "wall_s"]
-    cols = [c for c in cols if any(r.get(c) is not None for r in results["methods"])]
+    first = ["method", "e2e_speedup", "speedup", "e2e_tokens_per_s", "mean_accepted_length", "changed", "loose_rate",
+             "repeated_4grams", "target_nll", "accuracy", "pass_at_1", "valid"]
+    later = ["tokens_per_s", "acceptance", "agreement", "first_divergence", "forced_per_round", "mask_ms_per_round",
+             "budget_spent", "verify_share", "wall_s"]
+    names = {"e2e_speedup": "end to end ×plain (95% interval)", "speedup": "decode ×plain (95% interval)",
+             "e2e_tokens_per_s": "end-to-end tok/s", "mean_accepted_length": "mean accepted length",
+             "changed": "answers changed", "loose_rate": "loose per 100 tokens", "repeated_4grams": "repeated 4-grams",
+             "target_nll": "target NLL", "accuracy": "accuracy", "pass_at_1": "pass@1", "valid": "valid JSON",
+             "tokens_per_s": "decode tok/s", "acceptance": "acceptance", "agreement": "agreement",
+             "first_divergence": "first divergence", "forced_per_round": "forced / round",
+             "mask_ms_per_round": "mask ms / round", "budget_spent": "ASD budget spent",
+             "verify_share": "verify share", "wall_s": "wall s", "failed": "failed"}
     failures = [(r["method"], f) for r in results["methods"] for f in r.get("failures", [])]
-    if failures:
-        cols.append("failed")
+
+    def shown(cols):
+        return [c for c in cols if c in ("method", "failed") or any(r.get(c) is not None for r in results["methods"])]
 
     def cell(r, key):
         v = len(r.get("failures", [])) if key == "failed" else r.get(key)
+        if key in ("speedup", "e2e_speedup"):
+            return _ratio(v, r.get(f"{key}_ci")) if r["method"] != "autoregressive" else "1.00×"
+        if key == "changed" and v is not None:
+            return f"{v}/{r['compared']}" if r.get("compared") else "–"
+        if key == "loose_rate" and v is not None:
+            return f"{100 * v:.2f}"
         if v is None:
-            return "-"
+            return "–"
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 
+    def table(cols):
+        return (["| " + " | ".join(names.get(c, c) for c in cols) + " |", "|" + " --- |" * len(cols)]
+                + ["| " + " | ".join(cell(r, k) for k in cols) + " |" for r in results["methods"]])
+
     c = results["config"]
+    draft = f", draft `{c['draft']}`" if c.get("draft") else ""
+    main_cols, detail_cols = shown(first), shown(["method", *later] + (["failed"] if failures else []))
     lines = ["# flylocal bench", "",
-             f"target `{c['target']}`, draft `{c['draft']}`, {c['prompts']} prompts from `{c['source']}`, "
-             f"max_tokens {c['max_tokens']}, repeat {c['repeat']}", "",
-             "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
-    for r in results["methods"]:
-        lines.append("| " + " | ".join(cell(r, k) for k in cols) + " |")
-    lines += ["", "speedup: decode tokens/s (the tokens after the first round, over the time after it) over autoregressive's; e2e: tokens over "
-                  "the wall time from the request to the last token, prefill included, over autoregressive's. "
-                  "acceptance: committed draft tokens over drafted ones. agreement: outputs identical to autoregressive's; first_divergence: the median token where the "
-                  "others first differ. budget_spent: ASD's regret per prompt. verify_share: the verifier's share "
-                  "of decoding time."]
+             f"target `{c['target']}`{draft}, {c['prompts']} prompts from `{c['source']}`, "
+             f"max_tokens {c['max_tokens']}, repeat {c['repeat']}", "", *summary(results), "", *table(main_cols),
+             "", "end to end: tokens over the wall time from the request to the last token, prompt evaluation "
+                 "included, over plain (autoregressive) decoding's; decode: the tokens after the first round over "
+                 "the time after it. answers changed: answers not token for token plain decoding's. "
+                 "repeated 4-grams: the share of an answer's 4-grams that already occurred in it (a speedup "
+                 "bought by repetition shows here). target NLL: the target's own mean negative log-likelihood "
+                 "of the answer's tokens.",
+             "", "## Details", "", *table(detail_cols),
+             "", "acceptance: committed draft tokens over drafted ones. agreement: the share of answers identical "
+                 "to plain decoding's; first divergence: the median token where the others first differ. "
+                 "verify share: the verifier's share of decoding time."]
     groups = [g for g in GROUP_ORDER if any(g in r.get("categories", {}) for r in results["methods"])]
     groups += sorted({g for r in results["methods"] for g in r.get("categories", {})} - set(groups))
     if groups:
@@ -191,12 +314,23 @@ def report_md(results: dict) -> str:
             lines += ["", f"## Speedup by category, {title} (Spec-Bench's layout)", "",
                       "| method | " + " | ".join(groups) + " | overall | mean accepted length |",
                       "|" + " --- |" * (len(groups) + 3)]
+            flagged = False
             for r in results["methods"]:
                 c = r.get("categories", {})
-                cells = [f"{c[g][key]:.2f}x" if g in c and c[g].get(key) else "-" for g in groups]
-                overall = f"{r[key]:.2f}x" if r.get(key) else "-"
-                tau = f"{r['mean_accepted_length']:.2f}" if r.get("mean_accepted_length") else "-"
+                cells = []
+                for g in groups:
+                    cell_ = _ratio(c[g].get(key), c[g].get(f"{key}_ci")) if g in c else "–"
+                    tau_g = c.get(g, {}).get("mean_accepted_length")
+                    if r["method"] != "autoregressive" and tau_g is not None and tau_g < NEAR_ONE and c[g].get(key):
+                        cell_ += " †"
+                        flagged = True
+                    cells.append(cell_)
+                overall = _ratio(r.get(key), r.get(f"{key}_ci"))
+                tau = f"{r['mean_accepted_length']:.2f}" if r.get("mean_accepted_length") else "–"
                 lines.append(f"| {r['method']} | " + " | ".join(cells) + f" | {overall} | {tau} |")
+            if flagged:
+                lines += ["", f"† mean accepted length below {NEAR_ONE} there: the speed difference does not "
+                              "come from speculation (it is noise, or the machine's drift)."]
     rows = results.get("prompts", [])
     if rows:
         lines += ["", "## Per prompt", "",
@@ -204,7 +338,7 @@ def report_md(results: dict) -> str:
                   "mean accepted length |", "|" + " --- |" * 9]
         for r in rows:
             lines.append("| " + " | ".join(
-                "-" if r.get(k) is None else (f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]))
+                "–" if r.get(k) is None else (f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]))
                 for k in ("prompt", "category", "method", "tokens", "tokens_per_s", "speedup", "e2e_tokens_per_s",
                           "e2e_speedup", "mean_accepted_length")) + " |")
     if failures:
@@ -229,21 +363,25 @@ def plot(results: dict, out: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    rows = results["methods"]
-    names = [r["method"] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    x = list(range(len(names)))
-    axes[0].bar([i - 0.2 for i in x], [r["speedup"] or 0 for r in rows], width=0.4, color="#4c72b0", label="decode")
-    axes[0].bar([i + 0.2 for i in x], [r.get("e2e_speedup") or 0 for r in rows], width=0.4, color="#dd8452",
-                label="end to end")
-    axes[0].set_xticks(x, names)
-    axes[0].axhline(1.0, color="grey", lw=0.8)
-    axes[0].legend()
-    axes[0].set_title("speedup over autoregressive (tokens/s)")
-    axes[1].bar(names, [r["mean_accepted_length"] or 0 for r in rows], color="#55a868")
-    axes[1].set_title("mean accepted length (tokens per round)")
-    for ax in axes:
-        ax.tick_params(axis="x", rotation=60)
+    rows = [r for r in results["methods"] if r["method"] != "autoregressive"] or results["methods"]
+    groups = [g for g in GROUP_ORDER if any(g in r.get("categories", {}) for r in rows)]
+    groups += sorted({g for r in rows for g in r.get("categories", {})} - set(groups))
+    columns = [*groups, "overall"] if len(groups) > 1 else ["overall"]
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(columns) * max(1, len(rows)) ** 0.5 + 3), 4.5))
+    width = 0.8 / len(rows)
+    for i, r in enumerate(rows):
+        figures = [r if g == "overall" else r.get("categories", {}).get(g, {}) for g in columns]
+        heights = [f.get("e2e_speedup") or 0.0 for f in figures]
+        low = [h - f["e2e_speedup_ci"][0] if f.get("e2e_speedup_ci") else 0.0 for h, f in zip(heights, figures)]
+        high = [f["e2e_speedup_ci"][1] - h if f.get("e2e_speedup_ci") else 0.0 for h, f in zip(heights, figures)]
+        ax.bar([j - 0.4 + width * (i + 0.5) for j in range(len(columns))], heights, width=width, label=r["method"],
+               yerr=[low, high], capsize=2, error_kw={"lw": 0.8})
+    ax.set_xticks(range(len(columns)), columns)
+    ax.tick_params(axis="x", rotation=30)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_ylabel("× plain decoding, end to end")
+    ax.set_title("speed over plain decoding, with 95% intervals over prompts")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     path = out / "speedup.png"
     try:

@@ -186,6 +186,7 @@ def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, human
     """`flylocal bench`: check everything that can be checked before a model loads, load the
     models through the loader like every command, run, and write the results. Returns the
     report's text."""
+    from flylocal.decoding.costs.meter import CpuLoad
     from flylocal.loader import load, runtime_config
 
     if (prompts_path is None) == (not humaneval):
@@ -243,12 +244,15 @@ def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, human
                 baselines[m] = LlamaCppPythonBaseline(models.target.path,
                                                       runtime_config(settings, gpu_layers=models.target.config.n_gpu_layers),
                                                       prompt_lookup=METHODS[m].prompt_lookup)
+        meter = CpuLoad()             # how busy other processes kept the cores: the report warns
+        meter.start()
         rows = run(settings, models, baselines, prompts, chosen, repeat, progress, raw=raw, encoded=encoded,
                    execute=execute, warn=warn, schema=schema)
+        busy = meter.stop()
         results = {
             "methods": metrics(rows, prompts),
             "prompts": per_prompt(rows, prompts),
-            "machine": machine_info(build_info()),
+            "machine": {**machine_info(build_info()), "busy_cores": None if busy is None else round(busy, 3)},
             "config": {"target": settings.target, "draft": settings.draft,
                        "source": "HumanEval" if humaneval else prompts_path, "prompts": len(prompts),
                        "category": category, "per_category": per_category, "max_tokens": settings.max_tokens, "repeat": repeat,
