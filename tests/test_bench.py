@@ -393,3 +393,27 @@ def test_a_bad_spec_bench_row_is_named(tmp_path):
     bad = tmp_path / "q.jsonl"
     bad.write_text('{"question_id": 1, "category": "qa", "turns": []}\n')
     assert_one_line_error(bench("--prompts", str(bad), "--out", str(tmp_path / "o")), f"{bad}:1", "turns")
+
+
+def test_the_standin_presets_prompts_are_questions_for_a_base_model():
+    ps = b.prompts.standin_prompts(2)
+    spec = [p for p in ps if p.id.startswith("sb-")]
+    assert len(spec) == 12 and {p.group for p in spec} == {"multi-turn", "translation", "summarization", "qa",
+                                                            "math_reasoning", "rag"}
+    assert {p.category for p in ps if not p.id.startswith("sb-")} == {"copy-edit", "code-edit", "data-edit"}
+    for p in ps:
+        assert p.raw and p.text.startswith("Question: ") and p.text.endswith("\nAnswer:") and not p.turns
+
+
+@pytest.mark.slow
+def test_the_standin_preset_runs_and_the_command_line_wins(tmp_path):
+    out = tmp_path / "o"
+    done = bench("--preset", "standin", "--target", SMOL, "--per-category", "1", "--methods",
+                 "autoregressive,strict-pld", "--max-tokens", "4", "--repeat", "1", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    results = json.loads((out / "results.json").read_text())
+    c = results["config"]
+    assert c["preset"] == "standin" and c["target"] == SMOL and c["max_tokens"] == 4
+    assert c["draft"] == "gemma-3-270m-q2_k"          # the preset's, where the command line gave none
+    assert c["prompts"] == 9 and [r["method"] for r in results["methods"]] == ["autoregressive", "strict-pld"]
+    assert "standin preset" in (out / "report.md").read_text()

@@ -137,6 +137,12 @@ def stream_generation(generation, target, trace_out, trace_file, as_json) -> Non
                    "process it leaves in its session or directory is killed and the directory removed. This "
                    "guards against accidents, not attacks: it runs as you, with the network, and can reach any "
                    "absolute path you can. Use a container for code you do not trust.")
+@click.option("--preset", type=click.Choice(["standin"]), default=None,
+              help="standin: the regime users live in, on this machine: the bandwidth-bound stand-in target "
+                   "(gemma-3-270m-f32) with its Q2_K draft, Spec-Bench's questions (--per-category, 2 by default; "
+                   "--prompts another copy) put as \"Question: ...\\nAnswer:\" for a base model, and one "
+                   "copy-heavy edit of each kind, 128 tokens, the methods autoregressive, strict-pld, fly-pld, "
+                   "strict-mla and fly-mla. Options given on the command line win.")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Directory for the results.")
 @click.option("--methods", default=None, help=f"Comma-separated subset of: {', '.join(__import__('flylocal.front.bench', fromlist=['METHODS']).METHODS)}. Default: all (those needing --draft only with it).")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
@@ -145,7 +151,7 @@ def stream_generation(generation, target, trace_out, trace_file, as_json) -> Non
 @json_schema_option
 @options("raw")
 @options(*DRAFTING, *LLAMA, *VERIFIER_PARAMS, *SAMPLING)
-def bench(prompts_path, category, per_category, humaneval, humaneval_limit, execute, out_dir, methods, repeat,
+def bench(prompts_path, category, per_category, humaneval, humaneval_limit, execute, preset, out_dir, methods, repeat,
           json_schema_file, raw, **opts):
     """Compare methods side by side on the same prompts: speed, acceptance and quality.
 
@@ -156,6 +162,16 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
     from flylocal.front import bench as b
 
     schema = read_input(json_schema_file, "JSON schema") if json_schema_file else None
+    if preset == "standin":           # its defaults, where the command line says nothing
+        from click.core import ParameterSource
+
+        from flylocal.settings import STANDIN_DRAFT, STANDIN_TARGET
+
+        given = click.get_current_context().get_parameter_source
+        for name, value in (("target", STANDIN_TARGET), ("draft", STANDIN_DRAFT), ("max_tokens", 128)):
+            if given(name) != ParameterSource.COMMANDLINE:
+                opts[name] = value
+        methods = methods or "autoregressive,strict-pld,fly-pld,strict-mla,fly-mla"
 
     bar = None
     started = time.monotonic()
@@ -178,7 +194,7 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
         report = b.main(settings_from(opts), prompts_path=prompts_path, humaneval=humaneval,
                         humaneval_limit=humaneval_limit, category=category, per_category=per_category, execute=execute,
                         out_dir=out_dir, methods=methods, repeat=repeat, raw=raw, note=note, progress=progress,
-                        warn=warn, schema=schema)
+                        warn=warn, schema=schema, preset=preset)
         if bar is not None:
             bar.update(bar.length - bar.pos, "done")
     finally:

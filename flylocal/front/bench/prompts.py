@@ -178,3 +178,34 @@ def encode_all(target, prompts: list[Prompt], raw: bool = False) -> dict:
                                 f"generate in --ctx {target.n_ctx} (needs at least {len(ids) + 1})")
         encoded[p.id] = ids
     return encoded
+
+
+# The regime users live in (docs/benchmarks.md, "The bandwidth-bound stand-in"): a base-model
+# target, so each prompt is put as a question to answer; a bare question it would continue as
+# more question.
+BASE_FORM = "Question: {}\nAnswer:"
+COPY_HEAVY = ("copy-edit", "code-edit", "data-edit")
+
+
+def data_dir() -> Path:
+    """The project's data/ (Spec-Bench's questions and flylocal's own prompts), beside the package."""
+    return Path(__file__).resolve().parents[3] / "data"
+
+
+def standin_prompts(per_category: int = 2, spec_bench: str | None = None) -> list[Prompt]:
+    """The stand-in preset's prompts: the first turn of the first `per_category` Spec-Bench
+    questions of each group (from `spec_bench`, or the project's copy), and one copy-heavy edit
+    of each kind from the project's data/prompts.jsonl, each in BASE_FORM and used as is."""
+    data = data_dir()
+    source = spec_bench or str(data / "spec_bench")
+    chosen = [Prompt(f"sb-{p.id}", BASE_FORM.format(p.text), raw=True, source=p.source, category=p.category)
+              for p in per_group(load_prompts(source), per_category)]
+    own = data / "prompts.jsonl"
+    if own.is_file():
+        kinds = set()
+        for p in load_prompts(str(own)):
+            if p.category in COPY_HEAVY and p.category not in kinds:
+                kinds.add(p.category)
+                chosen.append(Prompt(p.id, BASE_FORM.format(p.text), raw=True, source=p.source, category=p.category))
+    return chosen
+

@@ -235,7 +235,7 @@ def summary(results: dict) -> list[str]:
         ci = r.get("e2e_speedup_ci")
         words = f"- **{r['method']}**: {_ratio(r['e2e_speedup'], ci)} plain decoding end to end, over {r['completed']} prompts"
         if r.get("changed") is not None and r.get("compared"):
-            words += (f"; its answers equal plain decoding's on all {r['compared']}" if not r["changed"] else
+            words += (f"; every answer equals plain decoding's ({r['compared']} of {r['compared']})" if not r["changed"] else
                       f"; {r['changed']} of {r['compared']} answers differ from plain decoding's")
         words += "."
         if _noise(ci):

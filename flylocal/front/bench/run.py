@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable
 from flylocal.errors import FlylocalError
 from flylocal.front.bench.methods import METHODS, parse_methods
 from flylocal.front.bench.prompts import (Prompt, encode_all, humaneval_prompts, load_prompts, of_categories, passes,
-                                          per_group, stop_code, valid_json)
+                                          per_group, standin_prompts, stop_code, valid_json)
 from flylocal.front.bench.report import COUNTS, Row, machine_info, metrics, per_prompt, write_results
 
 if TYPE_CHECKING:
@@ -182,21 +182,28 @@ def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, human
          category: str | None, per_category: int | None, execute: bool, out_dir: str, methods: str | None, repeat: int, raw: bool,
          schema: tuple[str, str] | None = None,
          note: Callable[[str], None], progress: Progress | None = None,
-         warn: Callable[[str], None] = lambda s: None) -> str:
+         warn: Callable[[str], None] = lambda s: None, preset: str | None = None) -> str:
     """`flylocal bench`: check everything that can be checked before a model loads, load the
     models through the loader like every command, run, and write the results. Returns the
     report's text."""
     from flylocal.decoding.costs.meter import CpuLoad
     from flylocal.loader import load, runtime_config
 
-    if (prompts_path is None) == (not humaneval):
-        raise FlylocalError("give --prompts FILE_OR_DIR or --humaneval (one of them)")
     if execute and not humaneval:
         raise FlylocalError("--execute runs HumanEval completions; it needs --humaneval")
-    prompts = humaneval_prompts(humaneval_limit) if humaneval else load_prompts(prompts_path)
+    if preset is not None:            # its own prompts: Spec-Bench's (--prompts, or the project's) as questions
+        if humaneval:
+            raise FlylocalError("--preset standin has prompts of its own; it takes no --humaneval")
+        prompts = standin_prompts(per_category or 2, prompts_path)
+        source = f"the {preset} preset ({prompts_path or 'data/spec_bench'} as questions, and copy-heavy edits)"
+    else:
+        if (prompts_path is None) == (not humaneval):
+            raise FlylocalError("give --prompts FILE_OR_DIR or --humaneval (one of them)")
+        prompts = humaneval_prompts(humaneval_limit) if humaneval else load_prompts(prompts_path)
+        source = "HumanEval" if humaneval else prompts_path
     if category is not None:
-        prompts = of_categories(prompts, category, "HumanEval" if humaneval else prompts_path)
-    if per_category is not None:
+        prompts = of_categories(prompts, category, source)
+    if per_category is not None and preset is None:
         prompts = per_group(prompts, per_category)
     notes = []                        # said once every check has passed, so that an error stays one line
     chosen = parse_methods(methods, settings.draft is not None, notes.append)
@@ -254,7 +261,7 @@ def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, human
             "prompts": per_prompt(rows, prompts),
             "machine": {**machine_info(build_info()), "busy_cores": None if busy is None else round(busy, 3)},
             "config": {"target": settings.target, "draft": settings.draft,
-                       "source": "HumanEval" if humaneval else prompts_path, "prompts": len(prompts),
+                       "source": source, "preset": preset, "prompts": len(prompts),
                        "category": category, "per_category": per_category, "max_tokens": settings.max_tokens, "repeat": repeat,
                        "k": settings.k, "ctx": settings.ctx, "exact": settings.exact, "threads": settings.threads,
                        "target_rpc": list(settings.target_rpc), "draft_rpc": list(settings.draft_rpc),
