@@ -71,6 +71,7 @@ prepare() {
   say "SmolLM2-135M in two halves, one for each call"
   local model half
   model=$(.venv/bin/python -c "from flylocal import models; print(models.local_path('smollm2-135m-instruct'))")
+  [ -f "$model" ] || first "scripts/setup.sh" "$model is missing (setup fetches SmolLM2-135M; --prepare splits it)"
   half=$(( ($(stat -c %s "$model") + 1) / 2 ))
   rm -rf "$DEV-first" && mkdir -p "$DEV-first"
   head -c "$half" "$model" > "$DEV-first/smollm2.part0"

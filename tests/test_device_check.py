@@ -8,8 +8,6 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-from conftest import SMOL, model_path
-
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "device_check.sh"
 VERSION = "0.3.36"
@@ -40,8 +38,12 @@ def script(*args, env=None, timeout=300):
 
 
 def test_prepare_exits_0_and_writes_what_travels(tmp_path):
-    dev = tmp_path / "dev"
-    done = script("--prepare", env={"FLYLOCAL_DEVICE_DIR": str(dev), "FLYLOCAL_DEVICE_SDIST": str(fake_sdist(tmp_path))})
+    dev, cache = tmp_path / "dev", tmp_path / "models"
+    cache.mkdir()
+    model = cache / "smollm2-135m-instruct.gguf"      # stands in for the weights: --prepare only splits it
+    model.write_bytes(b"GGUF" + os.urandom(100_001))
+    done = script("--prepare", env={"FLYLOCAL_DEVICE_DIR": str(dev), "FLYLOCAL_DEVICE_SDIST": str(fake_sdist(tmp_path)),
+                                    "FLYLOCAL_MODELS": str(cache)})
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr and "unbound variable" not in done.stderr
     with tarfile.open(dev / "llama.cpp.tar.xz") as tar:
@@ -51,7 +53,15 @@ def test_prepare_exits_0_and_writes_what_travels(tmp_path):
     assert (dev / "site" / "click").is_dir() and (dev / "site" / "llama_cpp").is_dir()
     whole = (tmp_path / "dev-first" / "smollm2.part0").read_bytes() + (dev / "models" / "smollm2.part1").read_bytes()
     assert hashlib.sha256(whole).hexdigest() == (dev / "models" / "smollm2.sha256").read_text().strip()
-    assert len(whole) == model_path(SMOL).stat().st_size
+    assert whole == model.read_bytes()
+
+
+def test_prepare_without_the_model_says_setup_comes_first(tmp_path):
+    done = script("--prepare", env={"FLYLOCAL_DEVICE_DIR": str(tmp_path / "dev"),
+                                    "FLYLOCAL_DEVICE_SDIST": str(fake_sdist(tmp_path)),
+                                    "FLYLOCAL_MODELS": str(tmp_path / "empty")})
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1 and "scripts/setup.sh first" in last and "missing" in last, done.stderr
 
 
 def test_steps_out_of_order_say_prepare_comes_first(tmp_path):
