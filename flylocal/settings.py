@@ -74,14 +74,15 @@ class Settings:
 
     @property
     def window(self) -> int:
-        """The FLy window that drafts must fit, or 0 when no verifier needs one."""
+        """The FLy window that drafts must fit (within rounds), or 0 when no verifier needs one."""
         fly = self.verifiers.fly
-        return fly.window if self.verifier == "fly" and fly.use_window else 0
+        return fly.window if self.verifier == "fly" and fly.use_window and not fly.across else 0
 
     @property
     def draft_length(self) -> int:
-        """--k, or the default: 8, or with FLy's window at least W+4, so that a mismatch in the
-        first four draft positions can still be accepted loosely (it needs j + W < k)."""
+        """--k, or the default: 8, or with FLy's window within rounds at least W+4, so that a
+        mismatch in the first four draft positions can still be accepted loosely (it needs
+        j + W < k)."""
         if self.k is not None:
             return self.k
         return max(DEFAULT_K, self.window + 4) if self.window else DEFAULT_K
@@ -272,8 +273,8 @@ OPTIONS = {o.name: o for o in [
            "decoding, by design. strict is lossless: the target's own greedy output (bit for bit with --exact; "
            "up to numerical near-ties with the default fast kernels).", type=click.Choice(VERIFIERS)),
     Option("k", ("--k",),
-           f"Draft length per round. Default: {DEFAULT_K}, or W+4 with FLy's window so that a mismatch in the "
-           "first 4 positions can be accepted loosely; prompt lookup and draft models shorten it each round "
+           f"Draft length per round. Default: {DEFAULT_K}, or W+4 with --fly-within-round so that a mismatch in "
+           "the first 4 positions can be accepted loosely; prompt lookup and draft models shorten it each round "
            "from measured cost and acceptance. Given explicitly, it is used as is.",
            type=click.IntRange(min=0)),
     Option("draft_p_min", ("--draft-p-min",),
@@ -321,6 +322,14 @@ OPTIONS = {o.name: o for o in [
     Option("fly_no_window", ("--fly-no-window",),
            "FLy ablation: accept a gated-open mismatch at once, without the window.", is_flag=True, to="fly",
            field="use_window", invert=True),
+    Option("fly_any_token", ("--fly-any-token",),
+           "FLy: let the gate open for any draft token where the target is unsure, as in the reference "
+           "implementation. Default: only for one of the target's own top m (--fly-topk) tokens.",
+           is_flag=True, to="fly", field="candidates", invert=True),
+    Option("fly_within_round", ("--fly-within-round",),
+           "FLy: the window must close in the round that drafted the mismatch (j + W < k), as in the reference "
+           "implementation. Default: a window may close in later rounds, the output held back until it does.",
+           is_flag=True, to="fly", field="across", invert=True),
     Option("asd_gate", ("--asd-gate",),
            "ASD: g, the most regret (target logit of its own token minus that of the draft token) per remaining "
            "draft position for an exception.", type=Number(min=0.0, allow_inf=True), to="asd", field="gate"),
@@ -359,7 +368,8 @@ MODEL = ("target", "draft", "draft_vocab", "target_rpc", "draft_rpc", "tensor_sp
 METHOD = ("drafter", "verifier")
 DRAFTING = ("k", "draft_p_min", "lookup_corpus", "pld_ngram", "pld_tokens", "max_tokens")
 LLAMA = ("ctx", "batch_size", "gpu_layers", "flash_attn", "threads", "exact", "recalibrate")
-VERIFIER_PARAMS = ("fly_window", "fly_entropy", "fly_topk", "fly_no_window", "asd_gate", "asd_cap", "asd_budget")
+VERIFIER_PARAMS = ("fly_window", "fly_entropy", "fly_topk", "fly_no_window", "fly_within_round", "fly_any_token", "asd_gate", "asd_cap",
+                   "asd_budget")
 SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty",
             "seed")
 GENERATION = MODEL + METHOD + DRAFTING + LLAMA + VERIFIER_PARAMS + SAMPLING    # generate, chat, serve

@@ -102,6 +102,9 @@ def test_every_method_gets_a_row_and_strict_methods_agree(prompts_jsonl, tmp_pat
         assert r["failures"] == [] and r["completed"] == 2, r
         assert r["tokens_per_s"] > 0 and r["target_nll"] > 0
     assert rows["autoregressive"]["accuracy"] == 1.0          # "Paris" is in the answer
+    answers = {(r["prompt"], r["method"]): r["answer"] for r in results["prompts"]}
+    assert len(answers) == 2 * len(METHODS)                   # every answer, to read side by side
+    assert all("Paris" in a for (p, m), a in answers.items() if p == "1" and m in STRICT), answers
     # One emitted token per round is what a drafter that proposes nothing, or a verifier that
     # accepts nothing, gives. A Q4_0 copy of the target as draft is accepted most of the time
     # (3.6 tokens per round measured), and prompt lookup finds the words to repeat (2.0).

@@ -89,7 +89,7 @@ def random_case(seed: int, verifier: str = "any", lms=None, room=(1, 40), max_to
     n_prompt = int(rng.integers(1, 25))
     if verifier == "any":
         verifier = str(rng.choice(["strict", "fly", "asd"]))
-    return Case(
+    case = Case(
         seed=seed, lm=lm, prompt=random_prompt(rng, LMS[lm].n_vocab, n_prompt),
         n_ctx=n_prompt + int(rng.integers(room[0], room[1] + 1)),
         k=int(rng.integers(0, 10)),
@@ -106,6 +106,8 @@ def random_case(seed: int, verifier: str = "any", lms=None, room=(1, 40), max_to
         ngram=int(rng.integers(1, 5)),
         row_cost=float(rng.choice([0.02, 0.1, 0.4])),
     )
+    # drawn last, so the cases drawn before these options existed stay as they were
+    return replace(case, fly=replace(case.fly, across=bool(rng.random() < 0.6), candidates=bool(rng.random() < 0.5)))
 
 
 def make_target(case: Case, cls=FakeTarget) -> FakeTarget:
@@ -139,60 +141,127 @@ class Run:
     context: list[int]                 # prompt + everything committed
     target: FakeTarget | None = None
     closed: bool = False               # closed by the consumer while it was running
+    follow: Follow | None = None       # the design's account of it
     problem: str | None = None         # the first broken rule, if any
     decodes: int = 0                   # the target's decodes before the run
 
 
-def check_round(case: Case, event, context: list[int], h: int, n_out: int, target) -> tuple[str | None, list[int]]:
-    """Check one RoundEvent against the design; (problem or None, the ids it committed).
-    `context` and `h` (its prefix hash) are as before the round, n_out the output so far."""
-    lm, tr = LMS[case.lm], event.trace
-    n = len(context)
-    draft, a, L = tr["draft"], tr["target_argmax"], tr["accepted"]
-    if tr["n_past"] != n - 1:
-        return (f"the round started at n_past {tr['n_past']}, expected {n - 1}: the context before it "
-                f"is {n} tokens and all but the last must be cached"), []
-    if len(a) != len(draft) + 1 or len(tr["regret"]) != len(draft) or not 0 <= L <= len(draft) or len(draft) > case.k:
-        return f"draft {draft}, target_argmax {a}, accepted {L} (k {case.k}) do not fit", []
-    if n - 1 + len(draft) + 1 > case.n_ctx:
-        return f"a batch of {len(draft) + 1} rows at n_past {n - 1} passes n_ctx {case.n_ctx}", []
-    if len(draft) > case.max_tokens - n_out - 1 and len(draft):
-        return f"a draft of {len(draft)} with {case.max_tokens - n_out} output tokens left", []
-    hj = h                                    # the target's greedy choice after context + draft[:j]
-    for j in range(len(draft) + 1):
-        if a[j] != lm.next_token(hj):
-            return (f"target_argmax[{j}] = {a[j]}, but greedy after the context {context} + draft "
-                    f"{draft[:j]} is {lm.next_token(hj)}: the target scored a different prefix"), []
-        if j < len(draft):
-            z = lm.logits(hj)
-            regret = 0.0 if draft[j] == a[j] else float(z.max()) - float(z[draft[j]])
-            if not math.isclose(tr["regret"][j], regret, rel_tol=1e-6, abs_tol=1e-6):
-                return f"regret[{j}] = {tr['regret'][j]}, but the target's logits give {regret}", []
-            hj = mix(hj, draft[j])
-    if tr["emitted"] != draft[:L] + [a[L]]:
-        return f"emitted {tr['emitted']} != draft[:{L}] + [a[{L}]] = {draft[:L] + [a[L]]}", []
-    emitted = tr["emitted"]
-    eog = next((i for i, t in enumerate(emitted) if lm.is_eog(t)), None)
-    m = min(len(emitted) if eog is None else eog + 1, case.max_tokens - n_out, case.n_ctx - n)
-    committed = emitted[:m]
-    ended = eog is not None and eog < m
-    shown = tuple(committed[: m - ended])
-    if event.tokens != shown:
-        return f"event tokens {event.tokens}, expected {shown} (emitted {emitted}, m {m}, ended {ended})", []
-    if any(lm.is_eog(t) for t in event.tokens):
-        return f"an EOG id in the output {event.tokens}", []
-    loose = set(tr["loose"])
-    if loose != {j for j in range(L) if draft[j] != a[j]}:
-        return f"loose {sorted(loose)} are not the accepted mismatches of draft {draft}, a {a}, L {L}", []
-    kinds = tuple(LOOSE if j in loose else ACCEPTED if j < L else TARGET for j in range(len(shown)))
-    if event.kinds != kinds:
-        return f"kinds {event.kinds}, expected {kinds}", []
-    after = context + committed
-    cache = target.tokens.tolist()
-    if cache != after[:-1]:
-        return (f"after the round the cache holds {cache} (n_past {target.n_past}), but it must hold "
-                f"the context minus its last token {after[:-1]}"), committed
-    return None, committed
+class Follow:
+    """The design's account of a generation, kept beside the engine's: the committed context,
+    the output, and a window across rounds (FLy) with the output it holds back."""
+
+    def __init__(self, case: Case):
+        self.case, self.lm = case, LMS[case.lm]
+        self.context = list(case.prompt)          # prompt + everything committed (held back or not)
+        self.out: list[int] = []                  # the output the events gave
+        self.window: int | None = None            # P: the provisional token's index in `context`
+        self.held: list[tuple[int, str]] = []     # (token, kind) committed from P on, not yet output
+
+    def greedy_at(self, n: int) -> int:
+        return self.lm.next_token(prefix_hash(self.context[:n]))
+
+    def retract(self, tr: dict) -> str | None:
+        """Take back from P on, as the trace says the engine did; the problem, if any."""
+        P = self.window
+        if tr.get("retracted") != len(self.context) - P:
+            return f"retracted {tr.get('retracted')}, but {len(self.context) - P} tokens follow the provisional one"
+        if tr["replacement"] != self.greedy_at(P):
+            return f"replacement {tr['replacement']}, but the target's token at {P} is {self.greedy_at(P)}"
+        del self.context[P:]
+        self.context.append(tr["replacement"])
+        self.window, self.held = None, []
+        return None
+
+    def round(self, event, target) -> tuple[str | None, list[int]]:
+        """Check one RoundEvent against the design; (problem or None, the ids the round
+        committed before any retraction)."""
+        case, lm, tr, context = self.case, self.lm, event.trace, self.context
+        n, n_out = len(context), len(context) - len(case.prompt)
+        h = prefix_hash(context)
+        draft, a, L = tr["draft"], tr["target_argmax"], tr["accepted"]
+        if tr["n_past"] != n - 1:
+            return (f"the round started at n_past {tr['n_past']}, expected {n - 1}: the context before it "
+                    f"is {n} tokens and all but the last must be cached"), []
+        if len(a) != len(draft) + 1 or len(tr["regret"]) != len(draft) or not 0 <= L <= len(draft) or len(draft) > case.k:
+            return f"draft {draft}, target_argmax {a}, accepted {L} (k {case.k}) do not fit", []
+        if n - 1 + len(draft) + 1 > case.n_ctx:
+            return f"a batch of {len(draft) + 1} rows at n_past {n - 1} passes n_ctx {case.n_ctx}", []
+        if len(draft) > case.max_tokens - n_out - 1 and len(draft):
+            return f"a draft of {len(draft)} with {case.max_tokens - n_out} output tokens left", []
+        hj = h                                    # the target's greedy choice after context + draft[:j]
+        for j in range(len(draft) + 1):
+            if a[j] != lm.next_token(hj):
+                return (f"target_argmax[{j}] = {a[j]}, but greedy after the context {context} + draft "
+                        f"{draft[:j]} is {lm.next_token(hj)}: the target scored a different prefix"), []
+            if j < len(draft):
+                z = lm.logits(hj)
+                regret = 0.0 if draft[j] == a[j] else float(z.max()) - float(z[draft[j]])
+                if not math.isclose(tr["regret"][j], regret, rel_tol=1e-6, abs_tol=1e-6):
+                    return f"regret[{j}] = {tr['regret'][j]}, but the target's logits give {regret}", []
+                hj = mix(hj, draft[j])
+        settled = tr.get("settled")
+        shown: list[tuple[int, str]] = []
+        if settled == "retracted":                # a mismatch inside the open window, or no evidence
+            if self.window is None or tr["emitted"]:
+                return f"a retraction with no window open ({self.window}) or output {tr['emitted']}", []
+            if draft[:L] != a[:L] or (L == len(draft) and draft) or (L < len(draft) and draft[L] == a[L]):
+                return f"retracted at {L} without a mismatch there: draft {draft}, a {a}", []
+            committed = []
+        else:
+            if tr["emitted"] != draft[:L] + [a[L]]:
+                return f"emitted {tr['emitted']} != draft[:{L}] + [a[{L}]] = {draft[:L] + [a[L]]}", []
+            emitted = tr["emitted"]
+            eog = next((i for i, t in enumerate(emitted) if lm.is_eog(t)), None)
+            m = min(len(emitted) if eog is None else eog + 1, case.max_tokens - n_out, case.n_ctx - n)
+            committed = emitted[:m]
+            ended = eog is not None and eog < m
+            p = tr.get("provisional")
+            p = p if p is not None and p < min(L, m) else None
+            loose = set(tr["loose"]) | ({tr["provisional"]} if "provisional" in tr else set())
+            if loose != {j for j in range(L) if draft[j] != a[j]}:
+                return (f"loose {sorted(tr['loose'])} and provisional {tr.get('provisional')} are not the accepted "
+                        f"mismatches of draft {draft}, a {a}, L {L}"), []
+            if settled == "kept" and self.window is None:
+                return "a window kept, but none was open", []
+            new = [(t, LOOSE if j in loose else ACCEPTED if j < L else TARGET)
+                   for j, t in enumerate(committed[: m - ended])]
+            context.extend(committed)
+            if settled == "kept":
+                shown, self.held, self.window = self.held, [], None
+            if p is not None:
+                self.window = n + p
+                shown += new[:p]
+                self.held = new[p:]
+            elif self.window is not None:
+                self.held += new
+            else:
+                shown += new
+            end = ended or len(context) - len(case.prompt) >= case.max_tokens or len(context) >= case.n_ctx
+            if bool(tr.get("retracted")) != (self.window is not None and end):
+                return (f"retracted {tr.get('retracted')} at the end {end} with the window at {self.window}: "
+                        f"a window still open at the end, and only then, is retracted"), committed
+        if settled == "retracted" or tr.get("retracted"):
+            problem = self.retract(tr)
+            if problem:
+                return problem, committed
+            shown += [] if lm.is_eog(context[-1]) else [(context[-1], TARGET)]
+        if (self.window is not None) != ("window" in tr):
+            return f"the window is at {self.window}, but the trace's is {tr.get('window')}", committed
+        expected = tuple(t for t, _ in shown)
+        if event.tokens != expected:
+            return f"event tokens {event.tokens}, expected {expected} (trace {tr})", committed
+        if any(lm.is_eog(t) for t in event.tokens):
+            return f"an EOG id in the output {event.tokens}", committed
+        if event.kinds != tuple(kind for _, kind in shown):
+            return f"kinds {event.kinds}, expected {tuple(kind for _, kind in shown)}", committed
+        if tr.get("held", 0) != len(self.held):
+            return f"held {tr.get('held', 0)}, expected {len(self.held)}", committed
+        self.out += expected
+        cache = target.tokens.tolist()
+        if cache != context[:-1]:
+            return (f"after the round the cache holds {cache} (n_past {target.n_past}), but it must hold "
+                    f"the context minus its last token {context[:-1]}"), committed
+        return None, committed
 
 
 def run_engine(case: Case, target=None, drafter=None, verifier=None, stop_after: int | None = None) -> Run:
@@ -203,12 +272,11 @@ def run_engine(case: Case, target=None, drafter=None, verifier=None, stop_after:
     drafter = drafter if drafter is not None else make_drafter(case, target)
     verifier = verifier if verifier is not None else make_verifier(case)
     config = EngineConfig(k=case.k, max_tokens=case.max_tokens, trace=True)
-    context = list(case.prompt)
-    run = Run([], Stats(), [], [], context, target, decodes=getattr(target, "decodes", 0))
+    follow = Follow(case)
+    run = Run([], Stats(), [], [], follow.context, target, decodes=getattr(target, "decodes", 0), follow=follow)
     ends = []
     try:
         gen = Engine(target, drafter, verifier, config).generate(np.array(case.prompt, dtype=np.int32), ends.append)
-        h, n_out = prefix_hash(context), 0
         rounds = iter(gen)
         while True:
             if stop_after is not None and len(run.traces) == stop_after:
@@ -218,16 +286,13 @@ def run_engine(case: Case, target=None, drafter=None, verifier=None, stop_after:
             event = next(rounds, None)
             if event is None:
                 break
-            problem, committed = check_round(case, event, context, h, n_out, target)
+            problem, committed = follow.round(event, target)
             if problem is not None:
                 gen.close()
                 run.problem = f"round {event.index}: {problem}"
                 return run
             run.traces.append(event.trace)
             run.committed.append(committed)
-            context.extend(committed)
-            h = prefix_hash(committed, h)
-            n_out += len(event.tokens)
         run.tokens, run.stats = list(gen.tokens), gen.stats
         gen.close()                        # after the end: changes nothing
         if len(ends) != 1 or ends[0] is not gen:
@@ -242,31 +307,40 @@ def run_engine(case: Case, target=None, drafter=None, verifier=None, stop_after:
 
 def check_final(case: Case, run: Run, target) -> str | None:
     s, out, lm = run.stats, run.tokens, LMS[case.lm]
-    ended = bool(run.committed and run.committed[-1]) and lm.is_eog(run.committed[-1][-1])   # an EOG committed last
-    shown = [t for c in run.committed for t in c[: len(c) - (c is run.committed[-1] and ended)]]
+    made = run.context[len(case.prompt):]
+    ended = bool(made) and lm.is_eog(made[-1])                # an EOG committed last
+    shown = run.follow.out
     natural = ("eog" if ended else "max_tokens" if len(out) >= case.max_tokens
                else "context" if len(run.context) >= case.n_ctx else None)
     # closed after its last event, a generation keeps the reason it ended for
     expected_stop = ("interrupted" if run.closed and not run.traces     # closed before its first round
                      else natural or ("interrupted" if run.closed else "?"))
+    pairs = list(zip(run.traces, run.committed))
+    retracted = [t.get("retracted", 0) for t in run.traces]
+    seen = [min(t["accepted"] + 1, len(t["draft"])) for t in run.traces]
     checks = [
         (out == shown, f"Generation.tokens {out} != the events' tokens {shown}"),
+        (run.follow.window is None or run.closed, f"a window still open at {run.follow.window} at the end"),
         (s.stop == expected_stop, f"stop {s.stop!r}, expected {expected_stop!r}"),
         (target.high_water <= case.n_ctx, f"the cache held {target.high_water} > n_ctx {case.n_ctx} cells"),
         (s.rounds == len(run.traces), f"stats.rounds {s.rounds} != {len(run.traces)} events"),
-        (s.emitted == sum(map(len, run.committed)) == len(out) + ended,
-         f"stats.emitted {s.emitted}, committed {sum(map(len, run.committed))}, output {len(out)} + eog {ended}"),
+        (s.emitted == sum(map(len, run.committed)) - sum(retracted) + sum(map(bool, retracted)) == len(made),
+         f"stats.emitted {s.emitted}, committed {sum(map(len, run.committed))}, retracted {sum(retracted)}, "
+         f"the context grew by {len(made)}"),
+        (run.closed or len(made) == len(out) + ended, f"{len(made)} tokens made, output {len(out)} + eog {ended}"),
+        (s.retracted == sum(retracted) and s.retractions == sum(map(bool, retracted)),
+         f"stats.retracted {s.retracted} in {s.retractions}, the trace's {retracted}"),
         (s.drafted == sum(len(t["draft"]) for t in run.traces), f"stats.drafted {s.drafted}"),
-        (s.accepted == sum(min(t["accepted"], len(c)) for t, c in zip(run.traces, run.committed)),
-         f"stats.accepted {s.accepted}"),
-        (s.loose == sum(sum(j < len(c) for j in t["loose"]) for t, c in zip(run.traces, run.committed)),
+        (s.accepted == sum(min(t["accepted"], len(c)) for t, c in pairs), f"stats.accepted {s.accepted}"),
+        (s.loose == sum(sum(j < len(c) for j in t["loose"]) + (t.get("settled") == "kept") for t, c in pairs),
          f"stats.loose {s.loose}"),
-        (s.mismatches == s.loose + sum(t["accepted"] < len(t["draft"]) for t in run.traces),
-         f"stats.mismatches {s.mismatches}: not the committed loose ones plus each round's rejected one"),
+        (s.mismatches == sum(sum(d != a for d, a in zip(t["draft"][:n], t["target_argmax"]))
+                             for t, n in zip(run.traces, seen)),
+         f"stats.mismatches {s.mismatches}: not the native mismatches of the positions decided"),
         # The prompt rides in the first round's decode: a decode a round, none of its own.
         (not hasattr(target, "decodes") or target.decodes - run.decodes == s.rounds,
          f"{target.decodes - run.decodes} target decodes for {s.rounds} rounds"),
-        (s.first_tokens == (len(run.committed[0]) if run.committed else 0),
+        (s.first_tokens == (len(run.committed[0]) - retracted[0] + bool(retracted[0]) if run.committed else 0),
          f"stats.first_tokens {s.first_tokens}, the first round committed {run.committed[:1]}"),
         (s.prompt_reused + s.prompt_evaluated == len(case.prompt) or (run.closed and not run.traces),
          f"prompt reused {s.prompt_reused} + "
@@ -408,7 +482,7 @@ def test_eog_inside_a_draft():
                                      drafters=("oracle", "oracle", "oracle", "pld")):
         lm = LMS[case.lm]
         eog_inside += any(lm.is_eog(t) for tr in run.traces for t in tr["draft"][:-1])
-        committed = [t for c in run.committed for t in c]
+        committed = run.context[len(case.prompt):]
         eogs = [i for i, t in enumerate(committed) if lm.is_eog(t)]
         if any(lm.is_eog(t) for t in run.tokens):
             failures.append(f"{where}: an EOG id in the output {run.tokens}")

@@ -1,6 +1,7 @@
 """FLy's rules, each on a hand-made case that fails if the rule is broken (docs/design.md, "FLy")."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -121,3 +122,116 @@ def test_all_native_and_empty_drafts():
     assert fly(d, a, z, P).accepted == 3
     d, a, z = case([1], [])
     assert fly(d, a, z, P).accepted == 0
+
+
+def test_the_gate_opens_only_for_one_of_the_targets_own_top_m_tokens():
+    # The target is unsure at 1 (entropy over 0.3) and the window after it is full, but the
+    # draft's 9 is its 4th choice: not one of the m = 3 it hesitates between.
+    d, a, z = case([1, 2, 3, 4, 5, 6, 7], [1, 9, 3, 4, 5, 6], unsure={1})
+    z[1, [4, 5, 9]] = [1.15, 1.12, 1.1]
+    assert fly(d, a, z, P).loose == () and fly(d, a, z, P).accepted == 1
+    assert fly(d, a, z, P).entropy[1] > 0.3                          # closed by the rank, not the entropy
+    assert fly(d, a, z, replace(P, topk=4)).loose == (1,)            # its 4th of 4
+    assert fly(d, a, z, replace(P, candidates=False)).loose == (1,)  # any token: the reference's gate
+    assert fly_across(d, a, z, A).accepted == 1
+    z[1, 9] = 1.12                                                   # tied with the 3rd: one of them
+    assert fly(d, a, z, P).loose == (1,)
+
+
+def test_the_gate_never_opens_over_the_targets_end_of_generation():
+    # The target is unsure at 1 between ending (its 15) and going on, and the draft goes on,
+    # with a full window after it: the target's choice to end stands.
+    d, a, z = case([1, 15, 3, 4, 5, 6, 7], [1, 9, 3, 4, 5, 6], unsure={1})
+    ends = np.zeros(V, dtype=bool)
+    ends[15] = True
+    assert fly(d, a, z, P).loose == (1,)                                   # nothing ends here
+    dec = fly(d, a, z, P, ends)
+    assert (dec.accepted, dec.loose) == (1, ()) and np.isnan(dec.entropy[1])
+    assert fly(d, a, z, replace(P, candidates=False), ends).loose == (1,)  # the reference's gate
+    assert fly_across(d, a, z, A, ends=ends).accepted == 1
+    assert fly_across(d, a, z, A, open_window=(0, 0), ends=ends).settled == RETRACTED   # inside a window: as any mismatch
+
+
+# ---------------------------------------------------------------- the window across rounds
+
+A = FlyParams(window=3, entropy=0.3, topk=3)          # across rounds: the default
+from flylocal.decoding.contracts import KEPT, RETRACTED   # noqa: E402
+from flylocal.decoding.verifiers.fly import Fly, fly_across   # noqa: E402
+
+
+def test_a_window_that_does_not_fit_the_round_stays_open():
+    # The mismatch at 2 of a 3-token draft: within rounds it is rejected (2 + 3 >= 3); across
+    # rounds it is accepted provisionally, with the bonus token after it, and its window open.
+    d, a, z = case([1, 2, 3, 4], [1, 2, 9], unsure={2})
+    assert fly(d, a, z, A).accepted == 2
+    dec = fly_across(d, a, z, A)
+    assert (dec.accepted, dec.provisional, dec.window, dec.loose, dec.settled) == (3, 2, (0, 0), (), "")
+
+
+def test_the_window_is_kept_after_w_minus_1_native_matches_in_later_rounds():
+    d, a, z = case([5, 6], [5])                       # one native match: not yet enough
+    dec = fly_across(d, a, z, A, open_window=(0, 0))
+    assert (dec.settled, dec.window, dec.accepted) == ("", (1, 0), 1)
+    d, a, z = case([7, 8, 9, 4], [7, 9, 9], unsure={1})   # the second match closes it; 9 opens another
+    dec = fly_across(d, a, z, A, open_window=(1, 0))
+    assert (dec.settled, dec.provisional, dec.window, dec.accepted) == (KEPT, 1, (1, 0), 3)
+
+
+def test_a_mismatch_inside_the_window_retracts_it_even_where_the_target_is_unsure():
+    d, a, z = case([5, 6, 7], [5, 9], unsure={1})
+    dec = fly_across(d, a, z, A, open_window=(0, 0))
+    assert (dec.settled, dec.accepted, dec.window) == (RETRACTED, 1, None)
+    # within one round: a rejection at the provisional position, the target's token there
+    d, a, z = case([1, 2, 3, 4, 5], [1, 9, 9, 4], unsure={1, 2})
+    dec = fly_across(d, a, z, A)
+    assert (dec.accepted, dec.provisional, dec.settled) == (1, None, "")
+
+
+def test_rounds_that_draft_nothing_give_no_evidence_and_retract_after_w_minus_1():
+    d, a, z = case([5], [])
+    dec = fly_across(d, a, z, A, open_window=(1, 0))
+    assert (dec.settled, dec.window) == ("", (1, 1))
+    dec = fly_across(d, a, z, A, open_window=(1, 1))
+    assert dec.settled == RETRACTED
+    # a bonus token after a non-empty draft is no evidence either way: the count stays
+    d, a, z = case([5, 6], [5])
+    assert fly_across(d, a, z, FlyParams(window=4), open_window=(0, 1)).window == (1, 1)
+
+
+def test_a_window_closing_in_its_own_round_is_an_ordinary_loose_token():
+    d, a, z = case([1, 2, 3, 4, 5, 6, 7], [1, 9, 3, 4, 5, 6], unsure={1})
+    assert fly_across(d, a, z, A).loose == fly(d, a, z, A).loose == (1,)
+    assert fly_across(d, a, z, A).accepted == 6 and fly_across(d, a, z, A).provisional is None
+
+
+def test_a_window_longer_than_any_draft_still_closes():
+    W = FlyParams(window=10, entropy=0.3, topk=3)
+    d, a, z = case([1, 2, 3], [1, 9], unsure={1})
+    assert fly(d, a, z, W).accepted == 1                          # within rounds: never
+    state = fly_across(d, a, z, W).window
+    for _ in range(4):                                             # 4 rounds of 2 native matches
+        d, a, z = case([1, 2, 3], [1, 2])
+        dec = fly_across(d, a, z, W, open_window=state)
+        state = dec.window
+    d, a, z = case([1, 2, 3], [1, 2])
+    assert fly_across(d, a, z, W, open_window=state).settled == KEPT
+
+
+def test_the_gate_and_theta_infinity_hold_across_rounds():
+    d, a, z = case([1, 2, 3, 4], [1, 2, 9])                       # the target is sure at 2
+    assert fly_across(d, a, z, A).accepted == 2
+    d, a, z = case([1, 2, 3, 4], [1, 2, 9], unsure={2})
+    assert fly_across(d, a, z, FlyParams(window=3, entropy=math.inf)).accepted == strict(d, a, z).accepted
+
+
+def test_the_verifier_carries_its_window_and_begin_forgets_it():
+    v = Fly(A)
+    d, a, z = case([1, 2, 3, 4], [1, 2, 9], unsure={2})
+    v.commit(v.decide(d, a, z), 3)
+    assert v.open == (0, 0)
+    d, a, z = case([5, 6, 7], [5, 6])
+    assert v.decide(d, a, z).settled == KEPT
+    v.begin()
+    assert v.decide(d, a, z).settled == ""
+    v.commit(fly_across(*case([1, 2, 3, 4], [1, 2, 9], unsure={2}), A), 2)   # the end cut the provisional token
+    assert v.open is None

@@ -66,16 +66,123 @@ def check_round(row: dict, p: FlyParams) -> None:
         assert (row["regret"][j] == 0) if native[j] else (row["regret"][j] >= 0)
 
 
+def replay_across(rows: list[dict], p: FlyParams) -> None:
+    """Re-decide each traced round by the rule across rounds (docs/design.md, "FLy"), from its
+    draft, the target's tokens and the entropy the trace records, carrying the open window from
+    row to row; independently of the verifier."""
+    window = None                                       # [native matches, rounds that drafted nothing]
+    need = p.window - 1
+    for row in rows:
+        d, a = row["draft"], row["target_argmax"]
+        at, settled, loose, accepted, provisional = (-1 if window else None), "", [], len(d), None
+        for j in range(len(d)):
+            if d[j] == a[j]:
+                if at is not None:
+                    window[0] += 1
+                    if window[0] >= need:
+                        settled, loose = (("kept", loose) if at < 0 else (settled, loose + [at]))
+                        at, window = None, None
+                continue
+            if at is not None:                          # a mismatch inside the window
+                settled, accepted = ("retracted", j) if at < 0 else (settled, at)
+                at, window = None, None
+                break
+            h = row["entropy"][j]
+            assert h is not None, f"no entropy at the mismatch {j}: {row}"
+            if h < p.entropy:
+                accepted = j
+                break
+            at, window = j, [0, 0]
+        if at is not None and not d:
+            window[1] += 1
+            if window[1] >= need:
+                settled, at, window = "retracted", None, None
+        if at is not None and at >= 0:
+            provisional = at
+        assert (row["accepted"], row["loose"], row.get("settled", ""), row.get("provisional")) == \
+            (accepted, loose, settled, provisional), f"replayed {accepted, loose, settled, provisional}: {row}"
+        if row.get("retracted") or "window" not in row:
+            window = None                               # taken back at the end, or closed
+        else:
+            assert row["window"] == window, f"window {row['window']}, replayed {window}: {row}"
+
+
 @pytest.mark.parametrize("drafter", ["model", "mla"])
 def test_every_traced_round_follows_the_rule(smol, smol_draft, drafter):
     ids, _ = encode_prompt(smol, PROMPTS["summarise"], raw=False)
-    p = FlyParams()
+    p = FlyParams(across=False, candidates=False)    # the reference's rule, which the trace's entropy decides
     _, stats, trace = generate(smol, smol_draft, Fly(p), ids, drafter=drafter)
     assert stats.loose > 0 and len(trace) == stats.rounds
     for row in trace:
         check_round(row, p)
 
 
+@pytest.mark.parametrize("drafter", ["pld", "model"])
+def test_every_traced_round_follows_the_rule_across_rounds(smol, smol_draft, drafter):
+    ids, _ = encode_prompt(smol, PROMPTS["summarise"], raw=False)
+    p = FlyParams(candidates=False)                 # the rank rule has its own test below
+    _, stats, trace = generate(smol, smol_draft, Fly(p), ids, drafter=drafter, k=4, max_tokens=96)
+    assert len(trace) == stats.rounds and any("provisional" in row for row in trace)
+    replay_across(trace, p)
+
+
+def kept_loose_positions(rows: list[dict]) -> list[int]:
+    """Where the trace's kept loose tokens stand in the context: loose positions of a round, and
+    provisional ones whose window a later round kept."""
+    kept, pending = [], None
+    for row in rows:
+        at = row["n_past"] + 1                          # the context position of draft token 0
+        if row.get("settled") == "kept":
+            kept.append(pending)
+        if row.get("settled") or row.get("retracted"):
+            pending = None
+        kept += [at + j for j in row["loose"]]
+        if "provisional" in row:
+            pending = at + row["provisional"]
+    return kept
+
+
+def test_a_kept_loose_token_is_one_of_the_targets_top_m(smol, smol_draft):
+    """With the gate's entropy always open (θ = 0), only the rank rule refuses: every token kept
+    loose is one of the target's 3 most likely there, by a fresh scoring of the whole answer
+    (the exact build scores it as the rounds did). Without the rule, the same run keeps some
+    that are not, so the check has something to catch."""
+    import numpy as np
+
+    ids, _ = encode_prompt(smol, PROMPTS["reply"], raw=False)
+
+    def ranks(params):
+        tokens, stats, trace = generate(smol, smol_draft, Fly(params), ids, drafter="pld", k=4, max_tokens=96)
+        seq = np.concatenate([ids, np.asarray(tokens, dtype=np.int32)])
+        smol.reset()
+        z = smol.decode(seq, logits_from=0)           # row i scores position i + 1
+        kept = [P for P in kept_loose_positions(trace) if P < len(seq)]
+        assert kept and all(seq[P] != z[P - 1].argmax() for P in kept)
+        return [int((z[P - 1] > z[P - 1][seq[P]]).sum()) for P in kept]
+
+    assert max(ranks(FlyParams(entropy=0.0))) < 3
+    assert max(ranks(FlyParams(entropy=0.0, candidates=False))) >= 3
+
+
 # θ = ∞ equals strict on the real models through the command line (test_cli.py,
 # test_infinite_entropy_gate_is_strict), and over thousands of cases on the fast suite
 # (test_engine_properties.py).
+
+
+def test_after_retractions_the_cache_continues_as_a_fresh_one(smol, smol_draft):
+    """FLy across rounds with the gate always open (many windows, many taken back), then strict
+    on the conversation so far, reusing that cache: bit for bit what plain decoding gives on a
+    cache that never saw a retraction (the exact build)."""
+    import numpy as np
+
+    from flylocal.decoding.drafters import NoDraft
+
+    ids, _ = encode_prompt(smol, PROMPTS["reply"], raw=False)
+    tokens, stats, _ = generate(smol, smol_draft, Fly(FlyParams(entropy=0.0)), ids, drafter="pld", k=4, max_tokens=96)
+    assert stats.retractions > 0
+    follow = np.concatenate([ids, np.asarray(tokens, dtype=np.int32)])
+    again, s_again, _ = generate(smol, smol_draft, Strict(), follow, drafter="pld", k=4, max_tokens=32)
+    assert s_again.prompt_reused == len(follow) - 1
+    smol.reset()
+    plain = generate_all(Engine(smol, NoDraft(), Strict(), EngineConfig(max_tokens=32, k=0)), follow)[0]
+    assert again == plain

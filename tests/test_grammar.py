@@ -147,8 +147,8 @@ def random_verifier(rng):
     if kind == 0:
         return Strict()
     if kind == 1:
-        return Fly(FlyParams(window=int(rng.integers(1, 4)), entropy=float(rng.choice([0.0, 0.3, 1.0])),
-                             use_window=bool(rng.integers(2))))
+        return Fly(FlyParams(window=int(rng.integers(1, 5)), entropy=float(rng.choice([0.0, 0.0, 0.3, 1.0])),
+                             use_window=bool(rng.random() < 0.8), across=bool(rng.random() < 0.8)))
     return Asd(AsdParams(gate=float(rng.choice([0.1, 10.0])), cap=int(rng.integers(1, 4)), budget=float(rng.choice([4.0, 100.0]))))
 
 
@@ -163,10 +163,35 @@ def test_the_state_after_each_round_is_a_fresh_matcher_fed_the_committed_tokens(
     target = FakeTarget(LM, n_ctx=128, costs=fixed_costs())
     gen = Engine(target, drafter, random_verifier(rng), config).generate(PROMPT, grammar=grammar)
     for event in gen:
-        assert same_state(gen.constraint.matcher, fresh_state(grammar, gen.tokens)), f"seed {seed} round {event.index}"
+        # Committed: the output and what a window across rounds (FLy) holds back after it; a
+        # retraction rolls the matcher back.
+        committed = gen.constraint.tokens
+        assert committed[: len(gen.tokens)] == gen.tokens
+        assert len(committed) - len(gen.tokens) == event.trace.get("held", 0)
+        assert same_state(gen.constraint.matcher, fresh_state(grammar, committed)), f"seed {seed} round {event.index}"
         assert len(event.trace["draft"]) <= config.k
     if gen.stats.stop == "eog":            # a finished answer is valid under its schema
         jsonschema.validate(json.loads(text(gen.tokens)), SCHEMAS[seed % len(SCHEMAS)])
+
+
+def test_a_retracted_window_rolls_the_grammar_back():
+    """FLy's window across rounds under grammars: every round the matcher is where a fresh one
+    fed the committed tokens is, through provisional tokens taken back."""
+    retractions = 0
+    for seed in range(40):
+        grammar = GRAMMARS[seed % len(GRAMMARS)]
+        verifier = Fly(FlyParams(window=2 + seed % 3, entropy=0.0, candidates=False))   # windows open often
+        config = EngineConfig(k=1 + seed % 8, max_tokens=48, trace=True)
+        gen = Engine(FakeTarget(LM, n_ctx=128, costs=fixed_costs()), GrammarOracle(grammar, seed), verifier,
+                     config).generate(PROMPT, grammar=grammar)
+        for event in gen:
+            committed = gen.constraint.tokens
+            assert committed[: len(gen.tokens)] == gen.tokens
+            assert same_state(gen.constraint.matcher, fresh_state(grammar, committed)), f"seed {seed} round {event.index}"
+        retractions += gen.stats.retractions
+        if gen.stats.stop == "eog":
+            jsonschema.validate(json.loads(text(gen.tokens)), SCHEMAS[seed % len(SCHEMAS)])
+    assert retractions >= 5, retractions
 
 
 @pytest.mark.parametrize("index", range(len(GRAMMARS)))
@@ -200,7 +225,7 @@ OPEN = [18, 7, 19, 6]                                  # '{"' 'a' '":' ' '
 X = 15                                                 # 'x': no integer has it
 
 
-@pytest.mark.parametrize("verifier", [Fly(FlyParams(window=1, entropy=0.0, use_window=False)),
+@pytest.mark.parametrize("verifier", [Fly(FlyParams(window=1, entropy=0.0, use_window=False, candidates=False)),
                                       Asd(AsdParams(gate=1e9, cap=8, budget=1e9))])
 def test_a_forbidden_draft_token_ends_the_draft_and_is_never_accepted(verifier):
     # These verifiers accept any mismatch: without the grammar the forbidden 'x' is committed.

@@ -344,18 +344,32 @@ def test_an_api_key_is_required_where_given():
     ({"drafter": "model"}, "drafter", "drafter model needs a draft model: start the server with --draft"),
     ({"drafter": "mla"}, "drafter", "drafter mla needs a draft model"),
     ({"k": 40}, "k", "k 40 verifies 41 rows per round; the server's --batch-size is 32"),
+    # a server started with --fly-within-round: the window must fit one round's draft
     ({"fly_window": 1000000000}, "fly_window", "fly_window 1000000000 needs drafts of 1000000004 tokens"),
 ])
 def test_settings_no_engine_can_run_name_their_own_field(fields, param, start):
     """A request's settings that cannot run are a 400 naming the field at fault once, in the
     request's terms: not `k` for a window too wide, nor a CLI flag with its dashes stripped."""
+    from flylocal.decoding.verifiers import VerifierConfig
+    from flylocal.decoding.verifiers.fly import FlyParams
     from flylocal.front.serve.app import Server
 
-    settings = request_settings(Settings(batch_size=32), parse(ChatRequest, body(**fields)))
+    within = VerifierConfig(fly=FlyParams(across=False))
+    settings = request_settings(Settings(batch_size=32, verifiers=within), parse(ChatRequest, body(**fields)))
     with pytest.raises(ApiError) as e:
         Server.check_settings(None, settings, None)
     assert e.value.status == 400 and e.value.param == param
     assert e.value.message.startswith(start) and e.value.message.count(param) == 1, e.value.message
+
+
+def test_a_wide_window_across_rounds_needs_no_long_draft():
+    """Across rounds (the default) a window wider than any draft still closes, in later rounds:
+    the request runs, with the usual draft length."""
+    from flylocal.front.serve.app import Server
+
+    settings = request_settings(Settings(batch_size=32), parse(ChatRequest, body(fly_window=1000000000)))
+    Server.check_settings(None, settings, None)
+    assert settings.verifiers.fly.window == 1000000000 and settings.draft_length == 8
 
 
 # ----- the Ollama dialect's fields and options -----

@@ -67,3 +67,16 @@ def test_options_reach_their_fields():
     assert s.k == 5 and s.gpu_layers == -1
     assert s.verifiers == VerifierConfig(fly=FlyParams(window=3, use_window=False), asd=AsdParams(budget=float("inf")))
     assert (s.sampling.temperature, s.sampling.seed, s.sampling.top_k) == (0.7, 9, 40)
+
+
+def test_fly_within_round_and_the_draft_length_it_asks_for():
+    cmd = COMMANDS["generate"]
+    across = settings_from(cmd.make_context("generate", ["hi"]).params)
+    within = settings_from(cmd.make_context("generate", ["hi", "--fly-within-round"]).params)
+    assert across.verifiers.fly.across and not within.verifiers.fly.across
+    assert (across.draft_length, within.draft_length) == (8, 10)     # within rounds: W + 4 fits a window
+    assert settings_from(cmd.make_context("generate", ["hi", "--verifier", "strict", "--fly-within-round"]).params
+                         ).draft_length == 8
+    reference = settings_from(cmd.make_context("generate", ["hi", "--fly-within-round", "--fly-any-token"]).params)
+    assert across.verifiers.fly.candidates and not reference.verifiers.fly.candidates
+    assert not reference.verifiers.fly.across

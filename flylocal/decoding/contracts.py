@@ -9,6 +9,7 @@ A round, in these words:
     target.decode([last, *draft], logits for its k+1 rows)        score
     verifier.decide(draft, target_argmax, logits) -> Decision     decide
     target.truncate(n_past + m); verifier.commit(decision, n)     commit
+    (a RETRACTED decision: target.truncate(P), the target's token at P)
     drafter.observe(draft as verified, accepted)                  account
 
 A hook a part has nothing to say in has a no-op default here: a class that subclasses the
@@ -173,12 +174,23 @@ class Decision:
     entropy: np.ndarray | None = None          # [k] float64, NaN where not computed
     budget_spent: float | None = None          # ASD's ledger s after this round's charge
     budget_left: float | None = None           # B - s
+    # A window across rounds (FLy's; docs/design.md, "FLy"): a token accepted provisionally is
+    # held back from the output until its window closes.
+    provisional: int | None = None             # the draft position of a token this round accepted
+                                               # provisionally, its window still open after the round
+    settled: str = ""                          # the window open before this round: KEPT or RETRACTED in it
+                                               # ("": none was open, or it is still open)
+    window: tuple[int, int] | None = None      # the open window after the round: (native matches, rounds
+                                               # that drafted nothing) since its provisional token
+
+
+KEPT, RETRACTED = "kept", "retracted"
 
 
 class Verifier(Protocol):
-    """How much of a draft to commit (docs/design.md, "Verifiers"). `decide` is a pure function
-    of the round's arrays; `commit` and `reset` are for a verifier with state across rounds (a
-    ledger)."""
+    """How much of a draft to commit (docs/design.md, "Verifiers"). `decide` is a function of the
+    round's arrays and of what the verifier carries across rounds (a ledger, an open window);
+    `commit`, `begin` and `reset` keep that state."""
 
     name: str
 
@@ -192,6 +204,15 @@ class Verifier(Protocol):
         """The first n draft tokens of `decision` were committed (an end-of-generation token or
         the token limit may cut its accepted prefix); the decision as it stands after."""
         return decision
+
+    def bind(self, eog_mask: np.ndarray) -> None:
+        """The target's end-of-generation ids ([n_vocab] bool), given once by the engine before
+        any round: a lossy verifier never overrides the target's choice to end."""
+
+    def begin(self) -> None:
+        """Decoding goes on from committed tokens with nothing provisional among them: a new
+        request, or the engine took back a provisional token whose window the generation's end
+        cut short."""
 
     def reset(self) -> None:
         """A new conversation."""

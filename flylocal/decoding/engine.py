@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 
 from flylocal.decoding.adaptive import timed_decode
-from flylocal.decoding.contracts import EMPTY, NO_DRAFT, Drafter, Target, Verifier
+from flylocal.decoding.contracts import EMPTY, KEPT, NO_DRAFT, RETRACTED, Drafter, Target, Verifier
 from flylocal.decoding.costs import Source
 from flylocal.decoding.round import Round
 from flylocal.decoding.sampling import SamplingParams, position_noise, sample_targets, target_argmax, token_logprobs
@@ -79,6 +79,16 @@ class Request:
         self.seed = seed                        # a position's randomness: (seed, position)
         self.eog_ids = frozenset(np.flatnonzero(target.eog_mask).tolist())
         self.started = 0.0
+        # A token accepted provisionally (FLy's window across rounds) and what follows it are
+        # committed to the caches but held back from the output until the window closes.
+        self.window: tuple | None = None        # (P, the target's token at P, its logprobs entry): the
+                                                # provisional token's position in `context`
+        self.held: list[tuple] = []             # (token, kind, logprobs entry) committed from P on
+
+    @property
+    def produced(self) -> int:
+        """Output tokens committed so far, held back or not (an end-of-generation token included)."""
+        return self.n - len(self.prompt)
 
 
 class Generation:
@@ -131,6 +141,7 @@ class Engine:
         self.target = target
         self.drafter = drafter
         self.verifier = verifier
+        verifier.bind(target.eog_mask)
         self.config = config
         self.clock = clock            # seconds; tests give a simulated machine's
         # Every cost curve a decision here reads: pinned for a run whose output must not depend
@@ -161,6 +172,7 @@ class Engine:
         for curve in self.curves:
             curve.pin(self.config.pin_costs)
         self.drafter.begin()
+        self.verifier.begin()
         source = None                  # where the target's cost curve came from, once it is known
         try:
             source = self._prefill(req)
@@ -216,7 +228,7 @@ class Engine:
         checked here, an end-of-generation token where it is committed."""
         stats = req.stats
         if not stats.stop:
-            if len(req.out) >= self.config.max_tokens:
+            if req.produced >= self.config.max_tokens:
                 stats.stop = "max_tokens"
             elif req.n >= self.target.n_ctx:
                 stats.stop = "context"
@@ -229,7 +241,7 @@ class Engine:
         max_tokens is waste."""
         cfg, clock, n, constraint = self.config, self.clock, req.n, req.constraint
         t0 = clock()
-        k = max(0, min(cfg.k, self.target.n_ctx - n, cfg.max_tokens - len(req.out) - 1))
+        k = max(0, min(cfg.k, self.target.n_ctx - n, cfg.max_tokens - req.produced - 1))
         forced = constraint.forced(k) if constraint is not None and cfg.forced and self.drafter.drafts else EMPTY
         f = len(forced)
         if k > f:
@@ -237,7 +249,7 @@ class Engine:
             proposal = self.drafter.propose(context, k - f)
         else:
             proposal = NO_DRAFT
-        draft = proposal.tokens[: k - f]
+        draft = proposal.tokens[: k - f].copy()     # not a view of the context, which a retraction rewrites
         if constraint is not None:          # a token the grammar forbids ends the draft
             draft = np.concatenate([forced, draft]) if f else draft
             draft = draft[: constraint.allowed(draft)]
@@ -283,45 +295,82 @@ class Engine:
     def _commit(self, req: Request, r: Round) -> None:
         """Cut the emitted tokens at the first end-of-generation token, at max_tokens and at the
         context's end; roll the cache back to keep [last, *committed[:-1]] (committed[-1] is
-        the new last); charge the verifier for what was committed."""
+        the new last); charge the verifier for what was committed. A provisional token is
+        remembered; one the decision retracts, or whose window the generation's end cuts short,
+        is taken back (`_retract`)."""
         t0 = self.clock()
-        eog_ids = req.eog_ids
+        decision = r.decision
+        if decision.settled == RETRACTED:           # nothing of this round stays
+            r.emitted = r.emitted[:0]
+            r.decision = self.verifier.commit(decision, 0)
+            self._retract(req, r)
+            r.commit_s = self.clock() - t0
+            return
+        eog_ids, n0 = req.eog_ids, req.n
         ids = r.emitted.tolist()          # a few ids: Python beats numpy's per-call cost here
         eog = next((j for j, t in enumerate(ids) if t in eog_ids), None)
         m = eog + 1 if eog is not None else len(ids)
-        m = min(m, self.config.max_tokens - len(req.out), self.target.n_ctx - req.n)
+        m = min(m, self.config.max_tokens - req.produced, self.target.n_ctx - req.n)
         self.target.truncate(r.n_past + m)
         ended = eog is not None and eog < m
-        r.committed, r.ended, r.shown, r.accepted = m, ended, m - ended, min(r.decision.accepted, m)
-        r.decision = self.verifier.commit(r.decision, r.accepted)      # a ledger pays for what stays
-        r.commit_s = self.clock() - t0
+        r.committed, r.ended, r.shown, r.accepted = m, ended, m - ended, min(decision.accepted, m)
+        r.decision = self.verifier.commit(decision, r.accepted)      # a ledger pays for what stays
         req.context[req.n : req.n + m] = r.emitted[:m]
         req.n += m
         if req.constraint is not None:    # (the grammar allowed the end; it ends the generation)
             req.constraint.commit(r.emitted[: r.shown])
+        j = decision.provisional
+        if j is not None and j < r.accepted:
+            token = int(r.target[j])
+            logprob = (token_logprobs(r.target[j : j + 1], r.logits[j : j + 1],
+                                      np.concatenate([req.context[:n0], r.draft[:j]]), self.config.sampling,
+                                      self.config.logprobs)[0] if self.config.logprobs is not None else None)
+            req.window = (n0 + j, token, logprob)
+        elif decision.settled == KEPT:
+            req.window = None
+        r.commit_s = self.clock() - t0
+
+    def _retract(self, req: Request, r: Round) -> None:
+        """Take back the provisional token at P and everything after it: the caches roll back
+        to P, and the target's own token goes there (docs/design.md, "FLy")."""
+        P, token, logprob = req.window
+        r.retracted, r.replacement = req.n - P, (token, logprob)
+        self.target.truncate(P)
+        if req.constraint is not None:
+            req.constraint.truncate(P - len(req.prompt))
+        req.context[P] = token
+        req.n = P + 1
+        req.window, req.held = None, []
+        r.ended = token in req.eog_ids
+        if req.constraint is not None and not r.ended:
+            req.constraint.commit([token])
 
     def _account(self, req: Request, r: Round) -> RoundEvent:
         """Stats, the drafter's feedback, the cost curve's timing, trace and logprobs; the
         event that carries the round's output."""
         cfg, stats = self.config, req.stats
+        out = [] if r.retracted else self._output(req, r)
+        if req.window is not None and (r.ended or req.produced >= cfg.max_tokens or req.n >= self.target.n_ctx):
+            self._retract(req, r)         # the end cuts its window short: the provisional token goes
+            self.verifier.begin()
+        if r.retracted:                   # the target's token where the provisional one stood
+            token, logprob = r.replacement
+            out += [] if r.ended else [(token, TARGET, logprob)]
         stats.add(r)
         # The drafter's share of the round: its tokens after the forced ones, judged where the
-        # target reached them.
-        accepted, f, proposal = r.accepted, r.forced, r.proposal
+        # target reached them (a round that retracted a window: as far as they matched).
+        f, proposal = r.forced, r.proposal
+        accepted = r.accepted if r.decision.settled != RETRACTED else min(r.decision.accepted, len(r.draft))
         if accepted >= f:
             own = len(r.draft) - f
             verified = proposal if own == len(proposal.tokens) else proposal.cut(own)
             self.drafter.observe(verified, accepted - f)
         if self.costs is not None and not r.head:    # the decode's cost (a grammar's masks are not the target's)
-            self.costs.update(len(r.draft) + 1, r.score_s + r.decide_s + r.commit_s, emitted=r.committed)
-        shown = r.shown
-        tokens = tuple(r.emitted[:shown].tolist())
-        loose, L = r.decision.loose, r.decision.accepted
-        kinds = tuple(LOOSE if j in loose else ACCEPTED if j < L else TARGET for j in range(shown))
-        trace = trace_row(r, grammar=req.constraint is not None) if cfg.trace else None
-        # Row j scored the position of committed[j] under the prefix committed before it.
-        logprobs = (tuple(token_logprobs(r.emitted[:shown], r.logits, req.context[: req.n - r.committed],
-                                         cfg.sampling, cfg.logprobs)) if cfg.logprobs is not None else None)
+            self.costs.update(len(r.draft) + 1, r.score_s + r.decide_s + r.commit_s, emitted=max(r.net, 0))
+        tokens = tuple(t for t, _, _ in out)
+        kinds = tuple(kind for _, kind, _ in out)
+        logprobs = tuple(lp for _, _, lp in out) if cfg.logprobs is not None else None
+        trace = trace_row(r, grammar=req.constraint is not None, held=len(req.held)) if cfg.trace else None
         req.out.extend(tokens)
         # The stop is known before the event goes out: a consumer that closes the generation
         # right after it gets the real reason.
@@ -329,6 +378,30 @@ class Engine:
             stats.stop = "eog"
         self._finished(req)
         return RoundEvent(r.index, tokens, kinds, trace, logprobs)
+
+    def _output(self, req: Request, r: Round) -> list[tuple]:
+        """(token, kind, logprobs entry) of what the round makes output: the tokens held back
+        for a window it kept, then its own shown tokens, but those from an open window's
+        provisional token on, which it holds back."""
+        cfg, decision, shown = self.config, r.decision, r.shown
+        L, loose, j = decision.accepted, decision.loose, decision.provisional
+        tokens = r.emitted[:shown].tolist()
+        kinds = [LOOSE if i in loose or i == j else ACCEPTED if i < L else TARGET for i in range(shown)]
+        # Row i scored the position of committed[i] under the prefix committed before it.
+        logprobs = (token_logprobs(r.emitted[:shown], r.logits, req.context[: req.n - r.committed], cfg.sampling,
+                                   cfg.logprobs) if cfg.logprobs is not None else [None] * shown)
+        new = list(zip(tokens, kinds, logprobs))
+        out = []
+        if decision.settled == KEPT:
+            out, req.held = req.held, []
+        if req.window is None:
+            return out + new
+        if j is not None and j < r.accepted:     # opened this round
+            out += new[:j]
+            req.held = new[j:]
+        else:
+            req.held.extend(new)
+        return out
 
 
 def generate_all(engine: Engine, prompt: np.ndarray, grammar: Grammar | None = None) -> tuple[list[int], Stats, list[dict]]:

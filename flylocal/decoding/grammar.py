@@ -315,6 +315,17 @@ class Constraint:
         for j in range(rows):
             forbid(logits[j], masks[j])
 
+    def truncate(self, n: int) -> None:
+        """Go back to the state after the first n committed tokens (a retracted window)."""
+        back = len(self.tokens) - n
+        if back <= 0:
+            return
+        self.matcher.rollback(back)
+        del self.tokens[n:]
+        if self.matcher.is_error():          # past what llguidance keeps: replay from the start
+            self.matcher = self._llg.LLMatcher(self.grammar.tokenizer, self.grammar.grammar, log_level=0)
+            self.matcher.consume_tokens(self.tokens)
+
     def commit(self, tokens) -> None:
         """Advance over committed tokens (each allowed where it stands)."""
         tokens = [int(t) for t in tokens]

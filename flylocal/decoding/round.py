@@ -29,9 +29,17 @@ class Round:
                                       # end-of-generation token, max_tokens and the context's end)
     accepted: int = 0                 # draft tokens committed: min(L, m)
     shown: int = 0                    # committed tokens that are output: all but an end-of-generation one
-    ended: bool = False               # an end-of-generation token was committed
+    ended: bool = False               # an end-of-generation token was committed (the replacement, after a retraction)
+    retracted: int = 0                # tokens taken back from a provisional one on (FLy's window across rounds)
+    replacement: tuple | None = None  # then (the target's token put in its place, its logprobs entry)
     draft_s: float = 0.0              # seconds drafting,
     score_s: float = 0.0              # in the target's decode,
     mask_s: float = 0.0               # applying a grammar to its rows,
     decide_s: float = 0.0             # deciding,
     commit_s: float = 0.0             # rolling the cache back
+
+    @property
+    def net(self) -> int:
+        """Tokens the round added to the committed sequence: what it committed, less what it
+        took back, plus the replacement of a retracted token."""
+        return self.committed - self.retracted + (self.retracted > 0)

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from flylocal.decoding.contracts import KEPT
+
 if TYPE_CHECKING:
     from flylocal.decoding.round import Round
 
@@ -19,7 +23,11 @@ class Stats:
     accepted: int = 0            # draft tokens committed (native matches and loose)
     loose: int = 0               # committed draft tokens that did not match natively
     mismatches: int = 0          # native mismatches seen: loose ones plus each round's rejected one
-    emitted: int = 0             # committed tokens: accepted + one correction/bonus per round
+                                 # (and provisional ones, kept or not)
+    retractions: int = 0         # FLy across rounds: provisional tokens taken back
+    retracted: int = 0           # tokens taken back with them (each provisional one and what followed it)
+    emitted: int = 0             # committed tokens: accepted + one correction/bonus per round, less
+                                 # those taken back, plus each retracted token's replacement
     first_tokens: int = 0        # of those, the first round's: its decode also evaluated the prompt's tail
     forced: int = 0              # under a grammar: accepted draft tokens the grammar forced
     budget_spent: float | None = None   # ASD: the ledger s after this request
@@ -37,19 +45,22 @@ class Stats:
 
     def add(self, r: Round) -> None:
         """Count a finished round."""
-        decision, m = r.decision, r.committed
+        decision, m, k = r.decision, r.committed, len(r.draft)
         self.rounds += 1
-        self.drafted += len(r.draft)
+        self.drafted += k
         self.accepted += r.accepted
         self.forced += min(r.forced, r.accepted)
         loose = sum(1 for j in decision.loose if j < m)
-        self.loose += loose
-        self.mismatches += loose + (decision.accepted < len(r.draft))
+        self.loose += loose + (decision.settled == KEPT)
+        seen = min(decision.accepted + 1, k)                  # the positions the decision judged
+        self.mismatches += int(np.count_nonzero(r.draft[:seen] != r.target[:seen])) if seen else 0
         if decision.budget_spent is not None:
             self.budget_spent, self.budget_left = decision.budget_spent, decision.budget_left
-        self.emitted += m
+        self.retractions += r.retracted > 0
+        self.retracted += r.retracted
+        self.emitted += r.net
         if self.rounds == 1:
-            self.first_tokens = m
+            self.first_tokens = r.net
         self.draft_s += r.draft_s
         self.target_s += r.score_s + r.commit_s
         self.verify_s += r.mask_s + r.decide_s
@@ -91,7 +102,9 @@ class Stats:
             f"{self.emitted} tokens, {self.tokens_per_s:.1f} tok/s, "
             f"mean accepted length {self.mean_accepted_length:.2f} "
             f"({self.rounds} rounds, {self.drafted} drafted, {self.accepted} accepted, {self.loose} loose "
-            f"of {self.mismatches} mismatches), "
+            f"of {self.mismatches} mismatches"
+            + (f", {self.retractions} provisional taken back with {self.retracted} tokens" if self.retractions else "")
+            + "), "
             + (f"ASD budget spent {self.budget_spent:.2f}, left {self.budget_left:.2f}, "
                if self.budget_spent is not None else "")
             + (f"{self.forced} forced by the grammar, " if self.forced else "")

@@ -13,9 +13,10 @@ if TYPE_CHECKING:
     from flylocal.decoding.round import Round
 
 
-def trace_row(r: Round, grammar: bool = False) -> dict:
+def trace_row(r: Round, grammar: bool = False, held: int = 0) -> dict:
     """The trace row of a finished round; `grammar`: the round ran under one (its forced
-    tokens are recorded)."""
+    tokens are recorded); `held`: output tokens held back after it (a window across rounds
+    is open)."""
     k, decision = len(r.draft), r.decision
     entropy = decision.entropy
     row = {
@@ -30,6 +31,17 @@ def trace_row(r: Round, grammar: bool = False) -> dict:
         "loose": [int(j) for j in decision.loose],
         "emitted": [int(t) for t in r.emitted],
     }
+    if decision.provisional is not None:
+        row["provisional"] = int(decision.provisional)   # accepted provisionally: its window is open
+    if decision.settled:
+        row["settled"] = decision.settled                  # the window open before: kept or retracted
+    if decision.window is not None and held:               # (the end may have taken the window back)
+        row["window"] = list(decision.window)              # (native matches, empty rounds) since its token
+    if r.retracted:
+        row["retracted"] = r.retracted                     # tokens taken back, the provisional one first,
+        row["replacement"] = r.replacement[0]              # and the target's token put in its place
+    if held:
+        row["held"] = held
     if decision.budget_spent is not None:
         row["budget_spent"], row["budget_left"] = decision.budget_spent, decision.budget_left
     if grammar:

@@ -156,7 +156,8 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
     """Compare methods side by side on the same prompts: speed, acceptance and quality.
 
     Every method runs with the same options; each sets its own verifier and drafter. Writes
-    results.json, report.md and speedup.png (with matplotlib) to --out. A method that fails on a
+    results.json (with every method's answers), report.md and speedup.png (with matplotlib) to
+    --out. A method that fails on a
     prompt has the failure recorded there, and the run goes on. Under --json-schema the report
     adds the share of answers valid under it, forced tokens and the grammar's mask time per round."""
     from flylocal.front import bench as b

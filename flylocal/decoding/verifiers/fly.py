@@ -1,10 +1,18 @@
 """FLy: entropy gate + deferred window, training-free loose verification (docs/design.md, "FLy").
 
 A draft token the target would not have chosen is still accepted ("loose") when
-1. the target was unsure at that position: its top-m entropy h_j >= theta (the gate), and
-2. the target did not "self-correct" afterwards: the W-1 draft tokens after it all match
-   natively, and j + W < k: the window j .. j+W-1 ends before the draft's last position.
+1. the target was unsure at that position: its top-m entropy h_j >= theta, the draft's token is
+   one of those m, and the target's own token does not end the generation (the gate;
+   `candidates=False` lets any token through, at any position, as the reference does),
+2. the target did not "self-correct" afterwards: W-1 draft tokens after it match natively
+   before any mismatch.
 Looseness is decided from native matches only, so a mismatch inside a window spoils it.
+
+The window may close in a later round (`fly_across`, the default): a gated-open mismatch is
+accepted provisionally, the engine holds the output back from it, and a later round keeps it
+(W-1 native matches) or retracts it (a mismatch, or W-1 rounds that drafted nothing). Within a
+round (`fly`, the reference implementation's): the window must end before the draft's last
+position, j + W < k, or the mismatch is rejected.
 
 Entropy costs one log-sum-exp over the vocabulary, and is computed only at mismatches that
 can still decide the outcome: the window is checked first, and scanning stops at the first
@@ -20,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flylocal.decoding.contracts import Decision, Verifier
+from flylocal.decoding.contracts import KEPT, RETRACTED, Decision, Verifier
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,9 @@ class FlyParams:
     entropy: float = 0.3       # theta: gate threshold on the top-m entropy (nats)
     topk: int = 3              # m: how many of the largest probabilities the entropy sums
     use_window: bool = True    # False: the no-window ablation, accept a gated-open mismatch at once
+    across: bool = True        # the window may close in a later round; False: within the round (j + W < k)
+    candidates: bool = True    # the gate opens only for a draft token among the target's top m, and never over the
+                               # target's end of generation; False: for any token anywhere (the reference's)
 
 
 def topk_entropy(z: np.ndarray, m: int) -> float:
@@ -42,8 +53,27 @@ def topk_entropy(z: np.ndarray, m: int) -> float:
     return float(-(np.exp(logp) * logp).sum())
 
 
-def fly(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray, params: FlyParams = FlyParams()) -> Decision:
-    """draft [k] int32, target_argmax [k+1] int32, logits [k+1, n_vocab] float32."""
+NO_ENDS = np.zeros(0, dtype=bool)
+
+
+def gate_open(z: np.ndarray, token: int, target: int, params: FlyParams, ends: np.ndarray = NO_ENDS) -> tuple[float, bool]:
+    """(top-m entropy, whether the gate opens) for a mismatch with draft token `token` where the
+    target chose `target`, at a position with raw logits z [n_vocab]. With `candidates`, the
+    target's token must not end the generation (`ends` [n_vocab] bool; no entropy is computed
+    then: nan), and the draft's token must be one of the m the entropy counts (ties included):
+    one of the target's own plausible choices."""
+    if params.candidates and target < len(ends) and ends[target]:
+        return math.nan, False
+    h = topk_entropy(z, params.topk)
+    if h < params.entropy:
+        return h, False
+    return h, not params.candidates or int((z > z[token]).sum()) < params.topk
+
+
+def fly(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray, params: FlyParams = FlyParams(),
+        ends: np.ndarray = NO_ENDS) -> Decision:
+    """draft [k] int32, target_argmax [k+1] int32, logits [k+1, n_vocab] float32; ends [n_vocab]
+    bool: the target's end-of-generation ids (none by default)."""
     k = len(draft)
     native = draft == target_argmax[:k]                    # [k] bool
     entropy = np.full(k, np.nan)                           # [k] float64
@@ -59,8 +89,8 @@ def fly(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray, params
         if params.use_window and (j + W >= k or not native[j + 1 : j + W].all()):
             accepted = j                                   # window unobservable, or spoiled
             break
-        entropy[j] = topk_entropy(logits[j], params.topk)
-        if entropy[j] < params.entropy:
+        entropy[j], open_ = gate_open(logits[j], int(draft[j]), int(target_argmax[j]), params, ends)
+        if not open_:
             accepted = j                                   # the target is confident: keep its token
             break
         loose.append(j)
@@ -68,13 +98,88 @@ def fly(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray, params
     return Decision(accepted=accepted, loose=tuple(loose), entropy=entropy)
 
 
+def fly_across(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray, params: FlyParams = FlyParams(),
+               open_window: tuple[int, int] | None = None, ends: np.ndarray = NO_ENDS) -> Decision:
+    """FLy with a window that may close in a later round. `open_window`: (native matches, rounds
+    that drafted nothing) since a token accepted provisionally in an earlier round, or None.
+    Arrays as in `fly`. The decision's `settled` says what became of the open window,
+    `provisional` where this round opened one that stays open, and `window` its count after the
+    round. A window that closes within the round it opened in is an ordinary loose position; one
+    retracted there is a rejection at its position."""
+    k = len(draft)
+    native = draft == target_argmax[:k]                    # [k] bool
+    entropy = np.full(k, np.nan)                           # [k] float64
+    need = params.window - 1                               # native matches that close a window
+    at = -1 if open_window is not None else None           # the provisional position; -1: an earlier round's
+    matches, idle = open_window if open_window is not None else (0, 0)
+    loose: list[int] = []
+    settled = ""
+
+    def done(accepted: int, **kw) -> Decision:
+        return Decision(accepted=accepted, loose=tuple(loose), entropy=entropy, settled=kw.pop("settled", settled), **kw)
+
+    j = 0
+    while j < k:
+        rest = np.flatnonzero(~native[j:])
+        run = int(rest[0]) if rest.size else k - j         # native matches from j on
+        if at is not None:
+            if matches + run >= need:                      # the window closes: its token is kept
+                j += need - matches
+                if at < 0:
+                    settled = KEPT
+                else:
+                    loose.append(at)
+                at = None
+                continue
+            matches += run
+            j += run
+            if j == k:
+                break
+            # a mismatch inside the window: the target corrects a real error
+            return done(j, settled=RETRACTED) if at < 0 else done(at)
+        j += run
+        if j == k:
+            break
+        entropy[j], open_ = gate_open(logits[j], int(draft[j]), int(target_argmax[j]), params, ends)
+        if not open_:
+            return done(j)                                 # the target is confident: keep its token
+        if need == 0:
+            loose.append(j)                                # a window of the mismatch alone
+        else:
+            at, matches, idle = j, 0, 0
+        j += 1
+    if at is None:
+        return done(k)
+    if not k:
+        idle += 1                                          # a round that drafted nothing: no evidence
+        if idle >= need:
+            return done(0, settled=RETRACTED)
+    return done(k, provisional=at if at >= 0 else None, window=(matches, idle))
+
+
 class Fly(Verifier):
-    """FLy with its parameters (no state across rounds)."""
+    """FLy with its parameters; across rounds, the open window (if any) between rounds."""
 
     name = "fly"
 
     def __init__(self, params: FlyParams = FlyParams()):
         self.params = params
+        self.open: tuple[int, int] | None = None
+        self.ends = NO_ENDS
+
+    def bind(self, eog_mask: np.ndarray) -> None:
+        self.ends = eog_mask
 
     def decide(self, draft, target_argmax, logits) -> Decision:
-        return fly(draft, target_argmax, logits, self.params)
+        p = self.params
+        if p.across and p.use_window:
+            return fly_across(draft, target_argmax, logits, p, self.open, self.ends)
+        return fly(draft, target_argmax, logits, p, self.ends)
+
+    def commit(self, decision: Decision, n: int) -> Decision:
+        cut = decision.provisional is not None and decision.provisional >= n     # the end came first
+        self.open = None if cut else decision.window
+        return decision
+
+    def begin(self) -> None:
+        self.open = None

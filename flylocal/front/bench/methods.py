@@ -17,6 +17,8 @@ class Method:
     drafter: str = "none"
     baseline: bool = False          # llama-cpp-python's own generation, not flylocal's engine
     prompt_lookup: bool = False     # ... with its prompt-lookup drafter
+    within_round: bool = False      # FLy as the reference implementation has it: the window within the round,
+                                    # any draft token let through the gate
 
     @property
     def needs_draft(self) -> bool:
@@ -30,6 +32,7 @@ METHODS: dict[str, Method] = {m.name: m for m in [
     *(Method(f"{verifier}-{drafter}", verifier, drafter)
       for verifier, drafter in (("strict", "pld"), ("fly", "pld"), ("strict", "model"), ("fly", "model"),
                                 ("asd", "model"), ("strict", "mla"), ("fly", "mla"), ("asd", "mla"))),
+    *(Method(f"fly-within-{drafter}", "fly", drafter, within_round=True) for drafter in ("pld", "mla")),
 ]}
 
 

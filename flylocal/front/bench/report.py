@@ -189,7 +189,8 @@ def _groups(prompts: list[Prompt]) -> list[str]:
 
 
 def per_prompt(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
-    """One dict per prompt and method: its speed, and its ratios to autoregressive decoding."""
+    """One dict per prompt and method: its speed, its ratios to autoregressive decoding, and its
+    answer's text (the first turn, of the last repeat), so answers can be read side by side."""
     ref = rows.get("autoregressive")
     out = []
     for p in prompts:
@@ -201,7 +202,7 @@ def per_prompt(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
             out.append({"prompt": p.id, "category": p.category, "method": m, "tokens": mine["tokens"],
                         **_ratios(mine, r),
                         "mean_accepted_length": round(mine["tokens"] / mine["rounds"], 3) if mine["rounds"] else None,
-                        "wall_s": round(mine["wall_s"], 4)})
+                        "wall_s": round(mine["wall_s"], 4), "answer": row.outputs[p.id][1]})
     return out
 
 

@@ -106,6 +106,9 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
             return tokens, text, dict(tokens=n, decode_tokens=max(n - 1, 0), decode_s=decode_s, rounds=0, loose=0, verify_s=0.0,
                                       drafted=0, accepted=0, forced=0, mask_s=0.0), None
         s = dataclasses.replace(settings, verifier=method.verifier, drafter=method.drafter)
+        if method.within_round:
+            fly = dataclasses.replace(s.verifiers.fly, across=False, candidates=False)
+            s = dataclasses.replace(s, verifiers=dataclasses.replace(s.verifiers, fly=fly))
         if fresh:
             target.reset()
             if draft is not None:

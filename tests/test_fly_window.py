@@ -1,0 +1,198 @@
+"""FLy's window across rounds (docs/design.md, "FLy"), over thousands of random cases on the fake
+backend (tests/fake_backend.py), each run checked round by round by test_engine_properties'
+`Follow`: the engine's output equals a slow reference implementation of the rule, token by
+token; every kept loose token had the gate open (with `candidates`, for one of the target's top
+m tokens) and W-1 native matches after it; nothing taken back was ever output; and a target that took tokens back serves the next request as a fresh
+one does."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from fake_backend import prefix_hash
+from flylocal.decoding.verifiers.fly import FlyParams, topk_entropy
+from test_engine_properties import LMS, N_CASES, follow_up_prompt, make_target, random_case, report, run_engine
+
+
+def across_case(seed: int, **kw):
+    """A random FLy case with the window across rounds, a gate that opens often enough."""
+    case = random_case(seed, verifier="fly", **kw)
+    rng = np.random.default_rng([seed, 7])
+    fly = FlyParams(window=int(rng.integers(1, 9)), entropy=float(rng.choice([0.0, 0.1, 0.3, 0.6, math.inf])),
+                    topk=int(rng.integers(1, 5)), across=True, candidates=bool(rng.random() < 0.5))
+    return replace(case, fly=fly)
+
+
+def gate_open(z: np.ndarray, token: int, p: FlyParams) -> bool:
+    """The gate, written out (but for the end rule, checked where it is called): the target unsure
+    at the position, and (with `candidates`) the draft's token at least as likely as the target's
+    m-th choice."""
+    unsure = topk_entropy(z, p.topk) >= p.entropy
+    return unsure and (not p.candidates or z[token] >= np.sort(z)[-min(p.topk, len(z))])
+
+
+def reference(case, drafts: list[list[int]]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """The rule applied one token at a time to the same drafts, on plain lists: (the committed
+    sequence, the output, (position, token) of every kept loose token). The target's choice at
+    a position is the LM's greedy token after the prefix; nothing is batched or cached."""
+    lm, p = LMS[case.lm], case.fly
+    ctx, prompt = list(case.prompt), len(case.prompt)
+    window = None                     # [P, the target's token at P, native matches, empty rounds]
+    kept = []
+
+    def target_at(seq):
+        return lm.next_token(prefix_hash(seq))
+
+    def retract():
+        nonlocal window
+        del ctx[window[0]:]
+        ctx.append(window[1])
+        window = None
+
+    def ended():
+        return (len(ctx) > prompt and lm.is_eog(ctx[-1])) or len(ctx) - prompt >= case.max_tokens \
+            or len(ctx) >= case.n_ctx
+
+    for draft in drafts:
+        assert not ended()
+        if not draft and window is not None:
+            window[3] += 1
+            if window[3] >= p.window - 1:
+                retract()
+                continue
+        base, seq = list(ctx), []          # the round decides on its whole draft, then commits
+        for j, d in enumerate(draft + [None]):
+            a = target_at(base + draft[:j])
+            if d is None:                       # the bonus token
+                seq.append(a)
+                break
+            if d == a:
+                seq.append(d)
+                if window is not None:
+                    window[2] += 1
+                    if window[2] >= p.window - 1:
+                        kept.append((window[0], (base + seq)[window[0]]))
+                        window = None
+                continue
+            if window is not None:              # a mismatch inside the window
+                if window[0] < len(base):
+                    retract()
+                    seq = None
+                else:                           # opened in this round: rejected where it stood
+                    seq = seq[: window[0] - len(base)] + [window[1]]
+                    window = None
+                break
+            if (p.candidates and lm.is_eog(a)) or not gate_open(lm.logits(prefix_hash(base + draft[:j])), d, p):
+                seq.append(a)                   # rejected: the target's token
+                break
+            seq.append(d)
+            if p.window == 1:
+                kept.append((len(base) + j, d))
+            else:
+                window = [len(base) + j, a, 0, 0]
+        if seq is None:
+            continue
+        eog = next((i for i, t in enumerate(seq) if lm.is_eog(t)), None)
+        m = min(len(seq) if eog is None else eog + 1, case.max_tokens - (len(base) - prompt), case.n_ctx - len(base))
+        ctx.extend(seq[:m])
+        if window is not None and window[0] >= len(ctx):
+            window = None                       # the cut came before the provisional token
+        if window is not None and ended():
+            retract()
+    kept = [(P, t) for P, t in kept if P < len(ctx) and ctx[P] == t]
+    made = ctx[prompt:]
+    out = made[:-1] if made and lm.is_eog(made[-1]) else made
+    return ctx, out, kept
+
+
+def test_the_engine_follows_the_reference_and_keeps_only_what_the_rule_allows():
+    failures, loose, retracted, idle = [], 0, 0, 0
+    for seed in range(N_CASES):
+        case = across_case(seed)
+        run = run_engine(case)
+        where = f"seed {seed}, {case}"
+        if run.problem:
+            failures.append(f"{where}: {run.problem}")
+            continue
+        if run.stats.stop in ("eog", "max_tokens", "context"):
+            ctx, out, kept = reference(case, [t["draft"] for t in run.traces])
+            if (run.context, run.tokens) != (ctx, out):
+                failures.append(f"{where}: output {run.tokens}, the reference's {out}")
+                continue
+        # every kept loose token: the gate was open and W-1 native matches followed it
+        lm, n_prompt = LMS[case.lm], len(case.prompt)
+        for P, token in kept:
+            h = prefix_hash(run.context[:P])
+            target = lm.next_token(h)
+            if token == target or (case.fly.candidates and lm.is_eog(target)) or not gate_open(lm.logits(h), token, case.fly):
+                failures.append(f"{where}: the token at {P} was kept loose without an open gate")
+        made = run.context[n_prompt:]
+        if run.tokens != made[: len(run.tokens)]:
+            failures.append(f"{where}: output {run.tokens} is not the committed sequence {made}")
+        loose += run.stats.loose
+        retracted += run.stats.retractions
+        idle += any(t.get("settled") == "retracted" and not t["draft"] for t in run.traces)
+    assert not failures, report(failures, N_CASES)
+    assert loose > N_CASES // 20 and retracted > N_CASES // 20 and idle > N_CASES // 300, (loose, retracted, idle)
+
+
+def test_the_targets_end_of_generation_is_never_overridden():
+    """The gate always open by entropy, every token a candidate, drafts often wrong: where the
+    target's token ends the generation, the draft's never replaces it, and the engine still
+    follows the reference."""
+    failures, held = [], 0
+    for seed in range(N_CASES):
+        case = across_case(seed)
+        rng = np.random.default_rng([seed, 11])
+        case = replace(case, drafter="oracle", p_corrupt=0.5, p_eog=0.0,
+                       fly=replace(case.fly, window=int(rng.integers(1, 3)), entropy=0.0, topk=64, candidates=True))
+        run = run_engine(case)
+        if run.problem:
+            failures.append(f"seed {seed}, {case}: {run.problem}")
+            continue
+        if run.stats.stop in ("eog", "max_tokens", "context"):
+            ctx, out, _ = reference(case, [t["draft"] for t in run.traces])
+            if (run.context, run.tokens) != (ctx, out):
+                failures.append(f"seed {seed}, {case}: output {run.tokens}, the reference's {out}")
+        lm = LMS[case.lm]
+        held += any(t["accepted"] < len(t["draft"]) and lm.is_eog(t["target_argmax"][t["accepted"]])
+                    and t["draft"][t["accepted"]] != t["target_argmax"][t["accepted"]] for t in run.traces)
+    assert not failures, report(failures, N_CASES)
+    assert held > N_CASES // 20, held
+
+
+def test_a_window_longer_than_any_draft_still_loosens():
+    failures, loosened = [], 0
+    for seed in range(N_CASES // 2):
+        case = across_case(seed)
+        case = replace(case, k=int(np.random.default_rng(seed).integers(1, 4)), max_tokens=40, drafter="oracle",
+                       p_corrupt=0.1, fly=replace(case.fly, window=6, entropy=0.0))
+        run = run_engine(case)
+        if run.problem:
+            failures.append(f"seed {seed}, {case}: {run.problem}")
+        loosened += run.stats.loose > 0
+    assert not failures, report(failures, N_CASES // 2)
+    assert loosened > N_CASES // 40, loosened        # within rounds: none can (k < W)
+
+
+def test_after_a_retraction_the_target_serves_the_next_request_as_a_fresh_one():
+    failures, after = [], 0
+    for seed in range(N_CASES):
+        case = across_case(seed)
+        target = make_target(case)
+        first = run_engine(case, target)
+        if first.problem or not first.stats.retractions:
+            failures += [f"seed {seed}: {first.problem}"] if first.problem else []
+            continue
+        after += 1
+        rng = np.random.default_rng([seed, 3])
+        second = replace(case, prompt=follow_up_prompt(rng, case, first.context), seed=seed + 1_000_000)
+        again, fresh = run_engine(second, target), run_engine(second)
+        problem = again.problem or fresh.problem
+        if problem or (again.tokens, again.traces) != (fresh.tokens, fresh.traces):
+            failures.append(f"seed {seed}, second {second}: {problem or (again.tokens, fresh.tokens)}")
+    assert not failures, report(failures, N_CASES)
+    assert after > N_CASES // 20, after
