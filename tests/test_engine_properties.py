@@ -156,6 +156,7 @@ class Follow:
         self.out: list[int] = []                  # the output the events gave
         self.window: int | None = None            # P: the provisional token's index in `context`
         self.held: list[tuple[int, str]] = []     # (token, kind) committed from P on, not yet output
+        self.drafted: list[bool] = []             # per committed output token: a draft token accepted
 
     def greedy_at(self, n: int) -> int:
         return self.lm.next_token(prefix_hash(self.context[:n]))
@@ -168,7 +169,9 @@ class Follow:
         if tr["replacement"] != self.greedy_at(P):
             return f"replacement {tr['replacement']}, but the target's token at {P} is {self.greedy_at(P)}"
         del self.context[P:]
+        del self.drafted[P - len(self.case.prompt):]
         self.context.append(tr["replacement"])
+        self.drafted.append(False)
         self.window, self.held = None, []
         return None
 
@@ -226,6 +229,7 @@ class Follow:
             new = [(t, LOOSE if j in loose else ACCEPTED if j < L else TARGET)
                    for j, t in enumerate(committed[: m - ended])]
             context.extend(committed)
+            self.drafted += [j < L for j in range(m)]
             if settled == "kept":
                 shown, self.held, self.window = self.held, [], None
             if p is not None:
@@ -331,7 +335,8 @@ def check_final(case: Case, run: Run, target) -> str | None:
         (s.retracted == sum(retracted) and s.retractions == sum(map(bool, retracted)),
          f"stats.retracted {s.retracted} in {s.retractions}, the trace's {retracted}"),
         (s.drafted == sum(len(t["draft"]) for t in run.traces), f"stats.drafted {s.drafted}"),
-        (s.accepted == sum(min(t["accepted"], len(c)) for t, c in pairs), f"stats.accepted {s.accepted}"),
+        (s.accepted == sum(run.follow.drafted), f"stats.accepted {s.accepted}, but {sum(run.follow.drafted)} accepted "
+                                                  f"draft tokens stayed"),
         (s.loose == sum(sum(j < len(c) for j in t["loose"]) + (t.get("settled") == "kept") for t, c in pairs),
          f"stats.loose {s.loose}"),
         (s.mismatches == sum(sum(d != a for d, a in zip(t["draft"][:n], t["target_argmax"]))

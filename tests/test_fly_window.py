@@ -196,3 +196,63 @@ def test_after_a_retraction_the_target_serves_the_next_request_as_a_fresh_one():
             failures.append(f"seed {seed}, second {second}: {problem or (again.tokens, fresh.tokens)}")
     assert not failures, report(failures, N_CASES)
     assert after > N_CASES // 20, after
+
+
+def kept_positions(traces: list[dict]) -> set[int]:
+    """Context positions of the kept loose tokens, from the trace: a round's loose positions, and
+    a provisional one whose window a later round kept."""
+    kept, pending = set(), None
+    for row in traces:
+        at = row["n_past"] + 1                          # the position of draft token 0
+        if row.get("settled") == "kept":
+            kept.add(pending)
+        if row.get("settled") or row.get("retracted"):
+            pending = None
+        kept |= {at + j for j in row["loose"]}
+        if "provisional" in row:
+            pending = at + row["provisional"]
+    return kept
+
+
+def test_seeded_sampling_stays_the_targets_own_through_retractions():
+    """At temperature > 0 with a seed, across retractions: the same seed gives the same tokens,
+    and every output token but the kept loose ones is plain sampling's at its position (the
+    target's sample after the tokens before it, with that position's noise), the replacement
+    put in after a retraction included."""
+    from flylocal.decoding.drafters import NoDraft
+    from flylocal.decoding.engine import generate_all
+    from flylocal.decoding.sampling import SamplingParams
+    from flylocal.decoding.verifiers.fly import Fly
+    from flylocal.decoding.verifiers.strict import Strict
+    from test_engine_properties import Engine, EngineConfig, make_drafter
+
+    failures, retracted, n = [], 0, N_CASES // 5
+    for seed in range(n):
+        case = across_case(seed, max_tokens=(1, 30))
+        case = replace(case, fly=replace(case.fly, entropy=0.0, window=int(np.random.default_rng(seed).integers(2, 5))))
+        sampling = SamplingParams(temperature=0.9, top_k=0, top_p=0.95, min_p=0.0, seed=seed)
+
+        def fly_run():
+            target = make_target(case)
+            engine = Engine(target, make_drafter(case, target), Fly(case.fly),
+                            EngineConfig(k=case.k, max_tokens=case.max_tokens, trace=True, sampling=sampling))
+            gen = engine.generate(np.asarray(case.prompt, dtype=np.int32))
+            traces = [e.trace for e in gen]
+            return list(gen.tokens), gen.stats, traces
+
+        def plain_next(prefix):
+            engine = Engine(make_target(case), NoDraft(), Strict(), EngineConfig(max_tokens=1, k=0, sampling=sampling))
+            return generate_all(engine, np.asarray(list(case.prompt) + prefix, dtype=np.int32))[0][:1]
+
+        tokens, stats, traces = fly_run()
+        if fly_run()[0] != tokens:
+            failures.append(f"seed {seed}: the same seed gave other tokens")
+            continue
+        retracted += stats.retractions > 0
+        kept = {P - len(case.prompt) for P in kept_positions(traces)}
+        for i, t in enumerate(tokens):
+            if i not in kept and plain_next(tokens[:i]) != [t]:
+                failures.append(f"seed {seed}, {case}: token {i} ({t}) is not plain sampling's {plain_next(tokens[:i])}")
+                break
+    assert not failures, report(failures, n)
+    assert retracted > n // 10, retracted

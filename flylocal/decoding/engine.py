@@ -84,6 +84,7 @@ class Request:
         self.window: tuple | None = None        # (P, the target's token at P, its logprobs entry): the
                                                 # provisional token's position in `context`
         self.held: list[tuple] = []             # (token, kind, logprobs entry) committed from P on
+        self.window_accepted = 0                # draft tokens accepted from P on
 
     @property
     def produced(self) -> int:
@@ -326,15 +327,18 @@ class Engine:
                                       np.concatenate([req.context[:n0], r.draft[:j]]), self.config.sampling,
                                       self.config.logprobs)[0] if self.config.logprobs is not None else None)
             req.window = (n0 + j, token, logprob)
+            req.window_accepted = r.accepted - j
         elif decision.settled == KEPT:
             req.window = None
+        elif req.window is not None:
+            req.window_accepted += r.accepted
         r.commit_s = self.clock() - t0
 
     def _retract(self, req: Request, r: Round) -> None:
         """Take back the provisional token at P and everything after it: the caches roll back
         to P, and the target's own token goes there (docs/design.md, "FLy")."""
         P, token, logprob = req.window
-        r.retracted, r.replacement = req.n - P, (token, logprob)
+        r.retracted, r.unaccepted, r.replacement = req.n - P, req.window_accepted, (token, logprob)
         self.target.truncate(P)
         if req.constraint is not None:
             req.constraint.truncate(P - len(req.prompt))

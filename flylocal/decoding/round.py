@@ -30,7 +30,8 @@ class Round:
     accepted: int = 0                 # draft tokens committed: min(L, m)
     shown: int = 0                    # committed tokens that are output: all but an end-of-generation one
     ended: bool = False               # an end-of-generation token was committed (the replacement, after a retraction)
-    retracted: int = 0                # tokens taken back from a provisional one on (FLy's window across rounds)
+    retracted: int = 0                # tokens taken back from a provisional one on (FLy's window across rounds),
+    unaccepted: int = 0               # of which draft tokens that earlier rounds (and this one) accepted
     replacement: tuple | None = None  # then (the target's token put in its place, its logprobs entry)
     draft_s: float = 0.0              # seconds drafting,
     score_s: float = 0.0              # in the target's decode,

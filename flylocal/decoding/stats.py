@@ -20,7 +20,7 @@ class Stats:
     prompt_evaluated: int = 0    # prompt tokens decoded by this request
     rounds: int = 0
     drafted: int = 0             # draft tokens sent to the target
-    accepted: int = 0            # draft tokens committed (native matches and loose)
+    accepted: int = 0            # draft tokens committed (native matches and loose) that stayed
     loose: int = 0               # committed draft tokens that did not match natively
     mismatches: int = 0          # native mismatches seen: loose ones plus each round's rejected one
                                  # (and provisional ones, kept or not)
@@ -48,7 +48,7 @@ class Stats:
         decision, m, k = r.decision, r.committed, len(r.draft)
         self.rounds += 1
         self.drafted += k
-        self.accepted += r.accepted
+        self.accepted += r.accepted - r.unaccepted        # a retraction takes back draft tokens accepted before
         self.forced += min(r.forced, r.accepted)
         loose = sum(1 for j in decision.loose if j < m)
         self.loose += loose + (decision.settled == KEPT)
