@@ -271,6 +271,7 @@ class Engine:
         r.logits = target.decode(batch, logits_from=h)          # [k+1, n_vocab]
         t1 = clock()
         r.score_s = t1 - t0
+        r.threads = getattr(target, "decoded_on", None)          # a CPU context's thread count, for the trace
         if not r.index:                # the prompt is in: the first round's tokens are its answer
             req.stats.prefill_s = t1 - req.started
             req.head = req.head[:0]

@@ -48,4 +48,6 @@ def trace_row(r: Round, grammar: bool = False, held: int = 0) -> dict:
         row["forced"] = r.forced               # the draft's first tokens the grammar forced
     if r.proposal.text is not None:
         row["draft_text"] = r.proposal.text    # a draft through text: the text it came from
+    if r.threads is not None:
+        row["threads"] = r.threads             # the CPU threads the target's decode ran on
     return row

@@ -74,6 +74,8 @@ def generate(prompt, prompt_file, raw, special, json_schema_file, json_object, g
             stats, tokens = generation.stats, generation.tokens
             answer = TextStream(models.target).feed(tokens)      # an incomplete last character held back
             threads = models.target.n_threads
+            report = getattr(models.target, "thread_report", None)
+            thread_use = report() if report is not None else None
         finally:
             models.close()
     finally:
@@ -87,7 +89,8 @@ def generate(prompt, prompt_file, raw, special, json_schema_file, json_object, g
         from flylocal.llama import kernels
 
         out.write(json.dumps({"text": answer, "tokens": list(tokens), "prompt_tokens": len(ids),
-                              "build": kernels.mode(), "threads": threads, "stats": stats.to_dict()}) + "\n")
+                              "build": kernels.mode(), "threads": threads, "thread_use": thread_use,
+                              "stats": stats.to_dict()}) + "\n")
     out.flush()
     if not as_json:
         note(stats.summary())

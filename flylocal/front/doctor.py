@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -120,12 +121,28 @@ def curve_line(curve: CostCurve) -> str:
     return line
 
 
+def kept_threads_line(clock=time.time) -> str:
+    """What --threads auto's last process on these cores settled on, and when."""
+    from flylocal.llama.threads import KEEP, known_record
+
+    record = known_record()
+    if record is None:
+        return "--threads auto: no count kept yet (a process measures before its first prompt)"
+    count, at = record
+    ago = max(clock() - at, 0.0)
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
+    words = f"{ago / 60:.0f} min ago" if ago >= 60 else f"{ago:.0f} s ago"
+    start = ("the next process starts there" if ago <= KEEP else
+             f"older than {KEEP / 60:.0f} min: the next process measures before its first prompt")
+    return f"--threads auto: the last process on these cores settled on {count} at {when} ({words}); {start}"
+
+
 def cache_report() -> list[str]:
     """Every cost curve in the disk cache, one line each; a distorted one is flagged (it is
     repaired when its model is next used)."""
     folder = costs_dir()
-    files = sorted(folder.glob("*.json")) if folder.is_dir() else []
-    lines = [f"cost curves cached in {folder}: {len(files)}"]
+    files = sorted(p for p in folder.glob("*.json") if p.name != "threads.json") if folder.is_dir() else []
+    lines = [kept_threads_line(), f"cost curves cached in {folder}: {len(files)}"]
     for path in files:
         record, _ = read_file(path)             # bounded in size and depth, as a run reads it
         if record is None:

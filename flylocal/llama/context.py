@@ -31,9 +31,11 @@ from flylocal.llama.config import RuntimeConfig
 from flylocal.llama.devices import gpu_offload, system_info
 from flylocal.llama.model import Model
 from flylocal.host import usable_cores
+from flylocal.decoding.costs.meter import MIN_WALL, CpuLoad
 from flylocal.llama.threads import ThreadControl, candidates, keep_count, known_count
 
 CONTROL_ROWS = 32     # decodes up to this many rows steer --threads auto (a round, a draft step)
+LOAD_PERIOD = 1.0     # seconds over which --threads auto reads how busy other processes keep the cores
 
 
 def flash_attn_type(mode: str, remote: bool = False) -> int:
@@ -66,7 +68,9 @@ class Context:
     """The context of `model`, its batch buffers, its KV bookkeeping and its thread control.
     `costs` is the cost curve of its decodes (flylocal.decoding.contracts.cost_curve)."""
 
-    def __init__(self, model: Model, config: RuntimeConfig, n_vocab: int):
+    def __init__(self, model: Model, config: RuntimeConfig, n_vocab: int, load: CpuLoad | None = None):
+        """`load`: a meter of other processes' load, started before the model was loaded
+        (--threads auto; one is started here otherwise)."""
         self.model = model
         self.name = model.name
         self.config = config
@@ -118,11 +122,17 @@ class Context:
         # otherwise measures each count once before its first prompt (_probe_threads).
         self.thread_control = None
         self._probed = True    # --threads auto: each count measured before a first prompt, or no need
+        self.decoded_on = threads          # the thread count of the last decode
+        self._load = None                  # --threads auto: other processes' load, read since then
         if config.n_threads is None:
             counts = candidates(threads)
             known = known_count(counts)
-            self.thread_control = ThreadControl(counts, known or threads, on_settle=keep_count)
+            self.thread_control = ThreadControl(counts, known or threads, on_settle=keep_count,
+                                                why="the last process's count" if known else "all cores")
             self._probed = known is not None or len(counts) < 2
+            self._load = load if load is not None else CpuLoad()
+            if load is None:
+                self._load.start()         # the first prompt's tokenizing gives it time
         self._steady = 0       # > 0: thread count held (calibration measures one count)
         self.calibration_threads = threads
         # What a decode of n rows costs here, shared by everything that drafts for this model;
@@ -181,6 +191,7 @@ class Context:
         n = len(tokens)
         steer = self.thread_control is not None and not self._steady and start == 0 and 0 < rows <= CONTROL_ROWS
         if start and self.thread_control is not None and not self._steady:
+            self._read_load(force=True)
             if not self._probed:
                 self._probe_threads(int(tokens[0]))
             self._use_threads(self.thread_control.home)     # a prompt never runs on a count on trial
@@ -194,11 +205,28 @@ class Context:
         if not steer:
             self._decode_chunk(tokens[i:], logits_from=start - i)
         else:
+            self._read_load()
             self._use_threads(self.thread_control.current)
             t0 = time.perf_counter()
             self._decode_chunk(tokens, logits_from=0)
             self._steer(rows, time.perf_counter() - t0)
         return self._logits(rows)
+
+    def _read_load(self, force: bool = False) -> None:
+        """--threads auto: every LOAD_PERIOD (or now, before a prompt), tell the controller how
+        many cores other processes kept busy since the last reading."""
+        meter = self._load
+        elapsed = meter.elapsed() if meter is not None else None
+        if elapsed is None or (not force and elapsed < LOAD_PERIOD):
+            return
+        if elapsed < MIN_WALL:
+            if self.thread_control.busy is not None:
+                return                     # too soon to tell: the last reading stands
+            time.sleep(MIN_WALL - elapsed + 0.01)     # the first prompt: a reading, even if it costs a moment
+        busy = meter.stop()
+        if busy is not None:
+            meter.start()
+            self._use_threads(self.thread_control.load(busy))
 
     def _logits(self, rows: int) -> np.ndarray:
         """The output buffer's first `rows` rows as a view [rows, n_vocab] float32. A view is made
@@ -221,6 +249,7 @@ class Context:
         self._b_logits[:logits_from] = 0
         self._b_logits[logits_from:m] = 1
         self._batch.n_tokens = m
+        self.decoded_on = self.n_threads
         self._tokens[p0 : p0 + m] = chunk      # past n_past: not yet claimed as cached
         self._unsynced = True                  # the cache may hold more than n_past from here ...
         with interrupts_deferred():            # llama.cpp logs from inside a decode now and then
@@ -245,9 +274,12 @@ class Context:
             return
         one = np.array([token], dtype=np.int32)
         best: dict[int, float] = {}
+        counts = control.allowed()             # never a count the load leaves no cores for
+        if len(counts) < 2:
+            return
         try:
             for i in range(passes + 1):
-                for count in control.counts if i else control.counts[-1:]:
+                for count in counts if i else counts[-1:]:
                     self._use_threads(count)
                     t0 = time.perf_counter()
                     self._decode_chunk(one, logits_from=1)

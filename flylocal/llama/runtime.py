@@ -31,11 +31,18 @@ class Runtime(Target):
             from flylocal.llama.remote import RemoteContext
 
             rpc.check_servers(config.rpc)   # one line naming a server that does not answer, in seconds
+        load = None
+        if not remote and config.n_threads is None:    # --threads auto reads the load from here on
+            from flylocal.decoding.costs.meter import CpuLoad
+
+            load = CpuLoad()
+            load.start()
         self.model = Model(path, config, vocab_only=remote)
         self.path, self.name, self.config, self.n_ctx_train = self.model.path, self.model.name, config, self.model.n_ctx_train
         try:
             self.vocab = Vocabulary(self.model)
-            self.context = (RemoteContext if remote else Context)(self.model, config, self.vocab.n_vocab)
+            self.context = (RemoteContext(self.model, config, self.vocab.n_vocab) if remote else
+                            Context(self.model, config, self.vocab.n_vocab, load=load))
         except BaseException:
             self.model.free()
             raise
@@ -65,6 +72,20 @@ class Runtime(Target):
     @property
     def n_threads(self) -> int:
         return self.context.n_threads
+
+    @property
+    def decoded_on(self) -> int | None:
+        """The thread count of the last decode (None: on rpc servers)."""
+        return getattr(self.context, "decoded_on", None)
+
+    def thread_report(self) -> dict:
+        """--threads auto: the count now, decodes at each count, other processes' load and each
+        move with its reason (ThreadControl.report); a fixed count: just that."""
+        control = self.thread_control
+        if control is None:
+            return {"count": self.n_threads, "decodes": None, "busy_cores": None,
+                    "moves": [{"at_s": 0.0, "count": self.n_threads, "why": "as given"}]}
+        return control.report()
 
     def decode(self, tokens, logits_from: int | None = None, *, seq: int = 0) -> np.ndarray | None:
         return self.context.decode(tokens, logits_from, seq=seq)

@@ -15,7 +15,17 @@ way the draft-length controller measures acceptance:
   it waits as long as keeps re-checks within BUDGET of decoding time, and twice as long after
   each re-check in a row that kept the count (between 1 and 8 seconds of decoding), so a count
   measured slow during a passing load is tried again within a generation, and probing costs
-  next to nothing on a machine whose load stays as it is.
+  next to nothing on a machine whose load stays as it is;
+- counts above the cores other work leaves free are never used nor tried (`load`): the cores
+  other processes kept busy (/proc/stat, flylocal.decoding.costs.meter) over the last second or
+  so of decoding, rounded, are taken off. On a core another runnable process shares, a thread
+  that waits for its peers at each of a decode's hundreds of barriers waits a scheduler slice
+  there: measured with two unpinned busy loops on 2 cores, a single-token decode on 2 threads
+  took 16 ms most times, but 100-180 ms every few decodes, and up to 3 s in a process that
+  started on 2 (1 thread: 12-24 ms). A median of a few decodes does not see that, and one trial
+  can cost seconds, so the load decides which counts are worth trying at all.
+
+What happened is kept (`report`): the decodes at each count and every move, with its reason.
 
 Its time is the seconds of decoding observed (`decoded_s`), so the controller is deterministic given its
 timings (tests feed it made-up ones).
@@ -44,6 +54,7 @@ BUDGET = 0.015          # share of decoding time re-checks may lose: after one t
 RECENT = 5              # the current count's last decodes, compared with a trial's
 KEEP = 600.0            # seconds a count settled on is worth starting the next process from:
                         # load outlives a process, not a long pause (and the next process checks)
+PATIENCE = 120.0        # most seconds of decoding between re-checks when the last one was costly
 
 
 def candidates(cores: int) -> list[int]:
@@ -62,14 +73,26 @@ def median(values) -> float:
     return ordered[len(ordered) // 2]
 
 
+def free_cores(cores: int, busy: float | None) -> int:
+    """The most threads worth running when other processes kept `busy` of `cores` cores busy
+    (None: not known, all of them)."""
+    if busy is None or not math.isfinite(busy):
+        return cores
+    return max(1, cores - int(math.floor(busy + 0.5)))
+
+
 class ThreadControl:
-    def __init__(self, counts: list[int], start: int | None = None, on_settle=None):
-        """`start`: the count to begin on (default: the most); `on_settle(home)` is called each
-        time a re-check ends (the count kept, moved to or not)."""
+    def __init__(self, counts: list[int], start: int | None = None, on_settle=None, why: str = "all cores"):
+        """`start`: the count to begin on (default: the most), and `why` it was chosen;
+        `on_settle(home)` is called each time a re-check ends (the count kept, moved to or not)."""
         self.on_settle = on_settle
         self.counts = sorted(set(counts))
         self.home = start if start in self.counts else self.counts[-1]   # the count in use
         self.current = self.home               # the count of the next decode (home, or one on trial)
+        self.limit = self.counts[-1]           # the most threads the cores other work leaves free allow
+        self.busy: float | None = None         # cores other processes kept busy, last measured
+        self.used: dict[int, int] = {}         # count -> decodes observed at it
+        self.log: list[dict] = [{"at_s": 0.0, "count": self.home, "why": why}]
         self.speed: dict[int, float] = {}      # count -> seconds of a single-row step, last measured
         self.recent: list[float] = []          # the home count's last RECENT steps
         self.reference: float | None = None    # their median when the home count was last confirmed
@@ -88,6 +111,7 @@ class ThreadControl:
         if not (step > 0 and math.isfinite(step) and seconds > 0 and math.isfinite(seconds)):
             return self.current
         self.decoded_s += seconds
+        self.used[self.current] = self.used.get(self.current, 0) + 1
         if self.current != self.home:
             self.lost += max(seconds * (1 - self.speed[self.home] / step), 0.0)
             self._trial(step)
@@ -101,13 +125,51 @@ class ThreadControl:
         changed = not (self.reference / CHANGE < now < self.reference * CHANGE)
         if changed:
             self.kept = 0
-        if (changed or self.decoded_s >= self.next_check) and len(self.counts) > 1:
-            i = self.counts.index(self.home)
-            self.trying = sorted((c for c in self.counts if c != self.home),
-                                 key=lambda c: abs(self.counts.index(c) - i))     # nearest first
+        allowed = self.allowed()
+        if (changed or self.decoded_s >= self.next_check) and len(allowed) > 1:
+            i = allowed.index(self.home)
+            self.trying = sorted((c for c in allowed if c != self.home),
+                                 key=lambda c: abs(allowed.index(c) - i))         # nearest first
             self.current = self.trying.pop(0)
             self.lost = 0.0
         return self.current
+
+    def allowed(self) -> list[int]:
+        """The counts worth using now: those the cores other work leaves free allow."""
+        return [c for c in self.counts if c <= self.limit] or self.counts[:1]
+
+    def load(self, busy: float | None) -> int:
+        """Fold in how many cores other processes kept busy lately (None: unknown, no change).
+        A count above what they leave free is dropped at once, a trial of one ends; when the
+        load lifts, the counts it allows are tried at the next decode. Returns the count for
+        the next decode."""
+        if busy is None or not math.isfinite(busy):
+            return self.current
+        self.busy = busy
+        limit = free_cores(self.counts[-1], busy)
+        if limit == self.limit:
+            return self.current
+        lifted, self.limit = limit > self.limit, limit
+        if lifted:
+            self.next_check = self.decoded_s               # try what the load allows again
+            return self.current
+        if self.current > limit and self.current != self.home:        # a trial above it: ended
+            self.trying, self.samples, self.current = [], [], self.home
+        self.trying = [c for c in self.trying if c <= limit]
+        if self.home > limit:
+            self._move(max(self.allowed()), f"other processes kept {busy:.1f} cores busy")
+            self.current = self.home
+        return self.current
+
+    def _move(self, count: int, why: str) -> None:
+        self.home = count
+        self.moves += 1
+        self.kept = 0
+        self.recent, self.reference = [], None
+        self.next_check = self.decoded_s
+        self.log.append({"at_s": round(self.decoded_s, 3), "count": count, "why": why})
+        if self.on_settle is not None:
+            self.on_settle(count)
 
     def _trial(self, step: float) -> None:
         self.samples.append(step)
@@ -118,18 +180,20 @@ class ThreadControl:
         if self.trying:
             self.current = self.trying.pop(0)
             return
-        best = min(self.speed, key=self.speed.get)
+        allowed = self.allowed()
+        best = min((c for c in self.speed if c in allowed), key=self.speed.get)
         if self.speed[best] < (1 - MARGIN) * self.speed[self.home]:
-            self.home = best                   # moved: measure it, then look around again soon
-            self.moves += 1
-            self.kept = 0
-            self.recent, self.reference = [], None
-            self.next_check = self.decoded_s
-        else:
-            self.reference = self.speed[self.home]
-            wait = max(self.lost / BUDGET, RECHECK[0] * 2 ** min(self.kept, 8))
-            self.next_check = self.decoded_s + min(wait, RECHECK[1])
-            self.kept += 1
+            # moved: measure it, then look around again soon
+            self._move(best, f"measured faster: {1e3 * self.speed[best]:.1f} ms a step against "
+                             f"{1e3 * self.speed[self.home]:.1f} at {self.home}")
+            self.current = self.home
+            return
+        self.reference = self.speed[self.home]
+        # A costly re-check waits until it is within BUDGET of the decoding time again, however
+        # long (a trial on a shared core can cost seconds); a cheap one backs off up to RECHECK.
+        wait = max(min(self.lost / BUDGET, PATIENCE), min(RECHECK[0] * 2 ** min(self.kept, 8), RECHECK[1]))
+        self.next_check = self.decoded_s + wait
+        self.kept += 1
         self.current = self.home
         if self.on_settle is not None:
             self.on_settle(self.home)
@@ -138,15 +202,24 @@ class ThreadControl:
         """Start from a quick measurement of single steps at each count (before any prompt, in a
         process that knows nothing yet): the fastest becomes the count in use, and the usual
         re-check still follows within the first decodes. Returns it."""
-        speeds = {c: s for c, s in speeds.items() if c in self.counts and s > 0 and math.isfinite(s)}
+        speeds = {c: s for c, s in speeds.items() if c in self.allowed() and s > 0 and math.isfinite(s)}
         if not speeds:
             return self.current
         self.speed.update(speeds)
         self.home = self.current = min(speeds, key=speeds.get)
         self.recent, self.reference, self.next_check = [], None, self.decoded_s
+        self.log.append({"at_s": round(self.decoded_s, 3), "count": self.home,
+                         "why": "measured fastest before the first prompt: "
+                                + ", ".join(f"{c}: {1e3 * s:.1f} ms" for c, s in sorted(speeds.items()))})
         if self.on_settle is not None:
             self.on_settle(self.home)
         return self.home
+
+    def report(self) -> dict:
+        """What the run used: the count now, decodes at each count, other processes' load last
+        measured (cores), and each move with its reason (`at_s`: seconds of decoding before it)."""
+        return {"count": self.home, "decodes": {str(c): n for c, n in sorted(self.used.items())},
+                "busy_cores": None if self.busy is None else round(self.busy, 2), "moves": list(self.log)}
 
     def rates(self) -> dict[int, float]:
         """Single-row steps per second last measured at each count tried."""
@@ -166,14 +239,23 @@ def _cores_key() -> str:
         return str(os.cpu_count() or 1)
 
 
+def known_record() -> tuple[int, float] | None:
+    """(count, when: seconds since the epoch) the last process on these cores settled on,
+    however long ago; None when nothing readable is kept."""
+    try:
+        record = json.loads(_known_path().read_text()).get(_cores_key())
+        return int(record["count"]), float(record["at"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
 def known_count(counts: list[int], clock=time.time) -> int | None:
     """The count the last process on these cores settled on, if that was within KEEP seconds
     and it is one of `counts`; None otherwise (nothing kept, too old, unreadable)."""
-    try:
-        record = json.loads(_known_path().read_text()).get(_cores_key())
-        count, at = int(record["count"]), float(record["at"])
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    record = known_record()
+    if record is None:
         return None
+    count, at = record
     return count if count in counts and 0 <= clock() - at <= KEEP else None
 
 

@@ -1,6 +1,7 @@
 """Busy loops for benchmarks that measure flylocal on a loaded machine: one process per core,
-pinned to it, spinning until a deadline (and killed when the `busy` block ends, or when the
-script that started them is stopped)."""
+pinned to it (`busy`), or processes the scheduler may move between cores (`unpinned`),
+spinning until a deadline (and killed when the block ends, or when the script that started
+them is stopped)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ LOAD_LIMIT_S = 900        # a busy loop ends by itself after this, whatever happ
 
 SPIN = """
 import os, sys, time
-os.sched_setaffinity(0, {int(sys.argv[1])})
+if int(sys.argv[1]) >= 0:
+    os.sched_setaffinity(0, {int(sys.argv[1])})
 end = time.monotonic() + float(sys.argv[2])
 while time.monotonic() < end:
     pass
@@ -32,3 +34,36 @@ def busy(cores: list[int]):
             p.kill()
         for p in procs:
             p.wait()
+
+
+@contextlib.contextmanager
+def unpinned(n: int):
+    """`n` busy loops the scheduler may move between cores, bounded in time, ended on leaving."""
+    with busy([-1] * n):
+        yield
+
+
+@contextlib.contextmanager
+def command(argv: list[str]):
+    """A real neighbour: `argv` run over and over until the block ends (then killed)."""
+    loop = subprocess.Popen([sys.executable, "-c", RERUN, str(LOAD_LIMIT_S), *argv],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        time.sleep(1.0)
+        yield
+    finally:
+        import os
+        import signal
+        try:
+            os.killpg(loop.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        loop.wait()
+
+
+RERUN = """
+import subprocess, sys, time
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    subprocess.run(sys.argv[2:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=end - time.monotonic())
+"""

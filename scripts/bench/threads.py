@@ -17,7 +17,10 @@ With --whole, each measurement is instead one `flylocal generate` process, with 
 timed as a whole from its start to its exit (model load and prompt included): tokens over those
 seconds. Its cost curves and --threads auto's kept count live in this run's own folder, shared
 by the processes as a user's would be, so each auto process starts from what the last one
-learnt; one uncounted run per fixed count calibrates the curves first.
+learnt; one uncounted run per fixed count calibrates the curves first. Its conditions: idle,
+busy loops pinned to one core and to every core, one and n busy loops the scheduler may move
+between cores (unpinned), and a real neighbour (another `flylocal generate` on every core,
+over and over); the table adds auto's worst run against the best fixed count's median.
 
     .venv/bin/python scripts/bench/threads.py [--target NAME] [--drafter pld] [--max-tokens 64] [--repeat 3]
     .venv/bin/python scripts/bench/threads.py --whole [--max-tokens 96] [--repeat 5]
@@ -34,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 
-from loadgen import LOAD_LIMIT_S, busy
+from loadgen import LOAD_LIMIT_S, busy, command, unpinned
 
 from harness import ROOT
 
@@ -120,7 +123,8 @@ def generate(args, threads: str) -> tuple[float, float, int]:
     text = next(p.text for p in load_prompts(str(ROOT / "data" / "prompts.jsonl")) if p.id == PROMPT_IDS[0])
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "flylocal", "generate", "--target", args.target, "--drafter",
-                          args.drafter, "--max-tokens", str(args.max_tokens), "--threads", threads, "--json", text],
+                          args.drafter, "--verifier", "strict", "--max-tokens", str(args.max_tokens), "--threads",
+                          threads, "--json", text],
                          capture_output=True, text=True, check=True, timeout=LOAD_LIMIT_S)
     wall = time.perf_counter() - t0
     result = json.loads(out.stdout)
@@ -138,23 +142,30 @@ def whole(args) -> int:
     for value in modes.values():
         if value != "auto":
             generate(args, value)                    # calibrates the cost curve of that count, uncounted
-    conditions = {"idle": [], "one core busy": cores[:1], "all cores busy": cores}
+    # A real neighbour: another flylocal generating on every core, over and over.
+    neighbour = [sys.executable, "-m", "flylocal", "generate", "--target", args.target, "--threads", str(n),
+                 "--max-tokens", "256", "Write a long story about a lighthouse keeper."]
+    conditions = {"idle": busy([]), "one core busy, pinned": busy(cores[:1]), "all cores busy, pinned": busy(cores),
+                  "one busy loop, unpinned": unpinned(1), f"{n} busy loops, unpinned": unpinned(n),
+                  "another flylocal on every core": command(neighbour)}
     print(f"target {args.target}, drafter {args.drafter}, {args.max_tokens} tokens, {n} cores, repeat {args.repeat}: "
           "one `flylocal generate` process per run, tokens / its whole wall time (decode tokens/s in brackets), "
-          "medians")
-    print(f"| condition | {' | '.join(modes)} | auto / best fixed | auto's threads at the end |")
-    print("|---" * (len(modes) + 3) + "|", flush=True)
-    for condition, loaded in conditions.items():
+          "medians, and auto's worst run against the best fixed count's median")
+    print(f"| condition | {' | '.join(modes)} | auto / best fixed | auto's worst / best fixed | auto's threads at the end |")
+    print("|---" * (len(modes) + 4) + "|", flush=True)
+    for condition, load in conditions.items():
         runs = {mode: [] for mode in modes}
-        with busy(loaded):
+        with load:
             for _ in range(args.repeat):
                 for mode, value in modes.items():
                     runs[mode].append(generate(args, value))
         med = {mode: statistics.median(r[0] for r in v) for mode, v in runs.items()}
         dec = {mode: statistics.median(r[1] for r in v) for mode, v in runs.items()}
         best = max(med[m] for m in modes if m != "auto")
+        worst = min(r[0] for r in runs["auto"])
         print(f"| {condition} | " + " | ".join(f"{med[m]:.1f} ({dec[m]:.1f})" for m in modes)
-              + f" | {med['auto'] / best:.2f} | " + ", ".join(str(r[2]) for r in runs["auto"]) + " |", flush=True)
+              + f" | {med['auto'] / best:.2f} | {worst / best:.2f} | " + ", ".join(str(r[2]) for r in runs["auto"])
+              + " |", flush=True)
     return 0
 
 

@@ -39,6 +39,10 @@ class CpuLoad:
     def start(self) -> None:
         self._start = self._read()
 
+    def elapsed(self) -> float | None:
+        """Seconds since `start` (None: not started, or /proc/stat unreadable)."""
+        return None if self._start is None else time.monotonic() - self._start[0]
+
     def stop(self) -> float | None:
         end = self._read()
         if self._start is None or end is None:
