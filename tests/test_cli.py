@@ -35,8 +35,11 @@ def test_json_output_contract():
     done = flylocal("generate", PROMPT, "--max-tokens", "24", "--json")
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    assert set(out) == {"text", "tokens", "prompt_tokens", "build", "threads", "stats"}
+    assert set(out) == {"text", "tokens", "prompt_tokens", "build", "threads", "thread_use", "stats"}
     assert 1 <= out["threads"] <= len(os.sched_getaffinity(0))
+    use = out["thread_use"]           # --threads auto: what it used and why (docs/design.md, "Threads")
+    assert use["count"] == out["threads"] and use["moves"] and all(m["why"] for m in use["moves"])
+    assert sum(use["decodes"].values()) > 0 and all(1 <= int(c) <= len(os.sched_getaffinity(0)) for c in use["decodes"])
     assert out["text"] and len(out["tokens"]) <= 24 and out["prompt_tokens"] > 5
     for key in ("rounds", "drafted", "accepted", "loose", "emitted", "mean_accepted_length",
                 "prefill_s", "wall_s", "target_s", "draft_s", "verify_s", "tokens_per_s"):
