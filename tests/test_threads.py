@@ -381,6 +381,7 @@ def test_a_costly_recheck_waits_its_budget_past_the_backoff_cap():
         assert control.observe(0.02, 0.02) == 1
 
 
+@pytest.mark.slow
 def test_a_busy_machine_skips_the_probe_and_starts_on_the_free_cores(tmp_path, monkeypatch, all_cores):
     """Other processes keep every core busy before the first prompt: no count above one is
     timed (a decode on a shared core can cost seconds), the prompt runs on one thread, and
@@ -402,6 +403,7 @@ def test_a_busy_machine_skips_the_probe_and_starts_on_the_free_cores(tmp_path, m
         assert report["busy_cores"] == cores and "cores busy" in report["moves"][-1]["why"]
 
 
+@pytest.mark.slow
 def test_doctor_says_what_the_last_process_settled_on_and_when(tmp_path, monkeypatch):
     from flylocal.front.doctor import cache_report, kept_threads_line
     from flylocal.llama import threads
