@@ -157,6 +157,7 @@ class ThreadControl:
             self.trying, self.samples, self.current = [], [], self.home
         self.trying = [c for c in self.trying if c <= limit]
         if self.home > limit:
+            self.trying, self.samples = [], []             # a re-check under way ends with the move
             self._move(max(self.allowed()), f"other processes kept {busy:.1f} cores busy")
             self.current = self.home
         return self.current
