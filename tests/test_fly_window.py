@@ -108,20 +108,28 @@ def reference(case, drafts: list[list[int]]) -> tuple[list[int], list[int], list
     return ctx, out, kept
 
 
+def checked_run(case):
+    """(the engine's run of `case`, checked round by round; the problem, or None; the reference's
+    kept loose tokens). A run that ended by itself is compared with the reference, token by token."""
+    run, kept = run_engine(case), []
+    if run.problem:
+        return run, run.problem, kept
+    if run.stats.stop in ("eog", "max_tokens", "context"):
+        ctx, out, kept = reference(case, [t["draft"] for t in run.traces])
+        if (run.context, run.tokens) != (ctx, out):
+            return run, f"output {run.tokens}, the reference's {out}", kept
+    return run, None, kept
+
+
 def test_the_engine_follows_the_reference_and_keeps_only_what_the_rule_allows():
     failures, loose, retracted, idle = [], 0, 0, 0
     for seed in range(N_CASES):
         case = across_case(seed)
-        run = run_engine(case)
+        run, problem, kept = checked_run(case)
         where = f"seed {seed}, {case}"
-        if run.problem:
-            failures.append(f"{where}: {run.problem}")
+        if problem:
+            failures.append(f"{where}: {problem}")
             continue
-        if run.stats.stop in ("eog", "max_tokens", "context"):
-            ctx, out, kept = reference(case, [t["draft"] for t in run.traces])
-            if (run.context, run.tokens) != (ctx, out):
-                failures.append(f"{where}: output {run.tokens}, the reference's {out}")
-                continue
         # every kept loose token: the gate was open and W-1 native matches followed it
         lm, n_prompt = LMS[case.lm], len(case.prompt)
         for P, token in kept:
@@ -149,14 +157,10 @@ def test_the_targets_end_of_generation_is_never_overridden():
         rng = np.random.default_rng([seed, 11])
         case = replace(case, drafter="oracle", p_corrupt=0.5, p_eog=0.0,
                        fly=replace(case.fly, window=int(rng.integers(1, 3)), entropy=0.0, topk=64, candidates=True))
-        run = run_engine(case)
-        if run.problem:
-            failures.append(f"seed {seed}, {case}: {run.problem}")
+        run, problem, _ = checked_run(case)
+        if problem:
+            failures.append(f"seed {seed}, {case}: {problem}")
             continue
-        if run.stats.stop in ("eog", "max_tokens", "context"):
-            ctx, out, _ = reference(case, [t["draft"] for t in run.traces])
-            if (run.context, run.tokens) != (ctx, out):
-                failures.append(f"seed {seed}, {case}: output {run.tokens}, the reference's {out}")
         lm = LMS[case.lm]
         held += any(t["accepted"] < len(t["draft"]) and lm.is_eog(t["target_argmax"][t["accepted"]])
                     and t["draft"][t["accepted"]] != t["target_argmax"][t["accepted"]] for t in run.traces)
