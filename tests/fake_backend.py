@@ -276,3 +276,73 @@ def controlled(oracle: NoisyOracle, k: int, target: FakeTarget, learned=None):
     from flylocal.decoding.drafters.length import LengthControl
 
     return LengthControl(oracle, oracle.level_prior, k, target.costs, learned)
+
+
+def equal_split(rows: dict[int, int]) -> list[int]:
+    """How llama.cpp runs a decode over sequences with a cache of its own each (measured:
+    docs/design.md, "Several requests at once"): computations over a run of consecutive
+    sequence ids, each taking as many tokens from every one of them as the one with fewest
+    has left."""
+    left = {s: n for s, n in rows.items() if n > 0}
+    out = []
+    while left:
+        s = min(left)
+        run = [s]
+        while run[-1] + 1 in left:
+            run.append(run[-1] + 1)
+        step = min(left[t] for t in run)
+        out.append(step * len(run))
+        for t in run:
+            left[t] -= step
+            if not left[t]:
+                del left[t]
+    return out
+
+
+class FakeSequences:
+    """The Sequences contract (flylocal.decoding.contracts) over `n_seq` FakeTargets of one
+    FakeLM, one cost curve and one Machine: a shared decode costs the sum of the curve over
+    its computations (`equal_split`). `decodes` counts shared decodes, `parts` each one's
+    (seq, rows) for the tests to read."""
+
+    def __init__(self, lm: FakeLM, n_seq: int, n_ctx: int = 64, n_batch: int = 64,
+                 costs: CostCurve | None = None, machine: Machine | None = None):
+        self.lm, self.n_seq, self.n_ctx, self.n_batch = lm, n_seq, n_ctx, n_batch
+        self.n_vocab, self.eog_mask = lm.n_vocab, lm.eog_mask
+        self.costs = costs if costs is not None else fixed_costs(rows=n_batch)
+        self.machine = machine
+        self.seqs = [FakeTarget(lm, n_ctx, n_batch, self.costs, machine) for _ in range(n_seq)]
+        self.decodes = 0
+        self.parts: list[list[tuple[int, int]]] = []
+
+    def sequence(self, seq: int) -> FakeTarget:
+        return self.seqs[seq]
+
+    def cached(self, seq: int) -> np.ndarray:
+        return self.seqs[seq].tokens
+
+    def split(self, rows: dict[int, int]) -> list[int]:
+        return equal_split(rows)
+
+    def decode_batch(self, parts):
+        seqs = [s for s, _, _ in parts]
+        if len(set(seqs)) != len(seqs) or any(not 0 <= s < self.n_seq for s in seqs):
+            raise ValueError(f"sequences {seqs}: each once, in 0..{self.n_seq - 1}")
+        total = sum(len(t) for _, t, _ in parts)
+        if total > self.n_batch:
+            raise ValueError(f"{total} tokens in one decode; at most n_batch={self.n_batch}")
+        out = []
+        for s, tokens, first in parts:
+            target = self.seqs[s]
+            target.machine = None               # the shared decode is charged once, below
+            try:
+                out.append(target.decode(tokens, first))
+            finally:
+                target.machine = self.machine
+        if self.machine is not None:
+            single = self.machine.step
+            self.machine.now += sum(single * self.machine.shape(n) for n in equal_split(
+                {s: len(t) for s, t, _ in parts}))
+        self.decodes += 1
+        self.parts.append([(s, len(t)) for s, t, _ in parts])
+        return out

@@ -82,6 +82,12 @@ class DraftLength:
         expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(alpha))])   # [k+1]: E(0..k)
         return expected / self.curve.cost(k + 1)
 
+    def reach(self, level: int, k: int) -> np.ndarray:
+        """[k] float64: the chance that the first j+1 of k proposed tokens at `level` are all accepted."""
+        k = max(min(k, self.k_max), 0)
+        row = level + self.levels * self.streak
+        return np.cumprod(self.hits[row, :k] / self.tries[row, :k])
+
     def best(self, level: int, available: int) -> int:
         """The draft length, of `available` proposed tokens, expected to commit the most tokens
         per second. Acceptance is measured as committed, so a loose verifier's extra acceptance
@@ -203,6 +209,10 @@ class ModelDraftLength:
         rate = expected / (j * self.step_s() + self.target_costs.cost(k + 1))
         best = int(np.argmax(rate))
         return float(rate[best]), best
+
+    def reach(self, levels: list[int]) -> np.ndarray:
+        """[k] float64: the chance that the first j+1 tokens of a model draft with these levels are accepted."""
+        return np.cumprod(self.hits[levels] / self.tries[levels]) if len(levels) else np.zeros(0)
 
     def keep_going(self, levels: list[int], p: float) -> bool:
         """Whether to keep the draft's next token (confidence `p`) after `levels` kept ones, and

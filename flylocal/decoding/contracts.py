@@ -105,6 +105,37 @@ class Target(Protocol):
         return contextlib.nullcontext()
 
 
+class Sequences(Protocol):
+    """One cache holding several sequences, each its own Target (`sequence(s)`: its own cells,
+    n_past, rollback and prefix reuse), and a decode that appends to several of them at once
+    (flylocal.decoding.batch). `Runtime` with `n_seq` > 1 and the tests' in-memory target
+    satisfy it. No cell of one sequence is visible to another."""
+
+    n_seq: int
+    n_batch: int
+    costs: CostCurve           # one decode's cost by rows (`split` says how a shared decode is run)
+
+    def sequence(self, seq: int) -> Target:
+        """Sequence `seq` (0 <= seq < n_seq) as a Target of its own."""
+        ...
+
+    def cached(self, seq: int) -> np.ndarray:
+        """The token ids sequence `seq`'s cells hold [n_past] int32."""
+        ...
+
+    def decode_batch(self, parts: list[tuple[int, np.ndarray, int | None]]) -> list[np.ndarray | None]:
+        """One decode of every part (seq, tokens [n] int32, logits_from), each part appended to
+        its own sequence: a part's logits (rows logits_from:, [rows, n_vocab] float32, valid until
+        the next decode; None when logits_from is None). At most n_batch tokens in all; a
+        sequence appears in one part at most."""
+        ...
+
+    def split(self, rows: dict[int, int]) -> list[int]:
+        """The row counts of the computations a decode of `rows` (sequence -> tokens) runs as:
+        what it costs is the sum of the cost curve at each."""
+        ...
+
+
 # ----- drafters -----
 
 @dataclass(frozen=True)
@@ -125,6 +156,7 @@ class Draft:
 
 
 NO_DRAFT = Draft(EMPTY)
+PRIOR_REACH = 0.6       # a drafter with no measurements: each token's chance of acceptance
 
 
 class Drafter(Protocol):
@@ -153,6 +185,18 @@ class Drafter(Protocol):
 
     def end(self, output: list[int]) -> None:
         """The request ended with these output ids (prompt lookup remembers them)."""
+
+    def reach(self, draft: Draft) -> np.ndarray:
+        """[k] float64: for each j, the chance that the first j+1 tokens of `draft` (one of its own
+        proposals) are all accepted, as its draft-length control has measured it. A decode
+        shared by several requests hands out its rows by it (flylocal.decoding.batch). Without
+        measurements: a prior of PRIOR_REACH per token."""
+        return PRIOR_REACH ** np.arange(1, len(draft.tokens) + 1, dtype=np.float64)
+
+    def share(self, shared: bool) -> None:
+        """Whether this drafter's rounds share their decode with other requests' (flylocal.decoding.batch).
+        There the rows are handed out across requests by `reach`, so a drafter under draft-length
+        control proposes everything worth verifying and leaves the cut to that allotment."""
 
     def controllers(self) -> tuple:
         """The draft-length controllers this drafter decides with (flylocal.decoding.adaptive),

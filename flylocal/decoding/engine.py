@@ -85,6 +85,9 @@ class Request:
                                                 # provisional token's position in `context`
         self.held: list[tuple] = []             # (token, kind, logprobs entry) committed from P on
         self.window_accepted = 0                # draft tokens accepted from P on
+        self.gen = gen
+        self.source: str | None = None          # where the target's cost curve came from (`Engine.prefill`)
+        self.closed = False                     # `Engine.stop` has run
 
     @property
     def produced(self) -> int:
@@ -165,6 +168,28 @@ class Engine:
         return Generation(self, prompt, on_end, grammar)
 
     def _rounds(self, prompt: np.ndarray, gen: Generation) -> Iterator[RoundEvent]:
+        req = self.start(prompt, gen)
+        try:
+            self.prefill(req)
+            while (r := self.plan(req)) is not None:
+                t0 = self.clock()
+                tokens = self.rows(req, r)
+                self.scored(req, r, self.target.decode(tokens, logits_from=r.head), self.clock() - t0)
+                yield self.settle(req, r)
+        except GeneratorExit:
+            self.stop(req, req.stats.stop or "interrupted")     # closed after its last event: it had ended
+            raise
+        except KeyboardInterrupt:
+            self.stop(req, "interrupted")
+            raise
+        except BaseException:
+            self.stop(req, "error")
+            raise
+        self.stop(req)
+
+    # ----- a request's steps: `_rounds` runs them alone, flylocal.decoding.batch beside others' -----
+    def start(self, prompt: np.ndarray, gen: Generation) -> Request:
+        """A request's record, its drafter and verifier begun. `stop` ends it, however it ends."""
         # The randomness of a position depends on the seed and the position only (no seed: a
         # fresh one per request), so drafting cannot change what is sampled.
         seed = self.config.sampling.seed
@@ -174,32 +199,60 @@ class Engine:
             curve.pin(self.config.pin_costs)
         self.drafter.begin()
         self.verifier.begin()
-        source = None                  # where the target's cost curve came from, once it is known
-        try:
-            source = self._prefill(req)
-            while not self._finished(req):
-                r = self._draft(req)
-                self._score(req, r)
-                self._decide(req, r)
-                self._commit(req, r)
-                yield self._account(req, r)
-        except GeneratorExit:
-            req.stats.stop = req.stats.stop or "interrupted"     # closed after its last event: it had ended
-            raise
-        except KeyboardInterrupt:
-            req.stats.stop = "interrupted"
-            raise
-        except BaseException:
-            req.stats.stop = "error"
-            raise
-        finally:
-            for curve in self.curves:
-                curve.pin(False)
-            if source is not None:
-                req.stats.cost_curve = self.costs.report() | {"source": source}
-            req.stats.wall_s = self.clock() - req.started
-            self.drafter.end(req.out)
-            gen._end()
+        return req
+
+    def prefill(self, req: Request) -> None:
+        """Keep what the cache holds of the prompt (`_prefill`); the prompt's tail is `req.head`."""
+        req.source = self._prefill(req)
+
+    def plan(self, req: Request) -> Round | None:
+        """The next round with its draft, or None when the request has stopped."""
+        return None if self._finished(req) else self._draft(req)
+
+    def rows(self, req: Request, r: Round) -> np.ndarray:
+        """The round's decode: [prompt's tail on the first round, last, *draft] int32, logits
+        wanted from row `r.head` on."""
+        h = len(req.head)
+        batch = np.empty(h + len(r.draft) + 1, dtype=np.int32)
+        batch[:h] = req.head
+        batch[h] = req.context[req.n - 1]
+        batch[h + 1:] = r.draft
+        r.head, r.n_past = h, self.target.n_past
+        return batch
+
+    def scored(self, req: Request, r: Round, logits: np.ndarray, seconds: float) -> None:
+        """The decode of `rows` gave `logits` [k+1, n_vocab] in `seconds`."""
+        r.logits, r.score_s = logits, seconds
+        r.n_past += r.head
+        r.threads = getattr(self.target, "decoded_on", None)     # a CPU context's thread count, for the trace
+        if not r.index:                # the prompt is in: the first round's tokens are its answer
+            req.stats.prefill_s = self.clock() - req.started
+            req.head = req.head[:0]
+        if req.constraint is not None:
+            t1 = self.clock()
+            req.constraint.restrict(r.logits, r.draft)
+            r.mask_s = self.clock() - t1
+
+    def settle(self, req: Request, r: Round) -> RoundEvent:
+        """Decide, commit and account a scored round: its event."""
+        self._decide(req, r)
+        self._commit(req, r)
+        return self._account(req, r)
+
+    def stop(self, req: Request, why: str | None = None) -> None:
+        """The request ends (`why`: the stop reason when it did not end by itself)."""
+        if req.closed:
+            return
+        req.closed = True
+        if why is not None:
+            req.stats.stop = why
+        for curve in self.curves:
+            curve.pin(False)
+        if req.source is not None:
+            req.stats.cost_curve = self.costs.report() | {"source": req.source}
+        req.stats.wall_s = self.clock() - req.started
+        self.drafter.end(req.out)
+        req.gen._end()
 
     # ----- before the first round -----
     def _prefill(self, req: Request) -> str | None:
@@ -256,28 +309,6 @@ class Engine:
             draft = draft[: constraint.allowed(draft)]
             f = min(f, len(draft))
         return Round(req.stats.rounds, proposal, draft, forced=f, draft_s=clock() - t0)
-
-    def _score(self, req: Request, r: Round) -> None:
-        """One decode of [prompt's tail on the first round, last, *draft], with logits for the
-        round's k+1 rows; under a grammar, the rows restricted to what it allows."""
-        target, clock = self.target, self.clock
-        t0 = clock()
-        h = len(req.head)
-        batch = np.empty(h + len(r.draft) + 1, dtype=np.int32)
-        batch[:h] = req.head
-        batch[h] = req.context[req.n - 1]
-        batch[h + 1:] = r.draft
-        r.head, r.n_past = h, target.n_past + h
-        r.logits = target.decode(batch, logits_from=h)          # [k+1, n_vocab]
-        t1 = clock()
-        r.score_s = t1 - t0
-        r.threads = getattr(target, "decoded_on", None)          # a CPU context's thread count, for the trace
-        if not r.index:                # the prompt is in: the first round's tokens are its answer
-            req.stats.prefill_s = t1 - req.started
-            req.head = req.head[:0]
-        if req.constraint is not None:
-            req.constraint.restrict(r.logits, r.draft)
-            r.mask_s = clock() - t1
 
     def _decide(self, req: Request, r: Round) -> None:
         """a[0..k]: the target's token at each position, its argmax at temperature 0 and its
@@ -370,7 +401,8 @@ class Engine:
             own = len(r.draft) - f
             verified = proposal if own == len(proposal.tokens) else proposal.cut(own)
             self.drafter.observe(verified, accepted - f)
-        if self.costs is not None and not r.head:    # the decode's cost (a grammar's masks are not the target's)
+        if self.costs is not None and not r.head and not r.shared:    # the decode's cost (a grammar's masks are not
+                                                                      # the target's; a shared decode: the batch's)
             self.costs.update(len(r.draft) + 1, r.score_s + r.decide_s + r.commit_s, emitted=max(r.net, 0))
         tokens = tuple(t for t, _, _ in out)
         kinds = tuple(kind for _, kind, _ in out)

@@ -33,6 +33,7 @@ class Round:
     retracted: int = 0                # tokens taken back from a provisional one on (FLy's window across rounds),
     unaccepted: int = 0               # of which draft tokens that earlier rounds (and this one) accepted
     replacement: tuple | None = None  # then (the target's token put in its place, its logprobs entry)
+    shared: bool = False              # the decode carried other requests' rows too (flylocal.decoding.batch)
     threads: int | None = None        # the CPU threads the target's decode ran on (None: not a CPU context)
     draft_s: float = 0.0              # seconds drafting,
     score_s: float = 0.0              # in the target's decode,

@@ -11,6 +11,7 @@ class RuntimeConfig:
     n_batch: int = 512
     n_threads: int | None = None   # None: auto (flylocal.llama.threads); 0: all cores; N: N threads
     n_gpu_layers: int = 0
+    n_seq: int = 1                 # sequences, each with n_ctx cells of its own (a server's --parallel slots)
     # The model's layers on these llama.cpp rpc servers ("HOST:PORT"), split by `tensor_split`
     # (proportions per remote device; empty: llama.cpp's split by free memory). Such a model
     # runs in a worker process (flylocal.llama.remote), since ggml aborts its process when a server

@@ -1,12 +1,18 @@
-"""A model's llama.cpp context: one sequence (0) in a KV cache, decoded in batches that ask
-for logits only on the rows wanted, and rolled back (docs/design.md, "The round").
+"""A model's llama.cpp context: one sequence (0), or `n_seq` of them each in a cache of its own
+(a server's slots), decoded in batches that ask for logits only on the rows wanted, and rolled
+back (docs/design.md, "The round", "Several requests at once").
 
 - `decode(tokens, logits_from)`: one batched decode; the logits of the rows from `logits_from`
   on come back as a zero-copy numpy view;
 - `truncate(n_keep)`: the one way the cache rolls back (llama_memory_seq_rm, checked, with a
   re-evaluating fallback where partial removal is refused);
 - `reuse_prefix(tokens)`: keeps the longest cached prefix of a token sequence (drafters' catch-up,
-  chat's prompt reuse).
+  chat's prompt reuse);
+- `decode_batch(parts)`: one decode appending to several sequences (flylocal.decoding.batch).
+  Each sequence has cells of its own (llama.cpp's per-sequence streams, kv_unified off): in
+  the exact build a sequence's logits are then the same whatever shares its decode (measured).
+
+Every operation takes a sequence (`seq`, 0 by default); `sequence(s)` is a Target bound to one.
 
 The context keeps the token ids its cache holds (`tokens`), so the cache can always be rebuilt
 and compared. With --threads auto, decodes of up to CONTROL_ROWS rows also steer its thread
@@ -77,10 +83,12 @@ class Context:
         self.n_vocab = n_vocab
         threads = config.n_threads or usable_cores()
         cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = config.n_ctx
+        n_seq = self.n_seq = max(config.n_seq, 1)
+        cparams.n_ctx = config.n_ctx * n_seq
         cparams.n_batch = config.n_batch
         cparams.n_ubatch = config.n_batch
-        cparams.n_seq_max = 1
+        cparams.n_seq_max = n_seq
+        cparams.kv_unified = False        # each sequence its own cells: no sequence sees another's
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         # A full-size sliding-window cache keeps every position, so rolling back a draft
@@ -97,7 +105,7 @@ class Context:
             raise ModelError(f"cannot create a context for {model.path}: {last_error()}")
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         # llama.cpp may round the context up (padding); the user's size is the limit.
-        self.n_ctx = min(config.n_ctx, llama_cpp.llama_n_ctx(self._ctx))
+        self.n_ctx = min(config.n_ctx, llama_cpp.llama_n_ctx(self._ctx) // n_seq)
         self.n_batch = llama_cpp.llama_n_batch(self._ctx)
         self.n_threads = threads
 
@@ -109,13 +117,14 @@ class Context:
         np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n,))[:] = 1
         for i in range(n):
             self._batch.seq_id[i][0] = 0
+        self._b_seq = np.zeros(n, dtype=np.int32)     # [n_batch] the sequence each row was last given
 
-        self._tokens = np.zeros(self.n_ctx, dtype=np.int32)  # [n_ctx] ids held in the KV cache
-        # `n_past` never exceeds what the cache holds. Where an exception (Ctrl-C) can land
-        # between a change to the cache and the record of it, `_unsynced` is set first, and
-        # the next cache operation drops every cell past `n_past`.
-        self.n_past = 0
-        self._unsynced = False
+        self._seq_tokens = np.zeros((n_seq, self.n_ctx), dtype=np.int32)  # [n_seq, n_ctx] ids held per sequence
+        # A sequence's `past` never exceeds what the cache holds. Where an exception (Ctrl-C) can
+        # land between a change to the cache and the record of it, the sequence goes in
+        # `_unsynced` first, and its next cache operation drops every cell past `past`.
+        self.past = [0] * n_seq
+        self._unsynced: set[int] = set()
         self._view = (None, None)                   # (the logits buffer's address, a view of it)
         # --threads auto: start on every core, then follow how fast decodes run (flylocal.llama.threads).
         # A process starts from the count the last one settled on, when that was recent, and
@@ -171,8 +180,19 @@ class Context:
             raise FlylocalError(f"{self.name} was already closed")
 
     @property
-    def tokens(self) -> np.ndarray:  # [n_past] int32, a view
-        return self._tokens[: self.n_past]
+    def n_past(self) -> int:         # of sequence 0
+        return self.past[0]
+
+    @property
+    def tokens(self) -> np.ndarray:  # [n_past] int32, a view (sequence 0)
+        return self._seq_tokens[0, : self.past[0]]
+
+    def cached(self, seq: int) -> np.ndarray:  # [past[seq]] int32, a view
+        return self._seq_tokens[seq, : self.past[seq]]
+
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < self.n_seq:
+            raise ValueError(f"sequence {seq}: this context holds sequences 0..{self.n_seq - 1}")
 
     def decode(self, tokens, logits_from: int | None = None, *, seq: int = 0) -> np.ndarray | None:
         """Append `tokens` to the cache. Return the logits of rows `logits_from:` as a
@@ -183,14 +203,16 @@ class Context:
         and the requested rows together: a prompt's tail and the first round cost one decode
         (docs/design.md, "The round"). `logits_from=None` asks for none.
         """
-        if seq:
-            one_sequence(seq)
+        self._check_seq(seq)
         self._check_open()
-        self._sync()
-        tokens, start, rows = decode_args(tokens, logits_from, self.n_past, self.n_ctx, self.n_batch)
+        self._sync(seq)
+        tokens, start, rows = decode_args(tokens, logits_from, self.past[seq], self.n_ctx, self.n_batch)
         n = len(tokens)
-        steer = self.thread_control is not None and not self._steady and start == 0 and 0 < rows <= CONTROL_ROWS
-        if start and self.thread_control is not None and not self._steady:
+        control = self.thread_control is not None and not self._steady
+        steer = control and start == 0 and 0 < rows <= CONTROL_ROWS and self.n_seq == 1
+        if control and not steer:
+            self._read_load()
+        if start and control:
             self._read_load(force=True)
             if not self._probed:
                 self._probe_threads(int(tokens[0]))
@@ -198,12 +220,12 @@ class Context:
         i = 0
         while i < start and (n - i > self.n_batch or start >= n):
             j = min(start, i + self.n_batch)
-            self._decode_chunk(tokens[i:j], logits_from=j - i)
+            self._decode_chunk(tokens[i:j], logits_from=j - i, seq=seq)
             i = j
         if start >= n:
             return None
         if not steer:
-            self._decode_chunk(tokens[i:], logits_from=start - i)
+            self._decode_chunk(tokens[i:], logits_from=start - i, seq=seq)
         else:
             self._read_load()
             self._use_threads(self.thread_control.current)
@@ -240,27 +262,88 @@ class Context:
             self._view = address, view
         return view[:rows]
 
-    def _decode_chunk(self, chunk: np.ndarray, logits_from: int) -> None:
-        """One llama_decode of `chunk` (at most n_batch tokens), with logits for rows `logits_from:`."""
+    def _decode_chunk(self, chunk: np.ndarray, logits_from: int, seq: int = 0) -> None:
+        """One llama_decode of `chunk` (at most n_batch tokens) on sequence `seq`, with logits for
+        rows `logits_from:`."""
         m = len(chunk)
-        p0 = self.n_past
+        p0 = self.past[seq]
         self._b_token[:m] = chunk
         self._b_pos[:m] = np.arange(p0, p0 + m, dtype=np.int32)
         self._b_logits[:logits_from] = 0
         self._b_logits[logits_from:m] = 1
+        self._set_seqs(0, m, seq)
+        self._seq_tokens[seq, p0 : p0 + m] = chunk   # past `past`: not yet claimed as cached
+        self._run(m, (seq,))
+        self.past[seq] = p0 + m
+        self._unsynced.discard(seq)                  # ... until here (`_run`)
+
+    def _set_seqs(self, i: int, j: int, seq: int) -> None:
+        """Rows i..j-1 of the batch belong to sequence `seq`."""
+        rows = np.flatnonzero(self._b_seq[i:j] != seq)
+        if rows.size:
+            for r in (rows + i).tolist():
+                self._batch.seq_id[r][0] = seq
+            self._b_seq[i:j] = seq
+
+    def _run(self, m: int, seqs) -> None:
+        """llama_decode of the batch's first m rows, which append to `seqs`."""
         self._batch.n_tokens = m
         self.decoded_on = self.n_threads
-        self._tokens[p0 : p0 + m] = chunk      # past n_past: not yet claimed as cached
-        self._unsynced = True                  # the cache may hold more than n_past from here ...
+        self._unsynced.update(seqs)            # their caches may hold more than `past` from here ...
         with interrupts_deferred():            # llama.cpp logs from inside a decode now and then
             rc = llama_cpp.llama_decode(self._ctx, self._batch)
         if rc != 0:
             # llama.cpp keeps the cells it wrote for earlier ubatches; _sync drops them.
-            self._sync()
+            for seq in seqs:
+                self._sync(seq)
             reason = {1: "no KV cache slot (context full)", 2: "aborted"}.get(rc, f"error {rc}")
             raise FlylocalError(f"llama_decode failed on {self.name}: {reason}")
-        self.n_past = p0 + m
-        self._unsynced = False                 # ... until here
+
+    def decode_batch(self, parts: list[tuple[int, np.ndarray, int | None]]) -> list[np.ndarray | None]:
+        """One llama_decode appending each part's tokens to its sequence: part (seq, tokens,
+        logits_from); each part's logits (rows logits_from:) as views [rows, n_vocab] float32
+        valid until the next decode, None where logits_from is None (flylocal.decoding.contracts.Sequences)."""
+        self._check_open()
+        seqs = [seq for seq, _, _ in parts]
+        if len(set(seqs)) != len(seqs):
+            raise ValueError(f"sequences {seqs}: each at most once in a decode")
+        i = 0
+        wanted = []
+        prepared = []
+        for seq, tokens, logits_from in parts:
+            self._check_seq(seq)
+            self._sync(seq)
+            tokens, start, rows = decode_args(tokens, logits_from, self.past[seq], self.n_ctx, self.n_batch)
+            prepared.append((seq, tokens, start, rows))
+            i += len(tokens)
+        if i > self.n_batch:
+            raise ValueError(f"{i} tokens in one decode; at most n_batch={self.n_batch}")
+        if self.thread_control is not None and not self._steady:
+            self._read_load()
+        i = 0
+        for seq, tokens, start, rows in prepared:
+            m, p0 = len(tokens), self.past[seq]
+            self._b_token[i : i + m] = tokens
+            self._b_pos[i : i + m] = np.arange(p0, p0 + m, dtype=np.int32)
+            self._b_logits[i : i + start] = 0
+            self._b_logits[i + start : i + m] = 1
+            self._set_seqs(i, i + m, seq)
+            self._seq_tokens[seq, p0 : p0 + m] = tokens
+            wanted.append(rows)
+            i += m
+        if not i:
+            return [None] * len(parts)
+        self._run(i, seqs)
+        for seq, tokens, _, _ in prepared:
+            self.past[seq] += len(tokens)
+            self._unsynced.discard(seq)
+        total = sum(wanted)
+        view = self._logits(total) if total else None
+        out, at = [], 0
+        for (_, _, logits_from), rows in zip(parts, wanted):
+            out.append(None if logits_from is None else view[at : at + rows])
+            at += rows
+        return out
 
     def _probe_threads(self, token: int, passes: int = 2) -> None:
         """--threads auto in a process that knows nothing yet: time a single-row decode at each
@@ -269,7 +352,7 @@ class Context:
         milliseconds on an idle machine, against seconds a prompt on every core of a busy one
         can lose."""
         self._probed = True
-        control, n_past = self.thread_control, self.n_past
+        control, n_past = self.thread_control, self.past[0]
         if n_past + 1 > self.n_ctx:
             return
         one = np.array([token], dtype=np.int32)
@@ -323,62 +406,56 @@ class Context:
             if not self._steady and self.n_threads != held and not self.closed:
                 self.set_threads(held)
 
-    def _sync(self) -> None:
-        """Drop cache cells past `n_past` left by an operation an exception cut short."""
-        if self._unsynced:
+    def _sync(self, seq: int = 0) -> None:
+        """Drop cache cells of `seq` past `past[seq]` left by an operation an exception cut short."""
+        if seq in self._unsynced:
             self._check_open()
-            if not self._seq_rm(self.n_past):
-                self._rebuild(self.n_past)
-            self._unsynced = False
+            if not self._seq_rm(seq, self.past[seq]):
+                self._rebuild(seq, self.past[seq])
+            self._unsynced.discard(seq)
 
     def truncate(self, n_keep: int, *, seq: int = 0) -> None:
-        """Roll the cache back to its first `n_keep` tokens: the one way flylocal rolls back."""
-        if seq:
-            one_sequence(seq)
-        self._sync()
-        if n_keep >= self.n_past:
+        """Roll sequence `seq` back to its first `n_keep` tokens: the one way flylocal rolls back."""
+        self._check_seq(seq)
+        self._sync(seq)
+        if n_keep >= self.past[seq]:
             return
         if n_keep < 0:
             raise ValueError("n_keep must be >= 0")
         self._check_open()
-        self._unsynced = True
-        self.n_past = n_keep
-        if not self._seq_rm(n_keep):
+        self._unsynced.add(seq)
+        self.past[seq] = n_keep
+        if not self._seq_rm(seq, n_keep):
             # Partial removal refused (recurrent or otherwise unrollable memory): start the
             # sequence again and re-evaluate the kept tokens, so the state stays consistent.
-            self._rebuild(n_keep)
-        self._unsynced = False
+            self._rebuild(seq, n_keep)
+        self._unsynced.discard(seq)
 
-    def _rebuild(self, n_keep: int) -> None:
-        kept = self._tokens[:n_keep].copy()
-        self.n_past = 0
-        llama_cpp.llama_memory_clear(self._mem, True)
-        self._unsynced = False
-        self.decode(kept)
+    def _rebuild(self, seq: int, n_keep: int) -> None:
+        kept = self._seq_tokens[seq, :n_keep].copy()
+        self.past[seq] = 0
+        llama_cpp.llama_memory_seq_rm(self._mem, seq, 0, -1)
+        self._unsynced.discard(seq)
+        self.decode(kept, seq=seq)
 
-    def _seq_rm(self, n_keep: int) -> bool:
-        return bool(llama_cpp.llama_memory_seq_rm(self._mem, 0, n_keep, -1))
+    def _seq_rm(self, seq: int, n_keep: int) -> bool:
+        return bool(llama_cpp.llama_memory_seq_rm(self._mem, seq, n_keep, -1))
 
     def reset(self) -> None:
         self._check_open()
-        self.n_past = 0
+        self.past = [0] * self.n_seq
         llama_cpp.llama_memory_clear(self._mem, True)
-        self._unsynced = False
+        self._unsynced.clear()
 
     def reuse_prefix(self, tokens: np.ndarray, *, seq: int = 0) -> int:
-        """Keep the longest cached prefix of `tokens`, leaving at least the last token out of
-        the cache, and return how many tokens were kept. tokens[kept:] still need decoding."""
-        if seq:
-            one_sequence(seq)
-        self._sync()
-        keep = reusable_prefix(self._tokens[: self.n_past], tokens)
-        self.truncate(keep)
+        """Keep the longest cached prefix of `tokens` in sequence `seq`, leaving at least the
+        last token out of the cache, and return how many tokens were kept. tokens[kept:] still
+        need decoding."""
+        self._check_seq(seq)
+        self._sync(seq)
+        keep = reusable_prefix(self.cached(seq), tokens)
+        self.truncate(keep, seq=seq)
         return keep
-
-
-def one_sequence(seq: int) -> None:
-    if seq != 0:
-        raise ValueError(f"sequence {seq}: this context holds one sequence (0)")
 
 
 def decode_args(tokens, logits_from: int | None, n_past: int, n_ctx: int, n_batch: int) -> tuple[np.ndarray, int, int]:
@@ -392,3 +469,28 @@ def decode_args(tokens, logits_from: int | None, n_past: int, n_ctx: int, n_batc
     if n - start > n_batch:
         raise ValueError(f"logits requested for {n - start} rows; at most n_batch={n_batch}")
     return tokens, start, n - start
+
+
+def one_sequence(seq: int) -> None:
+    if seq != 0:
+        raise ValueError(f"sequence {seq}: this context holds one sequence (0)")
+
+
+def equal_split(rows: dict[int, int]) -> list[int]:
+    """The row counts of the computations llama.cpp runs a decode of `rows` (sequence -> tokens)
+    as, with a cache of its own per sequence: a run of consecutive sequence ids at a time, as
+    many tokens from each as the one with fewest has left (measured: 4 sequences of 1 row cost
+    what 4 rows of one do; 5+1+1+1 rows what 4 and 4 do; sequences 0 and 2 what two single rows do)."""
+    left = {s: n for s, n in rows.items() if n > 0}
+    out = []
+    while left:
+        run = [min(left)]
+        while run[-1] + 1 in left:
+            run.append(run[-1] + 1)
+        step = min(left[s] for s in run)
+        out.append(step * len(run))
+        for s in run:
+            left[s] -= step
+            if not left[s]:
+                del left[s]
+    return out

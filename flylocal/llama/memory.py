@@ -100,23 +100,25 @@ def _cgroup_room() -> int | None:
 
 
 def check(shape: Shape, n_ctx: int, n_batch: int, flash: bool, name: str, available: int | None = None,
-          gpu_share: float = 0.0, gpu_free: int | None = None) -> str | None:
-    """The one line saying why a context of `n_ctx` cells does not fit, or None when it does (or
-    when nothing can be read). `gpu_share`: the share of layers offloaded to GPUs with
-    `gpu_free` bytes free between them."""
+          gpu_share: float = 0.0, gpu_free: int | None = None, slots: int = 1) -> str | None:
+    """The one line saying why a context of `n_ctx` cells (for each of `slots` sequences) does
+    not fit, or None when it does (or when nothing can be read). `gpu_share`: the share of
+    layers offloaded to GPUs with `gpu_free` bytes free between them."""
+    asked = f"--ctx {n_ctx}" + (f" for each of {slots} slots (--parallel)" if slots > 1 else "")
+    n_ctx *= slots
     needed = need(shape, n_ctx, n_batch, flash)
     on_gpu = int((needed.kv + needed.model) * gpu_share) if gpu_free is not None else 0
     here = needed.total - on_gpu
     available = available_bytes() if available is None else available
     if available is not None and here > HEADROOM * available:
-        fits = largest_ctx(shape, n_batch, flash, int(HEADROOM * available) + on_gpu)
-        return (f"--ctx {n_ctx} needs about {here / GiB:.1f} GiB of memory for {name} (KV cache "
+        fits = largest_ctx(shape, n_batch, flash, int(HEADROOM * available) + on_gpu) // slots // 256 * 256
+        return (f"{asked} needs about {here / GiB:.1f} GiB of memory for {name} (KV cache "
                 f"{needed.kv * (1 - gpu_share) / GiB:.1f} GiB, compute buffers {needed.compute / GiB:.1f} GiB, "
                 f"model {needed.model * (1 - gpu_share) / GiB:.1f} GiB) and {available / GiB:.1f} GiB is available: "
                 + (f"the largest --ctx that fits is {fits}" if fits else "not even a small context fits"))
     if gpu_free is not None and on_gpu > gpu_free:
-        fits = largest_ctx(shape, n_batch, True, int(gpu_free / gpu_share)) if gpu_share else 0
-        return (f"--ctx {n_ctx} needs about {on_gpu / GiB:.1f} GiB of GPU memory for {name}'s offloaded layers "
+        fits = (largest_ctx(shape, n_batch, True, int(gpu_free / gpu_share)) if gpu_share else 0) // slots // 256 * 256
+        return (f"{asked} needs about {on_gpu / GiB:.1f} GiB of GPU memory for {name}'s offloaded layers "
                 f"and {gpu_free / GiB:.1f} GiB is free: the largest --ctx that fits is {fits}, or offload fewer "
                 "layers (--gpu-layers)")
     return None

@@ -108,7 +108,7 @@ class Model:
                 share = min(self.config.n_gpu_layers, shape.n_layer) / max(shape.n_layer, 1)
                 free = sum(d.free for d in gpus)
         problem = memory.check(shape, self.config.n_ctx, self.config.n_batch, flash, self.name, gpu_share=share,
-                               gpu_free=free)
+                               gpu_free=free, slots=max(self.config.n_seq, 1))
         if problem:
             self.free()
             raise FlylocalError(problem)

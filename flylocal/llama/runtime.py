@@ -6,6 +6,10 @@ a worker process (flylocal.llama.remote).
     Runtime(path, config)                   the model here (its layers on rpc servers when
                                             `config.rpc` names them: a worker runs that)
     Runtime(path, config, remote=True)      this process keeps the vocabulary; the worker the rest
+
+With `config.n_seq` > 1 (a local model only) the context holds that many sequences, and the
+Runtime is also the decoding core's `Sequences` (flylocal.decoding.contracts): `sequence(s)` is
+sequence s as a Target of its own, `decode_batch` appends to several in one decode.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import numpy as np
 
 from flylocal.decoding.contracts import Target
 from flylocal.llama.config import RuntimeConfig
-from flylocal.llama.context import Context
+from flylocal.llama.context import Context, equal_split
 from flylocal.llama.model import Model
 from flylocal.llama.vocab import Vocabulary
 
@@ -50,6 +54,7 @@ class Runtime(Target):
         self.n_vocab, self.bos, self.eos, self.add_bos = vocab.n_vocab, vocab.bos, vocab.eos, vocab.add_bos
         self.vocab_type = vocab.vocab_type
         self.n_ctx, self.n_batch, self.devices = context.n_ctx, context.n_batch, context.devices
+        self.n_seq = getattr(context, "n_seq", 1)
         self.thread_control, self.calibration_threads = context.thread_control, context.calibration_threads
 
     # ----- the cache (the context's) -----
@@ -98,6 +103,21 @@ class Runtime(Target):
 
     def reset(self) -> None:
         self.context.reset()
+
+    # ----- several sequences (flylocal.decoding.batch) -----
+    def sequence(self, seq: int) -> Sequence:
+        if not 0 <= seq < self.n_seq:
+            raise ValueError(f"sequence {seq}: {self.name} holds sequences 0..{self.n_seq - 1}")
+        return Sequence(self, seq)
+
+    def cached(self, seq: int) -> np.ndarray:
+        return self.context.cached(seq)
+
+    def decode_batch(self, parts) -> list:
+        return self.context.decode_batch(parts)
+
+    def split(self, rows: dict[int, int]) -> list[int]:
+        return equal_split(rows)
 
     def cost_key(self) -> dict:
         return self.context.cost_key()
@@ -185,3 +205,50 @@ class Runtime(Target):
 
     def __exit__(self, *exc):
         self.close()
+
+
+class Sequence(Target):
+    """Sequence `seq` of a Runtime's context as a Target of its own: its cells, its n_past, its
+    rollback and prefix reuse; the model, vocabulary and cost curve are the Runtime's."""
+
+    def __init__(self, runtime: Runtime, seq: int):
+        self.runtime, self.seq = runtime, seq
+        self.n_ctx, self.n_batch, self.n_vocab = runtime.n_ctx, runtime.n_batch, runtime.n_vocab
+        self.name = runtime.name
+
+    def __getattr__(self, name):           # text, the vocabulary, the curve: the Runtime's
+        return getattr(self.runtime, name)
+
+    @property
+    def n_past(self) -> int:
+        return self.runtime.context.past[self.seq]
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.runtime.context.cached(self.seq)
+
+    @property
+    def costs(self):
+        return self.runtime.costs
+
+    @property
+    def eog_mask(self) -> np.ndarray:
+        return self.runtime.eog_mask
+
+    def decode(self, tokens, logits_from: int | None = None, *, seq: int = 0) -> np.ndarray | None:
+        return self.runtime.context.decode(tokens, logits_from, seq=self.seq)
+
+    def truncate(self, n_keep: int, *, seq: int = 0) -> None:
+        self.runtime.context.truncate(n_keep, seq=self.seq)
+
+    def reuse_prefix(self, tokens: np.ndarray, *, seq: int = 0) -> int:
+        return self.runtime.context.reuse_prefix(tokens, seq=self.seq)
+
+    def tokenize(self, text, add_special: bool = True, parse_special: bool = False) -> np.ndarray:
+        return self.runtime.tokenize(text, add_special, parse_special)
+
+    def cost_key(self) -> dict:
+        return self.runtime.cost_key()
+
+    def steady(self):
+        return self.runtime.steady()

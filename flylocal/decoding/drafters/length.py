@@ -22,14 +22,23 @@ class LengthControl(Drafter):
         self.name = drafter.name
         fresh = DraftLength(k_max, prior, curve)
         self.length = learned.keep("length", fresh) if learned is not None else fresh
+        self.shared = False
 
     def propose(self, context: np.ndarray, k: int) -> Draft:
         proposal = self.drafter.propose(context, k)
         n = len(proposal.tokens)
-        if not n:
+        if not n or self.shared:           # shared: the batch's allotment cuts it
             return proposal
         keep = self.length.choose(proposal.level, n)
         return proposal if keep == n else proposal.cut(keep)
+
+    def reach(self, draft: Draft) -> np.ndarray:
+        r = self.length.reach(draft.level, len(draft.tokens))
+        return np.concatenate([r, np.zeros(len(draft.tokens) - len(r))])
+
+    def share(self, shared: bool) -> None:
+        self.shared = shared
+        self.drafter.share(shared)
 
     def observe(self, draft: Draft, accepted: int) -> None:
         self.length.update(draft.level, len(draft.tokens), accepted)

@@ -93,6 +93,13 @@ class ModelBased(Drafter):
         draft = self._draft(context, k, self.plan.keep_going)
         return Draft(draft.tokens, source="model", levels=draft.levels, seconds=time.perf_counter() - t0)
 
+    def reach(self, draft: Draft) -> np.ndarray:
+        if self.plan is not None and draft.source == "model" and draft.levels is not None:
+            return self.plan.reach(draft.levels)
+        if self.plan is not None and draft.source == "pld":
+            return self.lookup_length.reach(draft.level, len(draft.tokens))
+        return super().reach(draft)
+
     def observe(self, draft: Draft, accepted: int) -> None:
         if self.plan is None:
             return

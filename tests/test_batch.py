@@ -1,0 +1,237 @@
+"""Several requests in one decode (flylocal/decoding/batch.py, docs/design.md "Several requests
+at once"), on the in-memory fake target: random requests arriving at random rounds, with random
+lengths, drafters, verifiers and cancellations, share decodes; each one's output must be what
+it gives alone. Strict is compared with plain greedy decoding; FLy and ASD, whose output
+follows the drafts, with a run alone that verifies the same drafts the shared run verified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from fake_backend import FakeLM, FakeSequences, FakeTarget, Machine, equal_split, fixed_costs, greedy
+from flylocal.decoding.batch import Batch, allot, split_cost
+from flylocal.decoding.contracts import NO_DRAFT, Draft, Drafter
+from flylocal.decoding.engine import Engine, EngineConfig, generate_all
+from test_engine_properties import LMS, make_drafter, make_verifier, random_case
+
+N_BATCHES = 150
+
+
+class Recording(Drafter):
+    """A drafter that keeps, round by round, the draft the target verified (`observe`)."""
+
+    def __init__(self, inner: Drafter):
+        self.inner, self.name, self.drafts = inner, inner.name, []
+
+    def propose(self, context, k):
+        return self.inner.propose(context, k)
+
+    def observe(self, draft, accepted):
+        self.drafts.append(draft.tokens.copy())
+        self.inner.observe(draft, accepted)
+
+    def reach(self, draft):
+        return self.inner.reach(draft)
+
+    def share(self, shared):
+        self.inner.share(shared)
+
+    def begin(self):
+        self.inner.begin()
+
+    def end(self, output):
+        self.inner.end(output)
+
+    def controllers(self):
+        return self.inner.controllers()
+
+
+class Replay(Drafter):
+    """Proposes recorded drafts, one per round."""
+
+    name = "replay"
+
+    def __init__(self, drafts):
+        self.drafts, self.i = drafts, 0
+
+    def propose(self, context, k):
+        d = self.drafts[self.i] if self.i < len(self.drafts) else NO_DRAFT.tokens
+        return Draft(np.asarray(d[:k], dtype=np.int32))
+
+    def observe(self, draft, accepted):
+        self.i += 1
+
+
+def run_batch(seed: int, n_seq: int | None = None):
+    """One random batch: (requests, their Generations, their Recording drafters, the target)."""
+    rng = np.random.default_rng(10_000 + seed)
+    lm_index = int(rng.integers(len(LMS)))
+    lm = LMS[lm_index]
+    n_seq = n_seq or int(rng.integers(1, 5))
+    n_ctx = int(rng.integers(30, 70))
+    n_batch = int(rng.integers(24, 64))
+    row_cost = float(rng.choice([0.02, 0.1, 0.4]))
+    machine = Machine(row_cost=row_cost)
+    target = FakeSequences(lm, n_seq, n_ctx, n_batch, fixed_costs(row_cost, rows=n_batch), machine)
+    batch = Batch(target, clock=machine)
+    requests = []
+    for i in range(int(rng.integers(1, 9))):
+        case = random_case(seed * 100 + i, lms=[lm_index], room=(1, 40))
+        case = replace(case, n_ctx=n_ctx, k=min(case.k, n_batch - 1), prompt=case.prompt[: n_ctx - 1])
+        arrive = int(rng.integers(0, 30))
+        cancel = int(rng.integers(1, 20)) if rng.random() < 0.2 else None
+        requests.append((arrive, cancel, case))
+    requests.sort(key=lambda x: x[0])
+    waiting = list(requests)
+    running = {}            # gen -> (case, cancel round, recording, rounds seen)
+    done = []
+    now = 0
+    while waiting or batch.members:
+        while waiting and waiting[0][0] <= now:
+            seq = batch.place(np.asarray(waiting[0][2].prompt))
+            if seq is None:
+                break
+            _, cancel, case = waiting.pop(0)
+            view = target.sequence(seq)
+            rec = Recording(make_drafter(case, view))
+            engine = Engine(view, rec, make_verifier(case),
+                            EngineConfig(max_tokens=case.max_tokens, k=case.k), clock=machine)
+            gen = batch.join(seq, engine, np.asarray(case.prompt, dtype=np.int32))
+            running[gen] = [case, cancel, rec, 0]
+        if not batch.members:
+            now = waiting[0][0] if waiting else now + 1
+            continue
+        for gen, _ in batch.round():
+            running[gen][3] += 1
+        for gen, entry in list(running.items()):
+            case, cancel, rec, rounds = entry
+            if cancel is not None and rounds >= cancel and not gen.stats.stop:
+                batch.leave(gen)
+            if gen.stats.stop:
+                done.append((gen, case, rec, cancel is not None and gen.stats.stop == "interrupted"))
+                del running[gen]
+        now += 1
+    return done, target
+
+
+@pytest.mark.parametrize("chunk", range(3))
+def test_each_request_equals_its_run_alone(chunk):
+    for seed in range(chunk, N_BATCHES, 3):
+        done, target = run_batch(seed)
+        for gen, case, rec, cancelled in done:
+            lm = LMS[case.lm]
+            where = f"batch seed {seed}: {case}"
+            if case.verifier == "strict":
+                expected, stop = greedy(lm, case.prompt, case.max_tokens, case.n_ctx)
+            else:
+                alone = FakeTarget(lm, case.n_ctx, costs=fixed_costs(case.row_cost))
+                engine = Engine(alone, Replay(rec.drafts), make_verifier(case),
+                                EngineConfig(max_tokens=case.max_tokens, k=case.k))
+                expected, stats, _ = generate_all(engine, np.asarray(case.prompt, dtype=np.int32))
+                stop = stats.stop
+            if cancelled:
+                assert gen.tokens == expected[: len(gen.tokens)], where
+            else:
+                assert gen.tokens == expected, where
+                assert gen.stats.stop == stop, where
+
+
+def test_rounds_share_decodes_and_every_member_advances():
+    """Four requests together: every decode carries each member that is past its prompt, and
+    there are fewer decodes than rounds (the point of sharing)."""
+    lm = FakeLM(seed=7, n_vocab=32, eog=(), p_eog=0.0)
+    target = FakeSequences(lm, 4, 80, 64, fixed_costs(0.02, rows=64))
+    batch = Batch(target)
+    gens = []
+    for i in range(4):
+        seq = batch.place(np.arange(3) + i)
+        engine = Engine(target.sequence(seq), make_drafter_none(), make_verifier_strict(), EngineConfig(max_tokens=20))
+        gens.append(batch.join(seq, engine, np.arange(3, dtype=np.int32) + i))
+    rounds = 0
+    while batch.members:
+        members = len(batch.members)
+        events = batch.round()
+        assert len(events) == members        # nobody waits for anybody
+        rounds += len(events)
+    assert all(len(g.tokens) == 20 for g in gens)
+    assert target.decodes == 20 and rounds == 80
+    for g, i in zip(gens, range(4)):
+        assert g.tokens == greedy(lm, list(np.arange(3) + i), 20, 80)[0]
+
+
+def make_drafter_none():
+    from flylocal.decoding.drafters import NoDraft
+
+    return NoDraft()
+
+
+def make_verifier_strict():
+    from flylocal.decoding.verifiers.strict import Strict
+
+    return Strict()
+
+
+def test_a_long_prompt_goes_in_chunks_beside_the_others():
+    """A newcomer with a long prompt: the decoding member advances every round meanwhile, and
+    the prompt goes in pieces no larger than a round's share for prompts."""
+    lm = FakeLM(seed=8, n_vocab=32, eog=(), p_eog=0.0)
+    target = FakeSequences(lm, 2, 400, 64, fixed_costs(0.1, rows=64))
+    batch = Batch(target)
+    first = batch.join(0, Engine(target.sequence(0), make_drafter_none(), make_verifier_strict(),
+                                 EngineConfig(max_tokens=60)), np.arange(4, dtype=np.int32))
+    batch.round()
+    prompt = (np.arange(300) % 31).astype(np.int32)
+    second = batch.join(1, Engine(target.sequence(1), make_drafter_none(), make_verifier_strict(),
+                                  EngineConfig(max_tokens=5)), prompt)
+    before = len(first.tokens)
+    rounds = 0
+    while not second.tokens:
+        batch.round()
+        rounds += 1
+        chunk = dict(target.parts[-1]).get(1, 0)
+        assert chunk <= batch.chunk_rows(1) + 1
+    assert len(first.tokens) - before == rounds          # one token a round meanwhile
+    assert rounds > 1                                    # the prompt went in pieces
+    assert second.tokens[:1] == greedy(lm, prompt.tolist(), 1, 400)[0]
+
+
+def test_equal_split_follows_llama_cpp():
+    # measured shapes (docs/design.md): a run of neighbouring sequences, as many tokens each as the fewest
+    assert equal_split({0: 1, 1: 1, 2: 1, 3: 1}) == [4]
+    assert equal_split({0: 5, 1: 1, 2: 1, 3: 1}) == [4, 4]
+    assert equal_split({0: 8, 1: 2, 2: 1, 3: 1}) == [4, 2, 6]
+    assert equal_split({0: 1, 2: 1}) == [1, 1]
+    assert equal_split({0: 1, 1: 1, 3: 1}) == [2, 1]
+
+
+def test_allot_pays_for_rows_only_where_they_give_more_than_they_cost():
+    target = FakeSequences(FakeLM(seed=1), 4, 64, 64)
+    flat = 1 + 0.02 * np.arange(64)          # GPU-like: rows nearly free
+    steep = 1 + 0.9 * np.arange(64)          # every row nearly a step
+    sure = {s: np.full(6, 0.95) ** np.arange(1, 7) for s in range(4)}
+    fixed = {s: 1 for s in range(4)}
+    assert allot(target, flat, fixed, sure, 64) == {s: 6 for s in range(4)}
+    assert allot(target, steep, fixed, sure, 64) == {s: 0 for s in range(4)}
+    # a good draft beside a hopeless one: the good one gets its rows; the hopeless one too where
+    # rows are nearly free, since uneven rows run as two computations (equal_split), and not
+    # where rows are dear
+    mixed = {0: np.full(6, 0.99) ** np.arange(1, 7), 1: np.full(6, 0.01) ** np.arange(1, 7)}
+    assert allot(target, flat, {0: 1, 1: 1}, mixed, 64) == {0: 6, 1: 6}
+    n = allot(target, 1 + 0.3 * np.arange(64), {0: 1, 1: 1}, mixed, 64)
+    assert n[0] >= 3 and n[1] == 0
+    # the limit holds
+    n = allot(target, flat, fixed, sure, 12)
+    assert sum(n.values()) + 4 <= 12
+    # the objective: no other choice of rows does better (brute force on two members)
+    two = {0: np.array([0.9, 0.7, 0.4]), 1: np.array([0.8, 0.3])}
+    curve = 1 + 0.3 * np.arange(64)
+    best = allot(target, curve, {0: 1, 1: 1}, two, 64)
+
+    def rate(a, b):
+        e = 2 + two[0][:a].sum() + two[1][:b].sum()
+        return e / split_cost(curve, equal_split({0: 1 + a, 1: 1 + b}))
+    assert rate(best[0], best[1]) >= max(rate(a, b) for a in range(4) for b in range(3)) - 1e-12
