@@ -43,17 +43,22 @@ class Models:
     embedder: Embedder | None = None  # made on the first embeddings asked for (`embeddings`)
 
     def engine(self, settings: Settings | None = None, verifier: Verifier | None = None,
-               private: bool = False) -> Engine:
+               private: bool = False, seq: int | None = None) -> Engine:
         """An engine over these models for `settings` (default: the ones they were loaded with).
         `verifier` passes a verifier object to keep, such as a conversation's ASD ledger. A
         `private` engine's lookup searches the --lookup-corpus file alone, never what other
         requests generated (a server's clients must not draft from each other's text); the
-        acceptance statistics of its draft-length control, numbers, are the method's own."""
+        acceptance statistics of its draft-length control, numbers, are the method's own. With
+        `seq`, the engine runs on that sequence of the models (a server's slot)."""
         settings = settings or self.settings
         corpus = self.corpus.copy() if private and self.corpus is not None else self.corpus
         key = (settings.drafter_name, settings.verifier, settings.draft_length, settings.k is None,
                settings.pld_ngram, settings.pld_tokens, settings.draft_p_min_value)
-        return build_engine(settings, self.target, self.draft, corpus, verifier, self.through_text,
+        target, draft = self.target, self.draft
+        if seq is not None:
+            target = target.sequence(seq)
+            draft = draft.sequence(seq) if draft is not None and draft.n_seq > seq else None
+        return build_engine(settings, target, draft, corpus, verifier, self.through_text,
                             learned=self.learned.setdefault(key, Learned()))
 
     def reconnect(self) -> list[str]:
@@ -123,16 +128,21 @@ def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Mod
     if settings.gpu_layers and not gpu_offload() and not settings.target_rpc:
         log("this llama.cpp build has no GPU backend: --gpu-layers is ignored")
     layers = gpu_layers(settings, target_path, draft_path)
+    slots = settings.parallel
+    if slots != 1 and (settings.target_rpc or settings.draft_rpc):
+        slots = 1
+        log("a model on rpc servers decodes one request at a time: --parallel is 1")
     if layers.line:
         log(layers.line)
     target = open_model(target_path, runtime_config(settings, settings.target_rpc, settings.tensor_split,
-                                                    layers.target))
+                                                    layers.target, n_seq=slots))
     past_training(target, settings.ctx, log)
     draft = None
     through_text = False
     try:
         if draft_path is not None:     # loaded even for pld/none, so chat can switch to it
-            draft = open_model(draft_path, runtime_config(settings, settings.draft_rpc, gpu_layers=layers.draft))
+            draft = open_model(draft_path, runtime_config(settings, settings.draft_rpc, gpu_layers=layers.draft,
+                                                          n_seq=target.n_seq))
             past_training(draft, settings.ctx, log)
             through_text = pair(target, draft, settings.draft_vocab, log)
         corpus = read_corpus(settings.lookup_corpus, target)
@@ -199,11 +209,11 @@ def gpu_layers(settings: Settings, target_path, draft_path) -> Placement:
 
 
 def runtime_config(settings: Settings, rpc: tuple[str, ...] = (), tensor_split: tuple[float, ...] = (),
-                   gpu_layers: int = 0) -> RuntimeConfig:
+                   gpu_layers: int = 0, n_seq: int = 1) -> RuntimeConfig:
     """A model's llama.cpp settings; `rpc`: the servers that hold its layers; `gpu_layers`: its
-    n_gpu_layers (loader.gpu_layers)."""
+    n_gpu_layers (loader.gpu_layers); `n_seq`: its sequences (0: as many as memory holds)."""
     return RuntimeConfig(n_ctx=settings.ctx, n_batch=settings.batch_size, n_threads=settings.threads,
-                         n_gpu_layers=gpu_layers,
+                         n_gpu_layers=gpu_layers, n_seq=n_seq,
                          flash_attn=settings.flash_attn, rpc=rpc, tensor_split=tensor_split,
                          rpc_timeout=settings.rpc_timeout, rpc_output=settings.rpc_output)
 

@@ -67,6 +67,7 @@ class Settings:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     trace: bool = False               # attach trace rows (docs/design.md) to round events
     logprobs: int | None = None       # give output tokens their log-probabilities (and this many alternatives)
+    parallel: int = 1                 # sequences decoded together (serve --parallel); 0: as many as memory holds, up to 4
 
     @property
     def drafter_name(self) -> str:
@@ -108,6 +109,26 @@ class Number(click.FloatRange):
         if math.isnan(rv) or (math.isinf(rv) and not self.allow_inf):
             self.fail(f"{value!r} is not a finite number.", param, ctx)
         return rv
+
+
+class Slots(click.ParamType):
+    """`auto` (0: as many as memory holds, up to 4) or a number of requests generated at once."""
+
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        if value == "auto" or value == 0:
+            return 0
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is neither auto nor a number of requests.", param, ctx)
+        if not 1 <= n <= MAX_SLOTS:
+            self.fail(f"{n} is not between 1 and {MAX_SLOTS}.", param, ctx)
+        return n
+
+
+MAX_SLOTS = 64
 
 
 class Threads(click.ParamType):

@@ -267,9 +267,9 @@ def test_errors_have_their_status_and_openai_shape(server):
 
 
 def test_a_full_queue_answers_503_with_retry_after():
-    """--max-queue 0: the request running is the only one; another gets 503 at once."""
+    """--max-queue 0 with one slot: the request running is the only one; another gets 503 at once."""
     port = free_port()
-    proc = start("--target", SMOL, "--max-queue", "0", "--ctx", str(CTX), port=port)
+    proc = start("--target", SMOL, "--max-queue", "0", "--parallel", "1", "--ctx", str(CTX), port=port)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc, url)
@@ -304,14 +304,15 @@ def test_a_full_queue_answers_503_with_retry_after():
 
 def test_models_health_and_metrics(server):
     auth = {"Authorization": f"Bearer {KEY}"}
-    assert httpx.get(server + "/health").json() == {"status": "ready"}
+    assert httpx.get(server + "/health").json() == {"status": "ready", "slots": 4, "slots_busy": 0, "queued": 0}
     listed = httpx.get(server + "/v1/models", headers=auth).json()["data"]
     assert [m["id"] for m in listed] == [SMOL] and listed[0]["flylocal"] == {"role": "target", "draft": SMOL_Q4_0}
     page = httpx.get(server + "/metrics", headers=auth).text
     for name in ("flylocal_requests_total", "flylocal_completion_tokens_total", "flylocal_drafted_tokens_total",
                  "flylocal_accepted_tokens_total", "flylocal_loose_tokens_total", "flylocal_mean_accepted_length",
                  "flylocal_queue_depth", "flylocal_time_to_first_token_seconds_bucket",
-                 "flylocal_tokens_per_second_bucket"):
+                 "flylocal_tokens_per_second_bucket", "flylocal_slots 4.0", "flylocal_slots_busy 0.0",
+                 "flylocal_queue_wait_seconds_bucket"):
         assert name in page
     error(httpx.get(server + "/metrics"), 401)
 

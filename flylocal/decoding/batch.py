@@ -258,21 +258,32 @@ class Batch:
                 continue
             m.plan = r
             d = len(r.draft)
-            m.reach = np.ones(d)           # the grammar's forced tokens are the target's too
-            if d > r.forced:
-                own = np.clip(m.engine.drafter.reach(r.proposal)[: d - r.forced], 0.0, 1.0)
+            own = m.engine.drafter.reach(r.proposal) if d > r.forced else np.zeros(0)
+            if own is None:                # a length given (--k): the whole draft is verified
+                m.reach = np.zeros(0)
+            else:
+                m.reach = np.zeros(d)
+                m.reach[: r.forced] = 1.0          # the grammar's forced tokens are the target's too
+                own = np.clip(own[: d - r.forced], 0.0, 1.0)
                 m.reach[r.forced : r.forced + len(own)] = own
-                m.reach[r.forced + len(own):] = 0.0
             plans[m.seq] = m
-        fixed = {s: len(m.req.head) + 1 for s, m in plans.items()} | chunks
+        fixed = {s: len(m.req.head) + 1 + (len(m.plan.draft) if not len(m.reach) else 0)
+                 for s, m in plans.items()} | chunks
         drafts = {s: m.reach for s, m in plans.items() if len(m.reach)}
-        n = allot(target, target.costs.cost(limit), fixed, drafts, limit) if drafts else {}
+        n = {}
+        given = [s for s, m in plans.items() if not len(m.reach) and len(m.plan.draft)]
+        while sum(fixed.values()) > limit:     # drafts of a given length beyond the batch: cut, longest first
+            s = max(given, key=lambda s: fixed[s] - len(plans[s].req.head))
+            fixed[s] -= 1
+            n[s] = fixed[s] - len(plans[s].req.head) - 1
+        if drafts:
+            n |= allot(target, target.costs.cost(limit), fixed, drafts, limit)
         parts = []
         for m in members:
             s = m.seq
             if s in plans:
                 r = m.plan
-                k = n.get(s, 0)
+                k = n.get(s, len(r.draft))
                 if k < len(r.draft):
                     r.draft = r.draft[:k]
                     r.forced = min(r.forced, k)

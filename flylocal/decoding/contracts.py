@@ -156,7 +156,6 @@ class Draft:
 
 
 NO_DRAFT = Draft(EMPTY)
-PRIOR_REACH = 0.6       # a drafter with no measurements: each token's chance of acceptance
 
 
 class Drafter(Protocol):
@@ -186,12 +185,12 @@ class Drafter(Protocol):
     def end(self, output: list[int]) -> None:
         """The request ended with these output ids (prompt lookup remembers them)."""
 
-    def reach(self, draft: Draft) -> np.ndarray:
+    def reach(self, draft: Draft) -> np.ndarray | None:
         """[k] float64: for each j, the chance that the first j+1 tokens of `draft` (one of its own
         proposals) are all accepted, as its draft-length control has measured it. A decode
-        shared by several requests hands out its rows by it (flylocal.decoding.batch). Without
-        measurements: a prior of PRIOR_REACH per token."""
-        return PRIOR_REACH ** np.arange(1, len(draft.tokens) + 1, dtype=np.float64)
+        shared by several requests hands out its rows by it (flylocal.decoding.batch). None (a
+        drafter whose length was given, --k): the whole draft is verified."""
+        return None
 
     def share(self, shared: bool) -> None:
         """Whether this drafter's rounds share their decode with other requests' (flylocal.decoding.batch).

@@ -20,7 +20,8 @@ from flylocal.front.chat import chat
 from flylocal.front.model_commands import models
 from flylocal.front.terminal import (compile_constraint, constrained_output, json_schema_option, note, open_output,
                                      read_constraint, read_input, read_prompt, say, shown)
-from flylocal.settings import DRAFTING, GENERATION, LLAMA, MODEL, SAMPLING, VERIFIER_PARAMS, options, settings_from
+from flylocal.settings import (DRAFTING, GENERATION, LLAMA, MODEL, SAMPLING, VERIFIER_PARAMS, Slots, options,
+                               settings_from)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -221,11 +222,14 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
               help="Another name clients may reach the server by (a LAN name; repeatable). Requests whose Host "
                    "header names no address of the server and no such name are refused.")
+@click.option("--parallel", type=Slots(), default="auto", show_default=True,
+              help="Requests generated at once, each in a sequence of its own with --ctx cells, every one "
+                   "advancing in each shared decode. auto: as many as memory holds, up to 4; 1: one at a time.")
 @click.option("--quiet", is_flag=True, help="No log line per request on stderr.")
 @click.option("--embedding-model", "embedding_model", default=None, metavar="NAME|PATH",
               help="The model that computes embeddings (/v1/embeddings, /api/embed), loaded on the first request "
                    "for them. Default: the target, in a context of its own.")
-def serve(host, port, api_key, max_queue, cors_origins, allowed_hosts, quiet, embedding_model, **opts):
+def serve(host, port, api_key, max_queue, cors_origins, allowed_hosts, parallel, quiet, embedding_model, **opts):
     """Serve the models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/responses,
     /v1/completions, /v1/embeddings, /v1/models) and Ollama's (/api/chat, /api/generate,
     /api/embed, /api/tags, ...), with /health and /metrics. The options set each request's
@@ -242,7 +246,7 @@ def serve(host, port, api_key, max_queue, cors_origins, allowed_hosts, quiet, em
     except ImportError as e:
         raise FlylocalError(f"flylocal serve needs its extra ({e.name} is missing): "
                             "pip install -e '.[serve]' (scripts/setup.sh installs it)") from None
-    settings = settings_from(opts)
+    settings = dataclasses.replace(settings_from(opts), parallel=parallel)
     check(settings)
     for name in (settings.target, settings.draft):     # a bad model is one line before anything listens
         if name:

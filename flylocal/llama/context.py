@@ -40,6 +40,7 @@ from flylocal.host import usable_cores
 from flylocal.decoding.costs.meter import MIN_WALL, CpuLoad
 from flylocal.llama.threads import ThreadControl, candidates, keep_count, known_count
 
+AUTO_SEQ = 4          # --parallel auto: at most this many sequences
 CONTROL_ROWS = 32     # decodes up to this many rows steer --threads auto (a round, a draft step)
 LOAD_PERIOD = 1.0     # seconds over which --threads auto reads how busy other processes keep the cores
 
@@ -83,7 +84,13 @@ class Context:
         self.n_vocab = n_vocab
         threads = config.n_threads or usable_cores()
         cparams = llama_cpp.llama_context_default_params()
-        n_seq = self.n_seq = max(config.n_seq, 1)
+        cparams.flash_attn_type = flash_attn_type(config.flash_attn, remote=bool(config.rpc))
+        flash = cparams.flash_attn_type != llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        n_seq = config.n_seq
+        if n_seq == 0:                      # auto: as many sequences as memory holds, up to AUTO_SEQ
+            n_seq = next((n for n in range(AUTO_SEQ, 1, -1) if config.rpc or not model.memory_problem(
+                flash, n_vocab, n)), 1)
+        n_seq = self.n_seq = max(n_seq, 1)
         cparams.n_ctx = config.n_ctx * n_seq
         cparams.n_batch = config.n_batch
         cparams.n_ubatch = config.n_batch
@@ -95,9 +102,8 @@ class Context:
         # never needs a position the window already evicted (Gemma 3).
         cparams.swa_full = True
         cparams.no_perf = True
-        cparams.flash_attn_type = flash_attn_type(config.flash_attn, remote=bool(config.rpc))
         if not config.rpc:                  # the servers' memory is theirs to judge
-            model.check_memory(cparams.flash_attn_type != llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED, n_vocab)
+            model.check_memory(flash, n_vocab, n_seq)
         with interrupts_deferred():
             self._ctx = llama_cpp.llama_init_from_model(model.handle, cparams)
         if not self._ctx:

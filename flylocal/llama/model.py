@@ -97,9 +97,16 @@ class Model:
                             value_width=width("value_length"), n_vocab=n_vocab,
                             model_bytes=int(llama_cpp.llama_model_size(handle)))
 
-    def check_memory(self, flash: bool, n_vocab: int) -> None:
+    def check_memory(self, flash: bool, n_vocab: int, slots: int = 1) -> None:
         """Refuse, in one line, a context this machine has no memory for (flylocal.llama.memory),
         before llama.cpp allocates it; the model is freed then."""
+        problem = self.memory_problem(flash, n_vocab, slots)
+        if problem:
+            self.free()
+            raise FlylocalError(problem)
+
+    def memory_problem(self, flash: bool, n_vocab: int, slots: int = 1) -> str | None:
+        """The one line saying why `slots` contexts of --ctx cells do not fit here, or None."""
         shape = self.shape(n_vocab)
         share, free = 0.0, None
         if self.config.n_gpu_layers and gpu_offload():
@@ -107,11 +114,8 @@ class Model:
             if gpus:
                 share = min(self.config.n_gpu_layers, shape.n_layer) / max(shape.n_layer, 1)
                 free = sum(d.free for d in gpus)
-        problem = memory.check(shape, self.config.n_ctx, self.config.n_batch, flash, self.name, gpu_share=share,
-                               gpu_free=free, slots=max(self.config.n_seq, 1))
-        if problem:
-            self.free()
-            raise FlylocalError(problem)
+        return memory.check(shape, self.config.n_ctx, self.config.n_batch, flash, self.name, gpu_share=share,
+                            gpu_free=free, slots=slots)
 
 
 def quantize(src: Path, dst: Path, qtype: str, threads: int = 0) -> None:

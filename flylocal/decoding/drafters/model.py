@@ -98,7 +98,7 @@ class ModelBased(Drafter):
             return self.plan.reach(draft.levels)
         if self.plan is not None and draft.source == "pld":
             return self.lookup_length.reach(draft.level, len(draft.tokens))
-        return super().reach(draft)
+        return None
 
     def observe(self, draft: Draft, accepted: int) -> None:
         if self.plan is None:

@@ -5,9 +5,9 @@ One Session behind API dialects on one port: OpenAI's chat and completions
 (flylocal.front.serve.ollama); embeddings for both (flylocal.front.serve.embeddings). A dialect is a request model and a renderer: it
 translates requests onto the Server's calls (flylocal.front.serve.app) and renders the typed
 events of one answer stream (flylocal.front.serve.answer, .events); its `routes(app, server)` is
-all the application knows of it. Nothing here imports llama.cpp. One generation runs at a time
-on the loaded pair: a worker thread takes jobs from a bounded FIFO queue
-(flylocal.front.serve.worker). Web pages and slow clients are kept out before any work
+all the application knows of it. Nothing here imports llama.cpp. Up to --parallel generations
+run at once on the loaded pair, in shared decodes: a worker thread takes jobs from a bounded
+FIFO queue (flylocal.front.serve.worker). Web pages and slow clients are kept out before any work
 (flylocal.front.serve.guard).
 """
 
@@ -78,9 +78,11 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
 
     @app.get("/health")
     async def health():
-        if server.worker.session is None:
+        worker = server.worker
+        if worker.session is None:
             return JSONResponse({"status": "loading"}, status_code=503)
-        return {"status": "ready"}
+        return {"status": "ready", "slots": worker.slots, "slots_busy": min(worker.busy, worker.slots),
+                "queued": len(worker.jobs)}
 
     @app.get("/metrics")
     async def metrics_page(request: Request):
@@ -125,8 +127,12 @@ def serve(load: Callable[[], Session], settings: Settings, host: str, port: int,
     def ready() -> Session:
         session = load()
         shown = f"[{host}]" if ":" in host else host
+        slots = getattr(session.target, "n_seq", 1)
+        how = ("--parallel auto: memory for that many contexts of --ctx " f"{settings.ctx}, up to 4"
+               if settings.parallel == 0 else "--parallel")
         log(f"ready: {settings.target} on http://{shown}:{port}/v1 and the Ollama API at http://{shown}:{port}/api "
-            f"(drafter {settings.drafter_name}, verifier {settings.verifier})")
+            f"(drafter {settings.drafter_name}, verifier {settings.verifier}; "
+            f"{slots} request{'s' if slots > 1 else ''} at once, {how})")
         return session
 
     app = create_app(ready, settings, api_key=api_key, max_queue=max_queue, cors_origins=cors_origins, host=host,

@@ -365,8 +365,12 @@ def routes(app, server: Server) -> None:
         async def work(started):
             session = server.session()
             expires = (datetime.now(timezone.utc) + KEPT_LOADED).isoformat().replace("+00:00", "Z")
+            worker = server.worker
             return {"models": [entry(session) | {"expires_at": expires, "size_vram": 0,
-                                                 "context_length": session.target.n_ctx}]}
+                                                 "context_length": session.target.n_ctx,
+                                                 "flylocal": {"slots": worker.slots,
+                                                              "slots_busy": min(worker.busy, worker.slots),
+                                                              "queued": len(worker.jobs)}}]}
         return await guarded(request, "ollama_ps", work)
 
     @app.post("/api/show")

@@ -1,11 +1,11 @@
-"""The one generation at a time behind `flylocal serve`: a bounded FIFO queue of jobs, one
-worker thread that loads the models and then runs the jobs, stop strings cut across tokens,
-and the Prometheus metrics.
+"""The generations behind `flylocal serve`: a bounded FIFO queue of jobs, one worker thread that
+loads the models and then runs the jobs (one at a time, or up to --parallel of them in shared
+decodes), stop strings cut across tokens, and the Prometheus metrics.
 
 A job's output goes to its request handler through `emit`, as typed events
 (flylocal.front.serve.events): Text events, then Done, or Failed when the job raised. A
 request's handler sets the job's cancel flag when its client goes away; the worker reads it
-after every round, so the model is free within one round and the caches stay consistent.
+after every round, so its slot is free within one round and the caches stay consistent.
 """
 
 from __future__ import annotations
@@ -82,7 +82,9 @@ class Call:
 
 
 class Worker:
-    """One thread loads the models, then runs the jobs, first come first served, one at a time."""
+    """One thread loads the models, then runs the jobs, first come first served: one at a time,
+    or, where the models hold several sequences (--parallel), up to that many generations at
+    once, every one advancing in each shared decode (flylocal.decoding.batch)."""
 
     def __init__(self, load: Callable[[], Session], metrics: Metrics, max_queue: int,
                  on_failure: Callable[[BaseException], None] = lambda e: None):
@@ -90,7 +92,8 @@ class Worker:
         self.session: Session | None = None         # None while the models load
         self.failed: BaseException | None = None
         self.jobs: collections.deque[Job | Call] = collections.deque()     # waiting, oldest first
-        self.busy = False                                           # a job is running
+        self.busy = 0                                               # jobs running
+        self.slots = 1                                              # generations at once, once loaded
         self.ready = threading.Condition()
         self.stopping = False
         self.thread = threading.Thread(target=self._run, args=(load, on_failure), name="flylocal-worker",
@@ -101,7 +104,7 @@ class Worker:
         with self.ready:
             if any(j.cancel.is_set() for j in self.jobs):       # their clients went away
                 self.jobs = collections.deque(j for j in self.jobs if not j.cancel.is_set())
-            if len(self.jobs) >= self.max_queue and (self.busy or self.jobs):
+            if len(self.jobs) >= self.max_queue and (self.busy >= self.slots or self.jobs):
                 raise Refused(503, f"the server is busy: {len(self.jobs)} requests are waiting (--max-queue)",
                               "queue_full", {"Retry-After": "1"})
             self.jobs.append(job)
@@ -115,22 +118,45 @@ class Worker:
 
     def _run(self, load, on_failure) -> None:
         try:
-            self.session = load()
+            session = load()
         except BaseException as e:  # noqa: BLE001 - the server reports it and exits
             self.failed = e
             on_failure(e)
             return
-        while True:
-            with self.ready:
-                while not self.jobs and not self.stopping:
+        self.slots = getattr(session.target, "n_seq", 1)
+        self.metrics.slots.set(self.slots)
+        self.session = session
+        if self.slots > 1:
+            self._run_together()
+        else:
+            self._run_serially()
+        with self.session.lock:      # the refined cost curves are saved as the models close
+            self.session.models.close()
+
+    def _next(self, wait: bool) -> Job | Call | None:
+        """The oldest job whose client is still there (waiting for one when `wait`); None when
+        there is none, or when the worker is stopping and none is left."""
+        with self.ready:
+            while True:
+                while wait and not self.jobs and not self.stopping:
                     self.ready.wait()
-                if self.stopping and not self.jobs:
-                    break
+                if not self.jobs:
+                    return None
                 job = self.jobs.popleft()
                 self.metrics.queue.set(len(self.jobs))
-                if job.cancel.is_set():
-                    continue
-                self.busy = True
+                if not job.cancel.is_set():
+                    self.metrics.queue_wait.observe(time.perf_counter() - job.queued_at)
+                    self.busy += 1
+                    self.metrics.busy.set(self.busy)
+                    return job
+
+    def _done(self) -> None:
+        with self.ready:
+            self.busy -= 1
+            self.metrics.busy.set(self.busy)
+
+    def _run_serially(self) -> None:
+        while (job := self._next(wait=True)) is not None:
             try:
                 with self.session.lock:
                     if isinstance(job, Call):
@@ -140,11 +166,74 @@ class Worker:
             except BaseException as e:  # noqa: BLE001 - reported to its request; the server goes on
                 job.emit(Failed(e))
             finally:
-                with self.ready:
-                    self.busy = False
-        if self.session is not None:
-            with self.session.lock:      # the refined cost curves are saved as the models close
-                self.session.models.close()
+                self._done()
+
+    def _run_together(self) -> None:
+        """Up to `slots` generations in one Batch: between rounds, new jobs take free sequences
+        and work that is not a generation (embeddings) runs; each round advances every member."""
+        from flylocal.decoding.batch import Batch
+
+        session = self.session
+        batch = Batch(session.target)
+        streams: dict = {}                        # Generation -> its Stream
+        while True:
+            while len(streams) < self.slots:
+                job = self._next(wait=not streams)
+                if job is None:
+                    break
+                try:
+                    with session.lock:
+                        if isinstance(job, Call):
+                            job.emit(Computed(job.work(session, job.cancel)))
+                            self._done()
+                            continue
+                        stream = Stream(job, session.target, self.metrics)
+                        gen = self._join(batch, job)
+                except BaseException as e:  # noqa: BLE001 - reported to its request; the server goes on
+                    job.emit(Failed(e))
+                    self._done()
+                    continue
+                streams[gen] = stream
+            if not streams:
+                if self.stopping:
+                    break
+                continue
+            for gen, stream in list(streams.items()):         # clients that went away
+                if stream.job.cancel.is_set():
+                    batch.leave(gen)
+            try:
+                with session.lock:
+                    events = batch.round()
+            except BaseException as e:  # noqa: BLE001 - a failed decode fails the requests in it
+                for gen, stream in streams.items():
+                    stream.job.emit(Failed(e))
+                    self._done()
+                streams.clear()
+                continue
+            for gen, event in events:
+                if streams[gen].feed(event):                  # a stop string, or its client went away
+                    batch.leave(gen)
+            for gen, stream in list(streams.items()):
+                if gen.stats.stop:
+                    del streams[gen]
+                    try:
+                        stream.finish(gen)
+                    finally:
+                        self._done()
+
+    def _join(self, batch, job: Job):
+        """`job`'s generation, started in a free sequence of `batch` (FlylocalError for a request
+        no engine can run)."""
+        session = self.session
+        session.models.reconnect()
+        seq = batch.place(job.ids)
+        grammar = None
+        if job.grammar is not None:
+            from flylocal.decoding.grammar import Grammar
+
+            grammar = Grammar(session.target, job.grammar[1], job.grammar[0])
+        engine = session.models.engine(job.settings, private=True, seq=seq)
+        return batch.join(seq, engine, job.ids, grammar=grammar)
 
     def _generate(self, job: Job) -> None:
         session = self.session
@@ -155,43 +244,62 @@ class Worker:
 
             grammar = Grammar(session.target, job.grammar[1], job.grammar[0])
         gen = session.request(job.ids, job.settings, grammar=grammar)
-        target = session.target
-        text = TextStream(target)
-        stops = StopStrings(job.stops)
-        tokens = Aligned() if job.tokens else None
-        stopped, first, sent, pending = False, None, 0.0, ""
+        stream = Stream(job, session.target, self.metrics)
         try:
             for event in gen:
-                if tokens is None:
-                    piece = text.feed(event.tokens)
-                else:                            # each token's own characters: its colour, its logprob
-                    parts = text.each(event.tokens)
-                    piece = "".join(p for _, p in parts)
-                    tokens.add(target, event, parts)
-                piece, stopped = stops.feed(piece)
-                pending += piece
-                now = time.perf_counter()
-                # Text goes out at once at first, then at most every SEND_EVERY seconds: each send
-                # wakes the event loop, which on a small machine takes a core from llama.cpp, and
-                # is an event for the client to read (a browser on the same cores: design.md).
-                if pending and (first is None or now - sent >= SEND_EVERY):
-                    first = first or now
-                    job.emit(Text(pending, tokens.release(len(pending)) if tokens else ()))
-                    pending, sent = "", now
-                if stopped or job.cancel.is_set():
+                if stream.feed(event):
                     break
-            else:
-                piece, stopped = stops.feed("", final=True)      # text held as a possible stop string
-                pending += piece
-            if pending or (tokens is not None and tokens.waiting(len(pending))):
-                job.emit(Text(pending, tokens.release(len(pending), final=True) if tokens else ()))
         finally:
             gen.close()
+        stream.finish(gen)
+
+
+class Stream:
+    """A generation's events to its request: text in pieces (at once at first, then at most every
+    SEND_EVERY seconds), cut at stop strings, tokens aligned with their text; then Done."""
+
+    def __init__(self, job: Job, target, metrics: Metrics):
+        self.job, self.target, self.metrics = job, target, metrics
+        self.text = TextStream(target)
+        self.stops = StopStrings(job.stops)
+        self.tokens = Aligned() if job.tokens else None
+        self.stopped, self.first, self.sent, self.pending = False, None, 0.0, ""
+
+    def feed(self, event) -> bool:
+        """A round's event; True when the generation should stop here (a stop string, or the
+        client went away)."""
+        tokens = self.tokens
+        if tokens is None:
+            piece = self.text.feed(event.tokens)
+        else:                            # each token's own characters: its colour, its logprob
+            parts = self.text.each(event.tokens)
+            piece = "".join(p for _, p in parts)
+            tokens.add(self.target, event, parts)
+        piece, self.stopped = self.stops.feed(piece)
+        self.pending += piece
+        now = time.perf_counter()
+        # Text goes out at once at first, then at most every SEND_EVERY seconds: each send
+        # wakes the event loop, which on a small machine takes a core from llama.cpp, and
+        # is an event for the client to read (a browser on the same cores: design.md).
+        if self.pending and (self.first is None or now - self.sent >= SEND_EVERY):
+            self.first = self.first or now
+            self.job.emit(Text(self.pending, tokens.release(len(self.pending)) if tokens else ()))
+            self.pending, self.sent = "", now
+        return self.stopped or self.job.cancel.is_set()
+
+    def finish(self, gen) -> None:
+        """The generation ended: what text is left, then Done with its stats."""
+        job, tokens = self.job, self.tokens
+        if not self.stopped and not job.cancel.is_set():
+            piece, self.stopped = self.stops.feed("", final=True)      # text held as a possible stop string
+            self.pending += piece
+        if self.pending or (tokens is not None and tokens.waiting(len(self.pending))):
+            job.emit(Text(self.pending, tokens.release(len(self.pending), final=True) if tokens else ()))
         stats = gen.stats
-        reason = "stop_string" if stopped else stats.stop
+        reason = "stop_string" if self.stopped else stats.stop
         if job.cancel.is_set() and reason == "interrupted":
             self.metrics.cancelled.inc()
-        self.metrics.observe(stats, len(gen.tokens), first - job.queued_at if first is not None else None)
+        self.metrics.observe(stats, len(gen.tokens), self.first - job.queued_at if self.first is not None else None)
         job.emit(Done(reason, stats, len(gen.tokens)))
 
 
@@ -250,6 +358,11 @@ class Metrics:
         self.mean_accepted = Gauge("flylocal_mean_accepted_length",
                                    "Tokens committed per round, over every request so far.", registry=r)
         self.queue = Gauge("flylocal_queue_depth", "Requests waiting for the model.", registry=r)
+        self.slots = Gauge("flylocal_slots", "Generations the server runs at once (--parallel).", registry=r)
+        self.busy = Gauge("flylocal_slots_busy", "Jobs running now (generations in slots, or other work).",
+                          registry=r)
+        self.queue_wait = Histogram("flylocal_queue_wait_seconds", "From a request's arrival to its start.",
+                                    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30), registry=r)
         self.ttft = Histogram("flylocal_time_to_first_token_seconds", "From a request's arrival to its first text.",
                               buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30), registry=r)
         self.tps = Histogram("flylocal_tokens_per_second", "Decode tokens/s of a request.",
