@@ -40,7 +40,7 @@ def test_refused_partial_removal_falls_back_to_reevaluation(smol, monkeypatch):
     smol.decode(ids[:-1])
     smol.decode(ids[:6], logits_from=0)
     # llama.cpp refuses partial removal for memory it cannot roll back (recurrent models).
-    monkeypatch.setattr(smol.context, "_seq_rm", lambda n_keep: False)
+    monkeypatch.setattr(smol.context, "_seq_rm", lambda seq, n_keep: False)
     smol.truncate(len(ids) - 1)
     monkeypatch.undo()
     assert smol.tokens.tolist() == ids[:-1].tolist()
@@ -71,8 +71,8 @@ def test_a_prompt_tail_decoded_with_the_rows_equals_it_decoded_apart(monkeypatch
         rt.reset()
         calls = []
         real = rt.context._decode_chunk
-        monkeypatch.setattr(rt.context, "_decode_chunk", lambda chunk, logits_from: (calls.append((len(chunk), logits_from)),
-                                                                              real(chunk, logits_from)))
+        monkeypatch.setattr(rt.context, "_decode_chunk", lambda chunk, logits_from, seq=0: (calls.append((len(chunk), logits_from)),
+                                                                                     real(chunk, logits_from, seq)))
         merged = rt.decode(ids, logits_from=40)
         assert calls == [(16, 16), (16, 16), (12, 8)]       # 44 tokens in 3 decodes, not 4
         assert merged.shape == apart.shape and np.array_equal(merged, apart)

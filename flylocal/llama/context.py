@@ -215,7 +215,7 @@ class Context:
         tokens, start, rows = decode_args(tokens, logits_from, self.past[seq], self.n_ctx, self.n_batch)
         n = len(tokens)
         control = self.thread_control is not None and not self._steady
-        steer = control and start == 0 and 0 < rows <= CONTROL_ROWS and self.n_seq == 1
+        steer = control and start == 0 and 0 < rows <= CONTROL_ROWS
         if control and not steer:
             self._read_load()
         if start and control:
@@ -324,8 +324,16 @@ class Context:
             i += len(tokens)
         if i > self.n_batch:
             raise ValueError(f"{i} tokens in one decode; at most n_batch={self.n_batch}")
+        # --threads auto steers on a shared decode run as one computation of every row's logits
+        # (a round of several requests), as on a request's own round
+        steer = (self.thread_control is not None and not self._steady and i <= CONTROL_ROWS
+                 and all(start == 0 for _, _, start, _ in prepared)
+                 and len(equal_split({seq: len(t) for seq, t, _, _ in prepared})) == 1)
         if self.thread_control is not None and not self._steady:
             self._read_load()
+            if steer:
+                self._use_threads(self.thread_control.current)
+        total_rows = i
         i = 0
         for seq, tokens, start, rows in prepared:
             m, p0 = len(tokens), self.past[seq]
@@ -339,7 +347,10 @@ class Context:
             i += m
         if not i:
             return [None] * len(parts)
+        t0 = time.perf_counter()
         self._run(i, seqs)
+        if steer:
+            self._steer(total_rows, time.perf_counter() - t0)
         for seq, tokens, _, _ in prepared:
             self.past[seq] += len(tokens)
             self._unsynced.discard(seq)
