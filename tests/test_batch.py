@@ -235,3 +235,33 @@ def test_allot_pays_for_rows_only_where_they_give_more_than_they_cost():
         e = 2 + two[0][:a].sum() + two[1][:b].sum()
         return e / split_cost(curve, equal_split({0: 1 + a, 1: 1 + b}))
     assert rate(best[0], best[1]) >= max(rate(a, b) for a in range(4) for b in range(3)) - 1e-12
+
+
+def test_a_seeded_request_drafts_as_alone_whatever_else_runs():
+    """A seeded request (pinned costs) keeps its own drafter's drafts in a shared decode, so a loose
+    verifier's output, which follows the drafts, is its output alone."""
+    from fake_backend import NoisyOracle, controlled
+    from flylocal.decoding.verifiers.fly import Fly, FlyParams
+
+    lm = LMS[0]
+    checked = 0
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        target = FakeSequences(lm, 3, 80, 64, fixed_costs(0.4, rows=64))
+        batch = Batch(target)
+        prompts = [rng.integers(lm.n_vocab, size=int(rng.integers(2, 12))).astype(np.int32) for _ in range(3)]
+        config = EngineConfig(max_tokens=30, k=6, pin_costs=True)
+
+        def engine(view, i):
+            return Engine(view, controlled(NoisyOracle(lm, seed=seed * 10 + i), 6, view),
+                          Fly(FlyParams(entropy=0.6, window=2)), config)
+
+        gens = [batch.join(i, engine(target.sequence(i), i), p) for i, p in enumerate(prompts)]
+        while batch.members:
+            batch.round()
+        for i, (gen, p) in enumerate(zip(gens, prompts)):
+            alone = FakeTarget(lm, 80, 64, fixed_costs(0.4, rows=64))
+            expected, _, _ = generate_all(engine(alone, i), p)
+            assert gen.tokens == expected, f"seed {seed}, request {i}"
+            checked += gen.stats.drafted > 0
+    assert checked > 10

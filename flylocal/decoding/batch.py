@@ -41,6 +41,7 @@ class Member:
     gen: Generation
     req: Request
     joined: float                 # the clock when it joined
+    shared: bool = True           # its drafts are cut by the allotment (not a seeded request's)
     plan: Round | None = None     # this round's
     reach: np.ndarray | None = None    # [draft] float64: P(first j+1 draft tokens accepted)
 
@@ -141,7 +142,10 @@ class Batch:
         (not to be iterated: its events come from `round`)."""
         if seq in self.members:
             raise ValueError(f"sequence {seq} is taken")
-        engine.drafter.share(True)
+        # A seeded request's output must not follow what else runs (a loose verifier's follows its
+        # drafts): its drafter cuts its own drafts as alone, and they are verified whole.
+        shared = not engine.config.pin_costs
+        engine.drafter.share(shared)
         gen = engine.generate(prompt, on_end=on_end, grammar=grammar)
         req = engine.start(np.asarray(prompt, dtype=np.int32), gen)
         try:
@@ -151,7 +155,7 @@ class Batch:
             engine.stop(req, "error")
             engine.drafter.share(False)
             raise
-        self.members[seq] = Member(seq, engine, gen, req, self.clock())
+        self.members[seq] = Member(seq, engine, gen, req, self.clock(), shared)
         return gen
 
     def _calibrate(self, engine: Engine, req: Request) -> None:
@@ -259,7 +263,7 @@ class Batch:
             m.plan = r
             d = len(r.draft)
             own = m.engine.drafter.reach(r.proposal) if d > r.forced else np.zeros(0)
-            if own is None:                # a length given (--k): the whole draft is verified
+            if own is None or not m.shared:    # a length given (--k), a seeded request: verified whole
                 m.reach = np.zeros(0)
             else:
                 m.reach = np.zeros(d)

@@ -195,8 +195,9 @@ class Engine:
         seed = self.config.sampling.seed
         req = Request(self.target, prompt, gen, seed if seed is not None else secrets.randbits(64))
         req.started = self.clock()
-        for curve in self.curves:
-            curve.pin(self.config.pin_costs)
+        if self.config.pin_costs:
+            for curve in self.curves:
+                curve.pin(True)
         self.drafter.begin()
         self.verifier.begin()
         return req
@@ -246,8 +247,9 @@ class Engine:
         req.closed = True
         if why is not None:
             req.stats.stop = why
-        for curve in self.curves:
-            curve.pin(False)
+        if self.config.pin_costs:
+            for curve in self.curves:
+                curve.pin(False)
         if req.source is not None:
             req.stats.cost_curve = self.costs.report() | {"source": req.source}
         req.stats.wall_s = self.clock() - req.started

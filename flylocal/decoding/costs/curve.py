@@ -92,6 +92,7 @@ class CostCurve:
         self.key = key
         self.fixed = fixed
         self.pinned = False
+        self._pins = 0                 # holders of a pin (`pin`)
         self.base = np.full(max(CALIBRATION_SIZES), np.nan)
         if seconds is not None:
             self._set_base(seconds)
@@ -155,9 +156,12 @@ class CostCurve:
         return self._step
 
     def pin(self, pinned: bool) -> None:
-        """Answer from the calibrated values, ignoring rounds (True), or from shape and speed."""
-        if pinned != self.pinned:
-            self.pinned = pinned
+        """Answer from the calibrated values, ignoring rounds (True), or from shape and speed.
+        Pins are counted: requests running together (flylocal.decoding.batch) each pin and
+        unpin, and the curve stays pinned while any of them holds it."""
+        self._pins = max(self._pins + (1 if pinned else -1), 0)
+        if (self._pins > 0) != self.pinned:
+            self.pinned = self._pins > 0
             self._changed()
 
     # ---- the curve as decisions see it
