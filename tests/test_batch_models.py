@@ -119,3 +119,31 @@ def test_an_uneven_decode_gives_rows_in_batch_order(smol4):
             assert np.array_equal(rows[j], row)
         at += len(tokens)
     assert smol4.split({0: 5, 1: 1, 3: 2}) == [2, 4, 2]
+
+
+def test_a_unified_cache_keeps_sequences_apart(smol):
+    """The fast build's layout (one unified cache): sequence 1 holding other text, and rolled
+    back, changes nothing of sequence 0 beyond the numerics of summing attention in another
+    order. A cell of one sequence seen by another would move the logits far more than that, and
+    change their argmax."""
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
+
+    rt = Runtime(model_path(SMOL), RuntimeConfig(n_ctx=512, n_seq=2, kv_unified=True, n_threads=2))
+    try:
+        assert rt.split({0: 5, 1: 1}) == [6]               # one computation, however uneven
+        a, b = ids_of(rt, "poem-autumn"), ids_of(rt, "qa-france")
+        rt.decode_batch([(1, b, None), (0, a[:-1], None)])
+        rt.decode_batch([(1, np.array([5, 6, 7, 8], dtype=np.int32), None)])
+        rt.sequence(1).truncate(len(b) - 3)
+        out = rt.decode_batch([(0, a[-1:], 0), (1, b[-3:], 2)])
+        together = [out[0][0].copy(), out[1][0].copy()]
+    finally:
+        rt.close()
+    smol.reset()
+    smol.decode(a[:-1])
+    alone_a = smol.decode(a[-1:], logits_from=0)[0].copy()
+    smol.reset()
+    alone_b = smol.decode(b, logits_from=len(b) - 1)[0].copy()
+    for mine, alone in ((together[0], alone_a), (together[1], alone_b)):
+        assert mine.argmax() == alone.argmax()
+        assert np.abs(mine - alone).max() < 0.5

@@ -8,9 +8,10 @@ state, seed, stop) on a sequence of its own in one shared cache (contracts.Seque
 
 - Every decoding member gets its one row (its last token) every round; draft rows go where they
   are expected to commit the most tokens per second of the whole decode (`allot`).
-- A newcomer's prompt goes in chunks beside the others' rounds (`chunk_rows`): each chunk costs
-  about what the others' rows do, so the others' rounds slow to about half speed while a prompt
-  goes in, and the newcomer's first token comes at most about one prefill later than alone.
+- A newcomer's prompt goes in chunks beside the others' rounds (`chunk_rows`): a round carries
+  prompt tokens costing about three times the others' rows, or a quarter of a second if that
+  is more, so a prompt goes in at about three quarters of its speed alone and the others keep
+  advancing every round meanwhile.
 - A member's rollbacks are its own sequence's (Target.truncate through `Sequences.sequence`).
 
 The Batch prints nothing and knows the target only through its contract.
@@ -30,8 +31,9 @@ from flylocal.decoding.engine import Engine, Generation, Request, RoundEvent
 from flylocal.decoding.round import Round
 
 REUSE_MIN = 32          # a cached prefix worth taking a higher sequence for
-CHUNK_MIN = 16          # the fewest prompt tokens a round carries for a newcomer beside others' rows
-PREFILL_SHARE = 1.0     # a chunk costs about this many times the others' rows of its round
+CHUNK_MIN = 16          # the fewest prompt tokens a round carries for newcomers beside others' rows
+PREFILL_SHARE = 3.0     # newcomers' prompt tokens in a round cost about this many times the others' rows,
+STALL_S = 0.25          # or this many seconds, if that is more
 
 
 @dataclass(eq=False)
@@ -297,12 +299,14 @@ class Batch:
         return parts, chunks
 
     def chunk_rows(self, others: int) -> int:
-        """Prompt tokens a round carries beside `others` rows: as many as cost about
-        PREFILL_SHARE times those rows (the cost curve's slope past its calibrated sizes)."""
-        cost = self.target.costs.cost(self.target.n_batch)
-        top = min(len(cost), self.target.n_batch)
+        """Prompt tokens a round carries beside `others` rows: as many as cost PREFILL_SHARE times
+        those rows, or STALL_S seconds if that is more (the cost curve's slope past its calibrated
+        sizes gives a prompt token's cost); within the batch."""
+        target = self.target
+        cost = target.costs.cost(target.n_batch)
+        top = len(cost)
         half = max(top // 2, 1)
         per_token = max((cost[top - 1] - cost[half - 1]) / max(top - half, 1), 1e-12)
-        want = PREFILL_SHARE * cost[min(max(others, 1), len(cost)) - 1] / per_token
-        return int(max(CHUNK_MIN, min(want, self.target.n_batch - others)))
-
+        rows = cost[min(max(others, 1), top) - 1]
+        want = max(PREFILL_SHARE * rows, STALL_S) / per_token
+        return int(max(CHUNK_MIN, min(want, target.n_batch - others)))

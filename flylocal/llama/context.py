@@ -9,8 +9,9 @@ back (docs/design.md, "The round", "Several requests at once").
 - `reuse_prefix(tokens)`: keeps the longest cached prefix of a token sequence (drafters' catch-up,
   chat's prompt reuse);
 - `decode_batch(parts)`: one decode appending to several sequences (flylocal.decoding.batch).
-  Each sequence has cells of its own (llama.cpp's per-sequence streams, kv_unified off): in
-  the exact build a sequence's logits are then the same whatever shares its decode (measured).
+  In the exact build each sequence has cells of its own (llama.cpp's per-sequence streams,
+  kv_unified off): a sequence's logits are then the same whatever shares its decode (measured);
+  in the fast build they share one unified cache, where an uneven decode is one computation.
 
 Every operation takes a sequence (`seq`, 0 by default); `sequence(s)` is a Target bound to one.
 
@@ -95,7 +96,11 @@ class Context:
         cparams.n_batch = config.n_batch
         cparams.n_ubatch = config.n_batch
         cparams.n_seq_max = n_seq
-        cparams.kv_unified = False        # each sequence its own cells: no sequence sees another's
+        # Several sequences: in the exact build a stream of cells each (a sequence's logits are
+        # then bit for bit the same whatever shares its decode); in the fast build one unified
+        # cache (a decode is one computation however uneven its sequences' rows).
+        self.unified = n_seq > 1 and (config.kv_unified if config.kv_unified is not None else KERNELS != kernels.EXACT)
+        cparams.kv_unified = self.unified
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         # A full-size sliding-window cache keeps every position, so rolling back a draft
@@ -305,6 +310,14 @@ class Context:
             reason = {1: "no KV cache slot (context full)", 2: "aborted"}.get(rc, f"error {rc}")
             raise FlylocalError(f"llama_decode failed on {self.name}: {reason}")
 
+    def split(self, rows: dict[int, int]) -> list[int]:
+        """The row counts of the computations llama.cpp runs a decode of `rows` (sequence ->
+        tokens) as: one per n_batch rows with a unified cache, `equal_split` with streams."""
+        if self.unified:
+            total = sum(rows.values())
+            return [min(self.n_batch, total - i) for i in range(0, total, self.n_batch)]
+        return equal_split(rows)
+
     def decode_batch(self, parts: list[tuple[int, np.ndarray, int | None]]) -> list[np.ndarray | None]:
         """One llama_decode appending each part's tokens to its sequence: part (seq, tokens,
         logits_from); each part's logits (rows logits_from:) as views [rows, n_vocab] float32
@@ -328,7 +341,7 @@ class Context:
         # (a round of several requests), as on a request's own round
         steer = (self.thread_control is not None and not self._steady and i <= CONTROL_ROWS
                  and all(start == 0 for _, _, start, _ in prepared)
-                 and len(equal_split({seq: len(t) for seq, t, _, _ in prepared})) == 1)
+                 and len(self.split({seq: len(t) for seq, t, _, _ in prepared})) == 1)
         if self.thread_control is not None and not self._steady:
             self._read_load()
             if steer:

@@ -20,7 +20,7 @@ import numpy as np
 
 from flylocal.decoding.contracts import Target
 from flylocal.llama.config import RuntimeConfig
-from flylocal.llama.context import Context, equal_split
+from flylocal.llama.context import Context
 from flylocal.llama.model import Model
 from flylocal.llama.vocab import Vocabulary
 
@@ -117,7 +117,7 @@ class Runtime(Target):
         return self.context.decode_batch(parts)
 
     def split(self, rows: dict[int, int]) -> list[int]:
-        return equal_split(rows)
+        return self.context.split(rows)
 
     def cost_key(self) -> dict:
         return self.context.cost_key()
