@@ -213,7 +213,7 @@ def runtime_config(settings: Settings, rpc: tuple[str, ...] = (), tensor_split: 
     """A model's llama.cpp settings; `rpc`: the servers that hold its layers; `gpu_layers`: its
     n_gpu_layers (loader.gpu_layers); `n_seq`: its sequences (0: as many as memory holds)."""
     return RuntimeConfig(n_ctx=settings.ctx, n_batch=settings.batch_size, n_threads=settings.threads,
-                         n_gpu_layers=gpu_layers, n_seq=n_seq,
+                         n_gpu_layers=gpu_layers, n_seq=n_seq, kv_unified=settings.kv_unified,
                          flash_attn=settings.flash_attn, rpc=rpc, tensor_split=tensor_split,
                          rpc_timeout=settings.rpc_timeout, rpc_output=settings.rpc_output)
 

@@ -68,6 +68,7 @@ class Settings:
     trace: bool = False               # attach trace rows (docs/design.md) to round events
     logprobs: int | None = None       # give output tokens their log-probabilities (and this many alternatives)
     parallel: int = 1                 # sequences decoded together (serve --parallel); 0: as many as memory holds, up to 4
+    kv_unified: bool = False          # the sequences share one unified cache (serve --kv-unified)
 
     @property
     def drafter_name(self) -> str:

@@ -122,7 +122,7 @@ def test_an_uneven_decode_gives_rows_in_batch_order(smol4):
 
 
 def test_a_unified_cache_keeps_sequences_apart(smol):
-    """The fast build's layout (one unified cache): sequence 1 holding other text, and rolled
+    """--kv-unified (one cache for every sequence): sequence 1 holding other text, and rolled
     back, changes nothing of sequence 0 beyond the numerics of summing attention in another
     order. A cell of one sequence seen by another would move the logits far more than that, and
     change their argmax."""
@@ -146,4 +146,4 @@ def test_a_unified_cache_keeps_sequences_apart(smol):
     alone_b = smol.decode(b, logits_from=len(b) - 1)[0].copy()
     for mine, alone in ((together[0], alone_a), (together[1], alone_b)):
         assert mine.argmax() == alone.argmax()
-        assert np.abs(mine - alone).max() < 0.5
+        assert np.abs(mine - alone).mean() < 0.25 and np.abs(mine - alone).max() < 2.0

@@ -7,6 +7,7 @@ or refused with a clear status, no memory growth, and the server ready.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import threading
 import time
@@ -125,9 +126,18 @@ def test_busy_slots_show_in_health_and_a_full_queue_still_refuses():
 def test_thirty_two_clients_three_hundred_requests_with_disconnects():
     """Loopback only, bounded in count and time: every request is answered or refused with a
     clear status (200, or 503 with Retry-After), the streams a client drops are let go, the
-    server's memory does not grow past its first hundred requests, and it ends ready."""
+    server's memory does not grow past its first hundred requests, and it ends ready. With the
+    fast kernels, the build users run: its sequences share one unified cache."""
     port = free_port()
-    proc = start("--target", SMOL, "--ctx", "512", "--parallel", "4", "--max-queue", "8", port=port)
+    exact = os.environ.get("FLYLOCAL_EXACT")
+    os.environ["FLYLOCAL_EXACT"] = "0"            # the server process's build: the fast one
+    try:
+        proc = start("--target", SMOL, "--ctx", "512", "--parallel", "4", "--max-queue", "8", port=port)
+    finally:
+        if exact is None:
+            del os.environ["FLYLOCAL_EXACT"]
+        else:
+            os.environ["FLYLOCAL_EXACT"] = exact
     url = f"http://127.0.0.1:{port}"
     rng = random.Random(44)
     plan = [(rng.choice(QUESTIONS), rng.randint(1, 12), rng.random() < 0.25, rng.random() < 0.5)

@@ -225,11 +225,17 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
 @click.option("--parallel", type=Slots(), default="auto", show_default=True,
               help="Requests generated at once, each in a sequence of its own with --ctx cells, every one "
                    "advancing in each shared decode. auto: as many as memory holds, up to 4; 1: one at a time.")
+@click.option("--kv-unified", is_flag=True,
+              help="With --parallel: one KV cache shared by the slots instead of one per slot. A decode of "
+                   "uneven drafts is then one computation (faster where drafts pay, on a bandwidth-bound model), "
+                   "but every row attends over every slot's cells (slower on a compute-bound one), and strict "
+                   "requests are no longer bit-exact beside others in exact mode.")
 @click.option("--quiet", is_flag=True, help="No log line per request on stderr.")
 @click.option("--embedding-model", "embedding_model", default=None, metavar="NAME|PATH",
               help="The model that computes embeddings (/v1/embeddings, /api/embed), loaded on the first request "
                    "for them. Default: the target, in a context of its own.")
-def serve(host, port, api_key, max_queue, cors_origins, allowed_hosts, parallel, quiet, embedding_model, **opts):
+def serve(host, port, api_key, max_queue, cors_origins, allowed_hosts, parallel, kv_unified, quiet, embedding_model,
+          **opts):
     """Serve the models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/responses,
     /v1/completions, /v1/embeddings, /v1/models) and Ollama's (/api/chat, /api/generate,
     /api/embed, /api/tags, ...), with /health and /metrics. The options set each request's
@@ -246,7 +252,7 @@ def serve(host, port, api_key, max_queue, cors_origins, allowed_hosts, parallel,
     except ImportError as e:
         raise FlylocalError(f"flylocal serve needs its extra ({e.name} is missing): "
                             "pip install -e '.[serve]' (scripts/setup.sh installs it)") from None
-    settings = dataclasses.replace(settings_from(opts), parallel=parallel)
+    settings = dataclasses.replace(settings_from(opts), parallel=parallel, kv_unified=kv_unified)
     check(settings)
     for name in (settings.target, settings.draft):     # a bad model is one line before anything listens
         if name:

@@ -12,10 +12,10 @@ class RuntimeConfig:
     n_threads: int | None = None   # None: auto (flylocal.llama.threads); 0: all cores; N: N threads
     n_gpu_layers: int = 0
     n_seq: int = 1                 # sequences, each with up to n_ctx cells (a server's --parallel slots)
-    # Several sequences in one cache (True: llama.cpp's unified KV cache, one computation per
-    # decode; False: a stream of cells per sequence, bit-exact beside others but uneven decodes
-    # run as several computations); None: unified in the fast build, streams in the exact one.
-    kv_unified: bool | None = None
+    # Several sequences in one cache: False, a stream of cells per sequence (bit-exact beside
+    # others in the exact build; uneven decodes run as several computations); True, llama.cpp's
+    # unified KV cache (one computation per decode; every row attends over every sequence's cells).
+    kv_unified: bool = False
     # The model's layers on these llama.cpp rpc servers ("HOST:PORT"), split by `tensor_split`
     # (proportions per remote device; empty: llama.cpp's split by free memory). Such a model
     # runs in a worker process (flylocal.llama.remote), since ggml aborts its process when a server

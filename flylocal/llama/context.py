@@ -9,9 +9,9 @@ back (docs/design.md, "The round", "Several requests at once").
 - `reuse_prefix(tokens)`: keeps the longest cached prefix of a token sequence (drafters' catch-up,
   chat's prompt reuse);
 - `decode_batch(parts)`: one decode appending to several sequences (flylocal.decoding.batch).
-  In the exact build each sequence has cells of its own (llama.cpp's per-sequence streams,
-  kv_unified off): a sequence's logits are then the same whatever shares its decode (measured);
-  in the fast build they share one unified cache, where an uneven decode is one computation.
+  Each sequence has cells of its own (llama.cpp's per-sequence streams, kv_unified off): in the
+  exact build a sequence's logits are then the same whatever shares its decode (measured). With
+  `kv_unified` they share one cache instead, where an uneven decode is one computation.
 
 Every operation takes a sequence (`seq`, 0 by default); `sequence(s)` is a Target bound to one.
 
@@ -96,10 +96,10 @@ class Context:
         cparams.n_batch = config.n_batch
         cparams.n_ubatch = config.n_batch
         cparams.n_seq_max = n_seq
-        # Several sequences: in the exact build a stream of cells each (a sequence's logits are
-        # then bit for bit the same whatever shares its decode); in the fast build one unified
-        # cache (a decode is one computation however uneven its sequences' rows).
-        self.unified = n_seq > 1 and (config.kv_unified if config.kv_unified is not None else KERNELS != kernels.EXACT)
+        # Several sequences: a stream of cells each (a sequence's logits are then bit for bit the
+        # same whatever shares its decode, and no row attends over another's cells), or, asked
+        # for, one unified cache (a decode is one computation however uneven its rows).
+        self.unified = n_seq > 1 and config.kv_unified
         cparams.kv_unified = self.unified
         cparams.n_threads = threads
         cparams.n_threads_batch = threads

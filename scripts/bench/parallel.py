@@ -15,7 +15,8 @@ ratio of each to the serial server's in the same repeat, as a median over repeat
 bootstrap interval. `--copy` asks the summarization and RAG questions (the copy-heavy groups).
 
 Configurations: `serial` (flylocal --parallel 1), `slots` (flylocal --parallel C), `slots-plain`
-(the same without drafts) and, with --llama-server PATH, `llama-server` (-np C, plain: its own
+(the same without drafts), `slots-unified` (with --kv-unified; only when asked for) and, with
+--llama-server PATH, `llama-server` (-np C, plain: its own
 drafting is not the comparison here). flylocal's method is --method (strict-pld by default).
 
     .venv/bin/python scripts/bench/parallel.py [--target gemma-3-270m-f32] [--clients 1,2,4,8]
@@ -137,7 +138,8 @@ def main() -> int:
     ap.add_argument("--stagger", type=float, default=0.3, help="seconds between clients' starts")
     ap.add_argument("--copy", action="store_true", help="only the copy-heavy groups (summarization, rag)")
     ap.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server")
-    ap.add_argument("--configs", default=None, help="comma-separated: serial, slots, slots-plain, llama-server")
+    ap.add_argument("--configs", default=None,
+                    help="comma-separated: serial, slots, slots-plain, slots-unified, llama-server")
     ap.add_argument("--json", default=None, help="write every wave's figures here")
     args = ap.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
@@ -162,6 +164,8 @@ def main() -> int:
             return fly + ["--parallel", str(clients), *method]
         if config == "slots-plain":
             return fly + ["--parallel", str(clients), *METHODS["plain"]]
+        if config == "slots-unified":
+            return fly + ["--parallel", str(clients), "--kv-unified", *method]
         return [args.llama_server, "-m", path, "--port", "{port}", "--host", "127.0.0.1", "-np", str(clients),
                 "-c", str(args.ctx * clients), "--no-webui", *(["-t", args.threads] if args.threads else [])]
 
