@@ -123,6 +123,8 @@ class Worker:
             self.failed = e
             on_failure(e)
             return
+        if session is None:          # nothing was loaded (a loader that gave up): nothing to run
+            return
         self.slots = getattr(session.target, "n_seq", 1)
         self.metrics.slots.set(self.slots)
         self.session = session
