@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flylocal.decoding.contracts import Draft, Drafter, Target, reusable_prefix
+from flylocal.decoding.contracts import Draft, Drafter, Target, equal_split, reusable_prefix
 from flylocal.decoding.costs import CostCurve
 from flylocal.errors import FlylocalError
 
@@ -276,27 +276,6 @@ def controlled(oracle: NoisyOracle, k: int, target: FakeTarget, learned=None):
     from flylocal.decoding.drafters.length import LengthControl
 
     return LengthControl(oracle, oracle.level_prior, k, target.costs, learned)
-
-
-def equal_split(rows: dict[int, int]) -> list[int]:
-    """How llama.cpp runs a decode over sequences with a cache of its own each (measured:
-    docs/design.md, "Several requests at once"): computations over a run of consecutive
-    sequence ids, each taking as many tokens from every one of them as the one with fewest
-    has left."""
-    left = {s: n for s, n in rows.items() if n > 0}
-    out = []
-    while left:
-        s = min(left)
-        run = [s]
-        while run[-1] + 1 in left:
-            run.append(run[-1] + 1)
-        step = min(left[t] for t in run)
-        out.append(step * len(run))
-        for t in run:
-            left[t] -= step
-            if not left[t]:
-                del left[t]
-    return out
 
 
 class FakeSequences:

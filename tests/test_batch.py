@@ -12,7 +12,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from fake_backend import FakeLM, FakeSequences, FakeTarget, Machine, equal_split, fixed_costs, greedy
+from fake_backend import FakeLM, FakeSequences, FakeTarget, Machine, fixed_costs, greedy
+from flylocal.decoding.contracts import equal_split
 from flylocal.decoding.batch import Batch, allot, split_cost
 from flylocal.decoding.contracts import NO_DRAFT, Draft, Drafter
 from flylocal.decoding.engine import Engine, EngineConfig, generate_all

@@ -57,6 +57,26 @@ def reusable_prefix(cached: np.ndarray, tokens: np.ndarray) -> int:
     return int(diff[0]) if diff.size else limit
 
 
+def equal_split(rows: dict[int, int]) -> list[int]:
+    """The row counts of the computations llama.cpp runs a decode of `rows` (sequence -> tokens)
+    as, with a cache of its own per sequence: a run of consecutive sequence ids at a time, as
+    many tokens from each as the one with fewest has left (measured: 4 sequences of 1 row cost
+    what 4 rows of one do; 5+1+1+1 rows what 4 and 4 do; sequences 0 and 2 what two single rows do)."""
+    left = {s: n for s, n in rows.items() if n > 0}
+    out = []
+    while left:
+        run = [min(left)]
+        while run[-1] + 1 in left:
+            run.append(run[-1] + 1)
+        step = min(left[s] for s in run)
+        out.append(step * len(run))
+        for s in run:
+            left[s] -= step
+            if not left[s]:
+                del left[s]
+    return out
+
+
 class Target(Protocol):
     """A loaded model with a KV cache: the target, and a draft model too. `Runtime`
     (flylocal.llama.runtime), the rpc-placed model (flylocal.llama.remote) and the tests'

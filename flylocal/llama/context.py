@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from flylocal.decoding.contracts import cost_curve, reusable_prefix
+from flylocal.decoding.contracts import cost_curve, equal_split, reusable_prefix
 from flylocal.errors import FlylocalError, ModelError
 from flylocal.llama import kernels
 from flylocal.llama.binding import KERNELS, interrupts_deferred, last_error, llama_cpp, logits_address
@@ -505,22 +505,3 @@ def one_sequence(seq: int) -> None:
     if seq != 0:
         raise ValueError(f"sequence {seq}: this context holds one sequence (0)")
 
-
-def equal_split(rows: dict[int, int]) -> list[int]:
-    """The row counts of the computations llama.cpp runs a decode of `rows` (sequence -> tokens)
-    as, with a cache of its own per sequence: a run of consecutive sequence ids at a time, as
-    many tokens from each as the one with fewest has left (measured: 4 sequences of 1 row cost
-    what 4 rows of one do; 5+1+1+1 rows what 4 and 4 do; sequences 0 and 2 what two single rows do)."""
-    left = {s: n for s, n in rows.items() if n > 0}
-    out = []
-    while left:
-        run = [min(left)]
-        while run[-1] + 1 in left:
-            run.append(run[-1] + 1)
-        step = min(left[s] for s in run)
-        out.append(step * len(run))
-        for s in run:
-            left[s] -= step
-            if not left[s]:
-                del left[s]
-    return out
