@@ -91,6 +91,35 @@ def flylocal_serve(*options: str) -> list[str]:
     return [sys.executable, "-m", "flylocal", "serve", "--port", "{port}", "--quiet", *options]
 
 
+def stream_chat(url: str, question: str, max_tokens: int, banned=()) -> dict:
+    """One streamed, greedy chat request of `max_tokens` tokens (the `banned` ids at logit_bias
+    -100): its completion tokens and the perf_counter times of its start, first and last text."""
+    import json
+
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if banned:
+        body["logit_bias"] = {str(t): -100 for t in banned}
+    start = time.perf_counter()
+    first = last = None
+    chunks, tokens = 0, None
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=900) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if data.get("usage"):
+                tokens = data["usage"]["completion_tokens"]
+            if data.get("choices") and data["choices"][0].get("delta", {}).get("content"):
+                last = time.perf_counter()
+                first = first or last
+                chunks += 1
+    return {"tokens": tokens if tokens is not None else chunks, "start": start, "first": first, "last": last}
+
+
 def questions(per_category: int) -> list[str]:
     """The first turn of the first `per_category` Spec-Bench questions of each group."""
     from flylocal.front.bench import load_prompts, per_group

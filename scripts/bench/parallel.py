@@ -34,10 +34,9 @@ import sys
 import threading
 import time
 
-import httpx
 import numpy as np
 
-from harness import ROOT, interval, servers
+from harness import ROOT, interval, servers, stream_chat
 
 METHODS = {"strict-pld": ["--verifier", "strict", "--drafter", "pld"],
            "fly-pld": ["--verifier", "fly", "--drafter", "pld"],
@@ -71,26 +70,9 @@ def end_tokens(path: str) -> list[int]:
 
 
 def stream(url: str, question: str, max_tokens: int, banned: list[int]) -> dict:
-    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True},
-            "logit_bias": {str(t): -100 for t in banned}}
-    t0 = time.perf_counter()
-    first = last = None
-    tokens = chunks = 0
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=900) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if data.get("usage"):
-                tokens = data["usage"]["completion_tokens"]
-            if data.get("choices") and data["choices"][0].get("delta", {}).get("content"):
-                last = time.perf_counter()
-                first = first or last
-                chunks += 1
-    tokens = tokens or chunks
-    return {"tokens": tokens, "ttft": (first or time.perf_counter()) - t0, "start": t0, "end": last or time.perf_counter()}
+    r = stream_chat(url, question, max_tokens, banned)
+    end = r["last"] or time.perf_counter()
+    return {"tokens": r["tokens"], "ttft": (r["first"] or end) - r["start"], "start": r["start"], "end": end}
 
 
 def wave(url: str, clients: int, questions: list[str], offset: int, args, banned) -> dict:

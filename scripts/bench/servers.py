@@ -28,17 +28,15 @@ says how); give its path with --llama-server. Every server is stopped on the way
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
 import sys
 import time
 
-import httpx
 import numpy as np
 
-from harness import flylocal_serve, interval, questions, servers
+from harness import flylocal_serve, interval, questions, servers, stream_chat
 
 FLYLOCAL_MODES = {"flylocal plain": ["--drafter", "none", "--verifier", "strict"],
                   "flylocal strict-pld": ["--drafter", "pld", "--verifier", "strict"],
@@ -58,28 +56,9 @@ def end_tokens(model_path: str) -> list[int]:
 
 
 def ask(url: str, question: str, max_tokens: int, banned: list[int] = ()) -> dict:
-    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    if banned:
-        body["logit_bias"] = {str(t): -100 for t in banned}
-    t0 = time.perf_counter()
-    first = last = None
-    chunks, tokens = 0, None
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if data.get("usage"):
-                tokens = data["usage"]["completion_tokens"]
-            if data.get("choices") and data["choices"][0].get("delta", {}).get("content"):
-                now = time.perf_counter()
-                first = first or now
-                last = now
-                chunks += 1
-    tokens = tokens if tokens is not None else chunks
-    wall = (last or time.perf_counter()) - t0
+    r = stream_chat(url, question, max_tokens, banned)
+    tokens, first, last = r["tokens"], r["first"], r["last"]
+    wall = (last or time.perf_counter()) - r["start"]
     decode = (tokens - 1) / (last - first) if first is not None and last > first and tokens > 1 else float("nan")
     return {"tokens": tokens, "wall": wall, "e2e": tokens / wall if wall > 0 else float("nan"), "decode": decode}
 
