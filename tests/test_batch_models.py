@@ -147,3 +147,62 @@ def test_a_unified_cache_keeps_sequences_apart(smol):
     for mine, alone in ((together[0], alone_a), (together[1], alone_b)):
         assert mine.argmax() == alone.argmax()
         assert np.abs(mine - alone).mean() < 0.25 and np.abs(mine - alone).max() < 2.0
+
+
+def test_every_decode_stays_on_its_sequence_with_threads_auto(smol):
+    """--threads auto steers the thread count on a round's decode: random decodes, rounds,
+    rollbacks and shared decodes on random sequences leave every other sequence's cells and
+    `past` as they were, and each sequence's next logits are those of a fresh run of its tokens."""
+    import random
+
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
+
+    rng = random.Random(53)
+    rt = Runtime(model_path(SMOL), RuntimeConfig(n_ctx=256, n_seq=3, n_threads=None))
+    try:
+        assert rt.thread_control is not None
+        words = ids_of(rt, "poem-autumn").tolist()
+        held = {s: [] for s in range(3)}
+
+        def tokens(n):
+            return np.array([rng.choice(words) for _ in range(n)], dtype=np.int32)
+
+        for step in range(80):
+            s = rng.randrange(3)
+            op = rng.choice(["prompt", "round", "truncate", "shared"])
+            touched = {s}
+            room = 200 - len(held[s])
+            if op == "prompt" and room > 40:           # a prompt: chunked without logits, then rows
+                t = tokens(rng.randint(2, 40))
+                rt.sequence(s).decode(t, logits_from=len(t) - 1)
+                held[s] += t.tolist()
+            elif op == "round" and room > 9:           # a round: [last, *draft], every row's logits
+                t = tokens(rng.randint(1, 9))
+                rt.sequence(s).decode(t, logits_from=0)
+                held[s] += t.tolist()
+            elif op == "truncate":
+                keep = rng.randint(0, len(held[s]))
+                rt.sequence(s).truncate(keep)
+                held[s] = held[s][:keep]
+            elif op == "shared":
+                others = rng.sample(range(3), rng.randint(1, 3))
+                parts = [(o, tokens(rng.randint(1, 5)), 0) for o in others if len(held[o]) < 190]
+                touched = {o for o, _, _ in parts}
+                rt.decode_batch(parts)
+                for o, t, _ in parts:
+                    held[o] += t.tolist()
+            for o in range(3):
+                where = f"step {step}, {op} on {sorted(touched)}: sequence {o}"
+                assert rt.context.past[o] == len(held[o]), where
+                assert rt.cached(o).tolist() == held[o], where
+        for o in range(3):
+            if not held[o]:
+                continue
+            nxt = np.array([words[o]], dtype=np.int32)
+            mine = rt.sequence(o).decode(nxt, logits_from=0)[0].copy()
+            smol.reset()
+            smol.decode(np.array(held[o], dtype=np.int32))
+            fresh = smol.decode(nxt, logits_from=0)[0]
+            assert np.array_equal(mine, fresh), f"sequence {o}'s logits moved"
+    finally:
+        rt.close()

@@ -226,7 +226,7 @@ class Context:
         if start and control:
             self._read_load(force=True)
             if not self._probed:
-                self._probe_threads(int(tokens[0]))
+                self._probe_threads(int(tokens[0]), seq)
             self._use_threads(self.thread_control.home)     # a prompt never runs on a count on trial
         i = 0
         while i < start and (n - i > self.n_batch or start >= n):
@@ -241,7 +241,7 @@ class Context:
             self._read_load()
             self._use_threads(self.thread_control.current)
             t0 = time.perf_counter()
-            self._decode_chunk(tokens, logits_from=0)
+            self._decode_chunk(tokens, logits_from=0, seq=seq)
             self._steer(rows, time.perf_counter() - t0)
         return self._logits(rows)
 
@@ -273,9 +273,10 @@ class Context:
             self._view = address, view
         return view[:rows]
 
-    def _decode_chunk(self, chunk: np.ndarray, logits_from: int, seq: int = 0) -> None:
-        """One llama_decode of `chunk` (at most n_batch tokens) on sequence `seq`, with logits for
-        rows `logits_from:`."""
+    def _decode_chunk(self, chunk: np.ndarray, logits_from: int, *, seq: int) -> None:
+        """One llama_decode of `chunk` (at most n_batch tokens) on sequence `seq` (always named:
+        a decode that lands on another sequence than its caller's corrupts both), with logits
+        for rows `logits_from:`."""
         m = len(chunk)
         p0 = self.past[seq]
         self._b_token[:m] = chunk
@@ -375,14 +376,14 @@ class Context:
             at += rows
         return out
 
-    def _probe_threads(self, token: int, passes: int = 2) -> None:
+    def _probe_threads(self, token: int, seq: int, passes: int = 2) -> None:
         """--threads auto in a process that knows nothing yet: time a single-row decode at each
         candidate count (after one warm-up, `passes` times each, the least counting; rolled back)
         and start on the fastest, so that the first prompt already runs on it. Tens of
         milliseconds on an idle machine, against seconds a prompt on every core of a busy one
         can lose."""
         self._probed = True
-        control, n_past = self.thread_control, self.past[0]
+        control, n_past = self.thread_control, self.past[seq]
         if n_past + 1 > self.n_ctx:
             return
         one = np.array([token], dtype=np.int32)
@@ -395,13 +396,13 @@ class Context:
                 for count in counts if i else counts[-1:]:
                     self._use_threads(count)
                     t0 = time.perf_counter()
-                    self._decode_chunk(one, logits_from=1)
+                    self._decode_chunk(one, logits_from=1, seq=seq)
                     seconds = time.perf_counter() - t0
-                    self.truncate(n_past)
+                    self.truncate(n_past, seq=seq)
                     if i:                                  # the first decode is a warm-up
                         best[count] = min(best.get(count, math.inf), seconds)
         finally:
-            self.truncate(n_past)
+            self.truncate(n_past, seq=seq)
         control.seed(best)
 
     def _steer(self, rows: int, seconds: float) -> None:
