@@ -92,22 +92,30 @@ class Models:
                 rt.close()
 
 
-def check(settings: Settings) -> None:
-    """Refuse settings no engine can run, before any model is loaded."""
+def check(settings: Settings, slots: int | None = None) -> None:
+    """Refuse settings no engine can run, before any model is loaded. `slots`: the requests a
+    server decodes together (default: --parallel as given, 1 for auto, which `load` fits to the
+    draft length): a draft verified whole must fit a slot's share of a shared decode, so that
+    company never cuts it (docs/design.md, "Several requests at once")."""
     if settings.drafter_name in ("model", "mla") and not settings.draft:
         raise OptionError(f"--drafter {settings.drafter_name} needs a draft model (--draft NAME|PATH)", "drafter",
                           f"drafter {settings.drafter_name} needs a draft model: start the server with --draft")
-    k, rows = settings.draft_length, settings.batch_size
+    slots = slots or max(settings.parallel, 1)
+    k, rows = settings.draft_length, settings.batch_size // slots
     if k + 1 > rows:
+        given = f"--batch-size {settings.batch_size}" if slots == 1 else \
+            f"--batch-size {settings.batch_size} shared by {slots} slots (--parallel) gives each {rows}"
+        api = f"the server's --batch-size is {rows}" if slots == 1 else \
+            f"the server's --batch-size of {settings.batch_size} shared by its {slots} slots gives each {rows}"
         if settings.k is None:            # the length FLy's window asks for, not one given
             w = settings.window
-            raise OptionError(f"--fly-window {w} needs drafts of {k} tokens, {k + 1} rows per round; --batch-size "
-                              f"is {rows}: give --fly-window at most {rows - 5}, or a larger --batch-size", "fly_window",
-                              f"fly_window {w} needs drafts of {k} tokens, {k + 1} rows per round; the server's "
-                              f"--batch-size is {rows}: at most {rows - 5}")
-        raise OptionError(f"--k {k} verifies {k + 1} rows per round; --batch-size must be at least {k + 1}", "k",
-                          f"k {k} verifies {k + 1} rows per round; the server's --batch-size is {rows}: at most "
-                          f"{rows - 1}")
+            raise OptionError(f"--fly-window {w} needs drafts of {k} tokens, {k + 1} rows per round; {given}: give "
+                              f"--fly-window at most {rows - 5}, or a larger --batch-size", "fly_window",
+                              f"fly_window {w} needs drafts of {k} tokens, {k + 1} rows per round; {api}: at most "
+                              f"{rows - 5}")
+        raise OptionError(f"--k {k} verifies {k + 1} rows per round; {given}: give --k at most {rows - 1}, or a larger "
+                          "--batch-size", "k",
+                          f"k {k} verifies {k + 1} rows per round; {api}: at most {rows - 1}")
     if settings.draft_rpc and not settings.draft:
         raise FlylocalError("--draft-rpc places a draft model: give --draft NAME|PATH")
     shared = set(settings.target_rpc) & set(settings.draft_rpc)
@@ -132,10 +140,11 @@ def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Mod
     if slots != 1 and (settings.target_rpc or settings.draft_rpc):
         slots = 1
         log("a model on rpc servers decodes one request at a time: --parallel is 1")
+    fit = max(settings.batch_size // (settings.draft_length + 1), 1)     # slots whose drafts fit a decode
     if layers.line:
         log(layers.line)
     target = open_model(target_path, runtime_config(settings, settings.target_rpc, settings.tensor_split,
-                                                    layers.target, n_seq=slots))
+                                                    layers.target, n_seq=slots, auto_seq=fit))
     past_training(target, settings.ctx, log)
     draft = None
     through_text = False
@@ -209,11 +218,12 @@ def gpu_layers(settings: Settings, target_path, draft_path) -> Placement:
 
 
 def runtime_config(settings: Settings, rpc: tuple[str, ...] = (), tensor_split: tuple[float, ...] = (),
-                   gpu_layers: int = 0, n_seq: int = 1) -> RuntimeConfig:
+                   gpu_layers: int = 0, n_seq: int = 1, auto_seq: int = 4) -> RuntimeConfig:
     """A model's llama.cpp settings; `rpc`: the servers that hold its layers; `gpu_layers`: its
-    n_gpu_layers (loader.gpu_layers); `n_seq`: its sequences (0: as many as memory holds)."""
+    n_gpu_layers (loader.gpu_layers); `n_seq`: its sequences (0: as many as memory holds, up to
+    `auto_seq`)."""
     return RuntimeConfig(n_ctx=settings.ctx, n_batch=settings.batch_size, n_threads=settings.threads,
-                         n_gpu_layers=gpu_layers, n_seq=n_seq, kv_unified=settings.kv_unified,
+                         n_gpu_layers=gpu_layers, n_seq=n_seq, auto_seq=auto_seq, kv_unified=settings.kv_unified,
                          flash_attn=settings.flash_attn, rpc=rpc, tensor_split=tensor_split,
                          rpc_timeout=settings.rpc_timeout, rpc_output=settings.rpc_output)
 

@@ -282,7 +282,9 @@ class FakeSequences:
     """The Sequences contract (flylocal.decoding.contracts) over `n_seq` FakeTargets of one
     FakeLM, one cost curve and one Machine: a shared decode costs the sum of the curve over
     its computations (`equal_split`). `decodes` counts shared decodes, `parts` each one's
-    (seq, rows) for the tests to read."""
+    (seq, rows) for the tests to read. A decode is all or nothing, as llama.cpp's is to its
+    caller: one that fails leaves every sequence as it was. A decode that carries a part of a
+    sequence in `faulty` fails (the tests' way to make one member's decode fail)."""
 
     def __init__(self, lm: FakeLM, n_seq: int, n_ctx: int = 64, n_batch: int = 64,
                  costs: CostCurve | None = None, machine: Machine | None = None):
@@ -293,6 +295,7 @@ class FakeSequences:
         self.seqs = [FakeTarget(lm, n_ctx, n_batch, self.costs, machine) for _ in range(n_seq)]
         self.decodes = 0
         self.parts: list[list[tuple[int, int]]] = []
+        self.faulty: set[int] = set()
 
     def sequence(self, seq: int) -> FakeTarget:
         return self.seqs[seq]
@@ -310,14 +313,23 @@ class FakeSequences:
         total = sum(len(t) for _, t, _ in parts)
         if total > self.n_batch:
             raise ValueError(f"{total} tokens in one decode; at most n_batch={self.n_batch}")
+        bad = self.faulty.intersection(seqs)
+        if bad:
+            raise FlylocalError(f"llama_decode failed on the fake: sequence {min(bad)}")
         out = []
-        for s, tokens, first in parts:
-            target = self.seqs[s]
-            target.machine = None               # the shared decode is charged once, below
-            try:
-                out.append(target.decode(tokens, first))
-            finally:
-                target.machine = self.machine
+        before = [(self.seqs[s], self.seqs[s].n_past) for s in seqs]
+        try:
+            for s, tokens, first in parts:
+                target = self.seqs[s]
+                target.machine = None               # the shared decode is charged once, below
+                try:
+                    out.append(target.decode(tokens, first))
+                finally:
+                    target.machine = self.machine
+        except BaseException:
+            for target, n_past in before:
+                target.truncate(n_past)
+            raise
         if self.machine is not None:
             single = self.machine.step
             self.machine.now += sum(single * self.machine.shape(n) for n in equal_split(

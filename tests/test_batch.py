@@ -67,8 +67,61 @@ class Replay(Drafter):
         self.i += 1
 
 
-def run_batch(seed: int, n_seq: int | None = None):
-    """One random batch: (requests, their Generations, their Recording drafters, the target)."""
+class Broken(Exception):
+    """What a member made to fail raises."""
+
+
+class FailingDrafter(Recording):
+    """A Recording drafter whose proposal number `at` raises (its drafter breaking mid-request)."""
+
+    def __init__(self, inner: Drafter, at: int):
+        super().__init__(inner)
+        self.at, self.calls = at, 0
+
+    def propose(self, context, k):
+        self.calls += 1
+        if self.calls > self.at:
+            raise Broken("the drafter broke")
+        return super().propose(context, k)
+
+
+class AnyGrammar:
+    """A grammar that allows every token and forces none, whose constraint raises at its
+    restriction number `at` (a grammar failing mid-request, as a self-referencing schema does)."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def start(self):
+        return self
+
+    def forced(self, limit):
+        return np.zeros(0, dtype=np.int32)
+
+    def allowed(self, draft):
+        return len(draft)
+
+    def restrict(self, logits, draft):
+        self.at -= 1
+        if self.at < 0:
+            raise Broken("the grammar failed")
+
+    def commit(self, tokens):
+        pass
+
+    def truncate(self, n):
+        pass
+
+
+FAULTS = ("drafter", "grammar", "decode")
+
+
+def run_batch(seed: int, n_seq: int | None = None, p_fault: float = 0.0):
+    """One random batch: [(Generation, case, Recording drafter, cancelled, fault)] of its
+    requests, and the target. With `p_fault`, that share of the requests fail at a random
+    round: their drafter, their grammar or their part of a decode (`FakeSequences.faulty`);
+    `fault` says which (None: none). Every failure must come back as that request's event, its
+    sequence cleared, and no other request may fail."""
     rng = np.random.default_rng(10_000 + seed)
     lm_index = int(rng.integers(len(LMS)))
     lm = LMS[lm_index]
@@ -85,60 +138,105 @@ def run_batch(seed: int, n_seq: int | None = None):
         case = replace(case, n_ctx=n_ctx, k=min(case.k, n_batch - 1), prompt=case.prompt[: n_ctx - 1])
         arrive = int(rng.integers(0, 30))
         cancel = int(rng.integers(1, 20)) if rng.random() < 0.2 else None
-        requests.append((arrive, cancel, case))
+        fault = (str(rng.choice(FAULTS)), int(rng.integers(0, 8))) if rng.random() < p_fault else None
+        seeded = bool(rng.random() < 0.25)
+        requests.append((arrive, cancel, fault, seeded, case))
     requests.sort(key=lambda x: x[0])
     waiting = list(requests)
-    running = {}            # gen -> (case, cancel round, recording, rounds seen)
+    running = {}            # gen -> [case, cancel round, recording, rounds seen, fault, seq]
     done = []
     now = 0
     while waiting or batch.members:
         while waiting and waiting[0][0] <= now:
-            seq = batch.place(np.asarray(waiting[0][2].prompt))
+            seq = batch.place(np.asarray(waiting[0][-1].prompt))
             if seq is None:
                 break
-            _, cancel, case = waiting.pop(0)
+            _, cancel, fault, seeded, case = waiting.pop(0)
             view = target.sequence(seq)
-            rec = Recording(make_drafter(case, view))
+            drafter = make_drafter(case, view)
+            rec = FailingDrafter(drafter, fault[1]) if fault and fault[0] == "drafter" else Recording(drafter)
+            grammar = AnyGrammar(fault[1]) if fault and fault[0] == "grammar" else None
             engine = Engine(view, rec, make_verifier(case),
-                            EngineConfig(max_tokens=case.max_tokens, k=case.k), clock=machine)
-            gen = batch.join(seq, engine, np.asarray(case.prompt, dtype=np.int32))
-            running[gen] = [case, cancel, rec, 0]
+                            EngineConfig(max_tokens=case.max_tokens, k=case.k, pin_costs=seeded), clock=machine)
+            gen = batch.join(seq, engine, np.asarray(case.prompt, dtype=np.int32), grammar=grammar)
+            running[gen] = [case, cancel, rec, 0, fault, seq]
         if not batch.members:
             now = waiting[0][0] if waiting else now + 1
             continue
-        for gen, _ in batch.round():
-            running[gen][3] += 1
+        for gen, entry in running.items():              # a member whose decode is to fail
+            fault, rounds, seq = entry[4], entry[3], entry[5]
+            if fault and fault[0] == "decode" and rounds >= fault[1] and not gen.stats.stop:
+                target.faulty.add(seq)
+        for gen, event in batch.round():
+            entry = running[gen]
+            if isinstance(event, Exception):
+                fault, seq = entry[4], entry[5]
+                assert fault is not None, f"batch seed {seed}: {entry[0]} failed without a fault: {event!r}"
+                assert gen.stats.stop == "error" and gen not in [m.gen for m in batch.members.values()]
+                assert not len(target.cached(seq)), "a failed member's sequence is cleared"
+                target.faulty.discard(seq)
+                entry.append(event)
+            else:
+                entry[3] += 1
         for gen, entry in list(running.items()):
-            case, cancel, rec, rounds = entry
+            case, cancel, rec, rounds, fault = entry[:5]
             if cancel is not None and rounds >= cancel and not gen.stats.stop:
                 batch.leave(gen)
             if gen.stats.stop:
-                done.append((gen, case, rec, cancel is not None and gen.stats.stop == "interrupted"))
+                if gen.stats.stop == "error":
+                    assert len(entry) == 7, f"batch seed {seed}: a member ended in error with no event for it"
+                done.append((gen, case, rec, cancel is not None and gen.stats.stop == "interrupted", fault))
                 del running[gen]
         now += 1
     return done, target
+
+
+def alone(case, rec):
+    """What the request of `case` gives alone: plain greedy decoding for strict; for a loose
+    verifier, whose output follows its drafts, the drafts it was verified on, replayed."""
+    lm = LMS[case.lm]
+    if case.verifier == "strict":
+        return greedy(lm, case.prompt, case.max_tokens, case.n_ctx)
+    target = FakeTarget(lm, case.n_ctx, costs=fixed_costs(case.row_cost))
+    engine = Engine(target, Replay(rec.drafts), make_verifier(case), EngineConfig(max_tokens=case.max_tokens, k=case.k))
+    expected, stats, _ = generate_all(engine, np.asarray(case.prompt, dtype=np.int32))
+    return expected, stats.stop
 
 
 @pytest.mark.parametrize("chunk", range(3))
 def test_each_request_equals_its_run_alone(chunk):
     for seed in range(chunk, N_BATCHES, 3):
         done, target = run_batch(seed)
-        for gen, case, rec, cancelled in done:
-            lm = LMS[case.lm]
+        for gen, case, rec, cancelled, _ in done:
             where = f"batch seed {seed}: {case}"
-            if case.verifier == "strict":
-                expected, stop = greedy(lm, case.prompt, case.max_tokens, case.n_ctx)
-            else:
-                alone = FakeTarget(lm, case.n_ctx, costs=fixed_costs(case.row_cost))
-                engine = Engine(alone, Replay(rec.drafts), make_verifier(case),
-                                EngineConfig(max_tokens=case.max_tokens, k=case.k))
-                expected, stats, _ = generate_all(engine, np.asarray(case.prompt, dtype=np.int32))
-                stop = stats.stop
+            expected, stop = alone(case, rec)
             if cancelled:
                 assert gen.tokens == expected[: len(gen.tokens)], where
             else:
                 assert gen.tokens == expected, where
                 assert gen.stats.stop == stop, where
+
+
+@pytest.mark.parametrize("chunk", range(3))
+def test_a_members_failure_is_its_own(chunk):
+    """A third of the requests fail at a random round (their drafter, their grammar, their part
+    of the decode): each failure comes back as its own request's event, its sequence cleared,
+    and every other request's output is its run alone, as if nothing had failed."""
+    failed = 0
+    for seed in range(chunk, N_BATCHES, 3):
+        done, target = run_batch(seed, p_fault=0.35)
+        for gen, case, rec, cancelled, fault in done:
+            where = f"batch seed {seed}: {case}"
+            if gen.stats.stop == "error":
+                failed += 1
+                continue
+            expected, stop = alone(case, rec)
+            if cancelled or fault:        # a fault past its request's end never struck
+                assert gen.tokens == expected[: len(gen.tokens)], where
+            else:
+                assert gen.tokens == expected, where
+                assert gen.stats.stop == stop, where
+    assert failed > 10
 
 
 def test_rounds_share_decodes_and_every_member_advances():
@@ -266,3 +364,46 @@ def test_a_seeded_request_drafts_as_alone_whatever_else_runs():
             assert gen.tokens == expected, f"seed {seed}, request {i}"
             checked += gen.stats.drafted > 0
     assert checked > 10
+
+
+class Counting(Recording):
+    """A Recording drafter that also keeps the length of each proposal it made."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.proposed = []
+
+    def propose(self, context, k):
+        draft = super().propose(context, k)
+        self.proposed.append(len(draft.tokens))
+        return draft
+
+
+@pytest.mark.parametrize("n_seq,k", [(1, 63), (2, 31), (4, 15)])
+def test_drafts_of_a_given_length_as_long_as_a_slot_holds_get_in_and_stay_whole(n_seq, k):
+    """Drafts of a given length (verified whole) of k + 1 = n_batch / n_seq rows, every slot
+    busy, prompts longer than what is left of a decode: every request gets in (none waits for
+    ever for a share the others' drafts never leave), each equals plain greedy decoding, and
+    no draft is ever cut."""
+    from fake_backend import NoisyOracle
+
+    lm = FakeLM(seed=9, n_vocab=32, eog=(), p_eog=0.0)
+    target = FakeSequences(lm, n_seq, 300, 64, fixed_costs(0.1, rows=64))
+    batch = Batch(target)
+    rng = np.random.default_rng(n_seq)
+    prompts = [rng.integers(32, size=60).astype(np.int32) for _ in range(2 * n_seq)]
+    waiting, gens = list(prompts), []
+    rounds = 0
+    while (waiting or batch.members) and rounds < 400:
+        while waiting and batch.free():
+            p = waiting.pop(0)
+            seq = batch.place(p)
+            drafter = Counting(NoisyOracle(lm, seed=len(gens), p_corrupt=0.3, p_eog=0.0, p_short=0.0))
+            engine = Engine(target.sequence(seq), drafter, make_verifier_strict(), EngineConfig(max_tokens=40, k=k))
+            gens.append((batch.join(seq, engine, p), p, drafter))
+        batch.round()
+        rounds += 1
+    assert not waiting and not batch.members, f"requests still waiting after {rounds} rounds"
+    for gen, p, drafter in gens:
+        assert gen.tokens == greedy(lm, p.tolist(), 40, 300)[0]
+        assert [len(d) for d in drafter.drafts if len(d)] == [n for n in drafter.proposed if n]

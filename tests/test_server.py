@@ -438,7 +438,68 @@ def test_each_streamed_chunk_says_how_its_tokens_came_and_where_they_end(client)
     stop = next(p for p in pieces[10:] if len(p.strip()) >= 3)
     cut_text, cut_kinds, cut_chars, _, _ = stream(stop=[stop])
     assert cut_text == text[: text.index(stop)]
-    assert sum(cut_chars) <= len(cut_text) and cut_kinds == kinds[: len(cut_kinds)]
+    assert sum(cut_chars) == len(cut_text) and cut_kinds == kinds[: len(cut_kinds)]
+
+
+def test_a_stop_string_inside_a_token_ends_text_and_tokens_together(server):
+    """A stop string that begins and ends inside tokens (docs/design.md, "Server"): the text is cut
+    where it begins; the answer's tokens end with the one that completes it, and logprobs,
+    usage, the streamed chars and Ollama's context all count those tokens."""
+    question, checked = "List five fruits, one per line.", 0
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": 48, "temperature": 0,
+            "verifier": "strict", "logprobs": True}
+    full = httpx.post(server + "/v1/chat/completions", headers=headers, json=body, timeout=120).json()
+    entries = full["choices"][0]["logprobs"]["content"]
+    pieces = [bytes(e["bytes"]).decode("utf-8", "replace") for e in entries]
+    text = "".join(pieces)
+    at = 0
+    for i, piece in enumerate(pieces):          # stop strings that end inside a token of 3 characters or more
+        at += len(piece)
+        if len(piece.strip()) < 3 or i < 2:
+            continue
+        stop = piece.strip()[1:-1]                    # inside this token
+        begin = text.find(stop)
+        end = begin + len(stop)
+        kept = next(j + 1 for j, e in enumerate(np.cumsum([len(p) for p in pieces])) if e >= end)
+        whole = httpx.post(server + "/v1/chat/completions", headers=headers, json=body | {"stop": [stop]},
+                           timeout=120).json()
+        answer = whole["choices"][0]
+        assert answer["message"]["content"] == text[:begin], stop
+        assert whole["usage"]["completion_tokens"] == len(answer["logprobs"]["content"]) == kept, stop
+        assert [e["token"] for e in answer["logprobs"]["content"]] == [e["token"] for e in entries[:kept]]
+        streamed, chars = "", 0
+        with httpx.stream("POST", server + "/v1/chat/completions", headers=headers,
+                          json=body | {"stop": [stop], "stream": True, "logprobs": False}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    data = json.loads(line[6:])
+                    chars += sum((data.get("flylocal") or {}).get("chars", []))
+                    if data["choices"]:
+                        streamed += data["choices"][0]["delta"].get("content") or ""
+        assert streamed == text[:begin] and chars == len(streamed), stop
+        generated = httpx.post(server + "/api/generate", headers=headers, json={
+            "model": SMOL, "prompt": question, "stream": False, "verifier": "strict",
+            "options": {"temperature": 0, "num_predict": 48, "stop": [stop]}}, timeout=120).json()
+        made = generated["context"][generated["prompt_eval_count"]:]
+        assert generated["response"] == text[:begin] and len(made) == generated["eval_count"] == kept, stop
+        checked += 1
+        if checked == 3:
+            break
+    assert checked == 3
+
+
+def test_a_client_that_leaves_is_logged_as_499(server):
+    before = log(url_of[server]).count("\n")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3, json={
+            "messages": [{"role": "user", "content": prompt("story-robot")}], "max_tokens": 400})
+    for _ in range(100):
+        lines = [line for line in log(url_of[server]).splitlines()[before:] if "/v1/chat/completions" in line]
+        if lines:
+            break
+        time.sleep(0.1)
+    assert lines and " 499 " in lines[-1], lines
 
 
 def test_penalties_change_greedy_output_as_in_flylocal_generate(client):

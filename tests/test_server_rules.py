@@ -357,9 +357,33 @@ def test_settings_no_engine_can_run_name_their_own_field(fields, param, start):
     within = VerifierConfig(fly=FlyParams(across=False))
     settings = request_settings(Settings(batch_size=32, verifiers=within), parse(ChatRequest, body(**fields)))
     with pytest.raises(ApiError) as e:
-        Server.check_settings(None, settings, None)
+        Server.check_settings(one_slot(1), settings, None)
     assert e.value.status == 400 and e.value.param == param
     assert e.value.message.startswith(start) and e.value.message.count(param) == 1, e.value.message
+
+
+def one_slot(slots: int):
+    """What check_settings reads of a Server: its worker's slot count."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(worker=SimpleNamespace(slots=slots))
+
+
+@pytest.mark.parametrize("slots,k,refused", [(1, 511, False), (4, 511, True), (4, 128, True), (4, 127, False),
+                                             (2, 255, False), (2, 256, True)])
+def test_a_draft_verified_whole_must_fit_a_slots_share(slots, k, refused):
+    """With N slots a round of each fits one decode only when k + 1 <= --batch-size / N: a longer
+    given draft would be cut by company (or wait for ever to join), so it is a 400 naming k."""
+    from flylocal.front.serve.app import Server
+
+    settings = request_settings(Settings(batch_size=512), parse(ChatRequest, body(k=k)))
+    if not refused:
+        Server.check_settings(one_slot(slots), settings, None)
+        return
+    with pytest.raises(ApiError) as e:
+        Server.check_settings(one_slot(slots), settings, None)
+    bound = 512 // slots - 1
+    assert e.value.status == 400 and e.value.param == "k" and f"at most {bound}" in e.value.message
 
 
 def test_a_wide_window_across_rounds_needs_no_long_draft():
@@ -368,7 +392,7 @@ def test_a_wide_window_across_rounds_needs_no_long_draft():
     from flylocal.front.serve.app import Server
 
     settings = request_settings(Settings(batch_size=32), parse(ChatRequest, body(fly_window=1000000000)))
-    Server.check_settings(None, settings, None)
+    Server.check_settings(one_slot(1), settings, None)
     assert settings.verifiers.fly.window == 1000000000 and settings.draft_length == 8
 
 
@@ -423,3 +447,18 @@ def test_ollama_values_clients_send_are_honoured():
     _, s = ollama_request(b'{"options": {"repeat_last_n": -1, "repeat_penalty": 1.3}}')
     assert s.sampling.repeat_last_n == 1024 and s.sampling.penalizes
 
+
+
+def test_serve_refuses_its_own_k_past_a_slots_share_before_loading():
+    """`flylocal serve --parallel 4 --k 200`: one line at start naming the bound, the slots and
+    the way out; --parallel auto instead takes no more slots than the draft length leaves room
+    for (flylocal.loader.load)."""
+    from flylocal.errors import OptionError
+    from flylocal.loader import check
+
+    with pytest.raises(OptionError) as e:
+        check(Settings(k=200, parallel=4))
+    assert str(e.value) == ("--k 200 verifies 201 rows per round; --batch-size 512 shared by 4 slots (--parallel) "
+                            "gives each 128: give --k at most 127, or a larger --batch-size")
+    check(Settings(k=200, parallel=0))          # auto: fitted when loading
+    check(Settings(k=127, parallel=4))

@@ -142,7 +142,8 @@ class Batch:
     def join(self, seq: int, engine: Engine, prompt: np.ndarray, on_end=None, grammar=None) -> Generation:
         """Start a request on sequence `seq` (free) with `engine`, built on `target.sequence(seq)`.
         Its prompt goes in over the next rounds; its Generation collects its output as rounds run
-        (not to be iterated: its events come from `round`)."""
+        (not to be iterated: its events come from `round`). What the request's start raises
+        (its grammar, a calibration's decode) is raised here, its sequence cleared."""
         if seq in self.members:
             raise ValueError(f"sequence {seq} is taken")
         # A seeded request's output must not follow what else runs (a loose verifier's follows its
@@ -157,6 +158,7 @@ class Batch:
         except BaseException:
             engine.stop(req, "error")
             engine.drafter.share(False)
+            _clear(engine)
             raise
         self.members[seq] = Member(seq, engine, gen, req, self.clock(), shared)
         return gen
@@ -186,47 +188,79 @@ class Batch:
         m.engine.drafter.share(False)
         m.engine.stop(m.req, why)
 
+    def _fail(self, m: Member, error: Exception, out: list) -> None:
+        """`m` raised: it ends alone, as "error", its sequence cleared (whatever the failure left
+        in its cells goes), and `error` goes out as its event."""
+        try:
+            self._end(m, "error")
+        except Exception:  # noqa: BLE001 - its end's own hooks failing too changes nothing for the others
+            self.members.pop(m.seq, None)
+        _clear(m.engine)
+        out.append((m.gen, error))
+
     def close(self, why: str = "interrupted") -> None:
         for m in list(self.members.values()):
             self._end(m, why)
 
     # ----- a round -----
-    def round(self) -> list[tuple[Generation, RoundEvent]]:
+    def round(self) -> list[tuple[Generation, RoundEvent | Exception]]:
         """One decode for every member: each decoding member's round, and a chunk of a newcomer's
-        prompt. Returns the events of the members that decided a round (a finished member has
-        left by then: its Generation's stats say why)."""
+        prompt. Returns the event of each member that decided a round (a finished member has
+        left by then: its Generation's stats say why), and for a member that failed, what it
+        raised: its drafter, its grammar or its part of the decode failing ends it alone, and
+        the others go on (a decode that fails is run again part by part, so that only the
+        parts that fail alone fail). A KeyboardInterrupt ends every member and is raised."""
         members = sorted(self.members.values(), key=lambda m: m.seq)
-        if not members:
-            return []
+        out: list = []
         try:
-            parts, chunks = self._plan(members)
-            t0 = self.clock()
-            logits = self.target.decode_batch(parts)
-            seconds = self.clock() - t0
+            parts, chunks = self._plan(members, out)
+            if not parts:
+                return out
+            try:
+                t0 = self.clock()
+                logits = self.target.decode_batch(parts)
+                seconds = self.clock() - t0
+            except Exception as e:  # noqa: BLE001 - whose part failed is found part by part
+                if len(parts) == 1:
+                    self._fail(self.members[parts[0][0]], e, out)
+                    return out
+                for part in parts:
+                    try:
+                        t0 = self.clock()
+                        alone = self.target.decode_batch([part])
+                        seconds = self.clock() - t0
+                    except Exception as e:  # noqa: BLE001 - this member's own failure
+                        self._fail(self.members[part[0]], e, out)
+                        continue
+                    self._settle([part], alone, seconds, chunks, out)
+                return out
+            self._settle(parts, logits, seconds, chunks, out)
         except BaseException:
             self.close("error")
             raise
+        return out
+
+    def _settle(self, parts: list, logits: list, seconds: float, chunks: dict[int, int], out: list) -> None:
+        """The decode of `parts` gave `logits` in `seconds`: prompt chunks move on, each member
+        with a round decides, commits and accounts it (`out` gets its event, or its failure)."""
         rows = sum(len(tokens) for _, tokens, _ in parts)
         self.decodes += 1
         self.rows += rows
         shared = len(parts) > 1
-        for seq, c in chunks.items():
-            req = self.members[seq].req
-            req.head = req.head[c:]
-        out = []
         decided = []
         for (seq, tokens, first), out_logits in zip(parts, logits):
             m = self.members[seq]
-            if first is None:
+            if first is None:                     # a chunk of a newcomer's prompt
+                m.req.head = m.req.head[chunks[seq]:]
                 continue
             r, m.plan = m.plan, None
             r.shared = shared
             try:
                 m.engine.scored(m.req, r, out_logits, seconds)
                 event = m.engine.settle(m.req, r)
-            except BaseException:
-                self._end(m, "error")
-                raise
+            except Exception as e:  # noqa: BLE001 - its grammar, its verifier: its own failure
+                self._fail(m, e, out)
+                continue
             out.append((m.gen, event))
             decided.append(r)
             if m.req.stats.stop:
@@ -234,57 +268,55 @@ class Batch:
         costs = self.target.costs
         if shared and not chunks and len(self.target.split({s: len(t) for s, t, _ in parts})) == 1:
             costs.update(rows, seconds, emitted=sum(max(r.net, 0) for r in decided))
-        return out
 
-    def _plan(self, members: list[Member]) -> tuple[list, dict[int, int]]:
+    def _plan(self, members: list[Member], out: list) -> tuple[list, dict[int, int]]:
         """This round's parts (seq, tokens, logits_from) and the prompt chunks among them (seq ->
-        tokens). Members past their first round plan a round; newcomers, oldest first, join
-        with their first round while their prompt's tail fits this round's share for prompts,
-        and the first that does not gets a chunk of what is left of that share."""
-        target = self.target
-        limit = target.n_batch
+        tokens); a member whose planning fails ends (`out` gets its failure).
+
+        Members past their first round plan a round first: each its last token and a draft of
+        a given length (verified whole), the other drafts to be cut by `allot`. Newcomers,
+        oldest first, then join with their first round while their prompt's tail and that
+        round fit this round's share for prompts (and the batch); the first that does not gets
+        a chunk of what is left of that share. With no one decoding, the share is the whole
+        batch: a newcomer always gets in, whatever its draft length."""
+        limit = self.target.n_batch
         running = [m for m in members if m.req.stats.rounds]
         newcomers = sorted((m for m in members if not m.req.stats.rounds), key=lambda m: m.joined)
-        share = (self.chunk_rows(len(running)) if running
-                 else limit - 1 - max((m.engine.config.k for m in newcomers), default=0))
-        joining, chunks = [], {}
+        plans: dict[int, Member] = {}
+        for m in running:
+            if self._plan_one(m, out):
+                plans[m.seq] = m
+        used = sum(self._fixed(m) for m in plans.values())
+        share = min(self.chunk_rows(used), limit - used) if plans else limit
+        chunks: dict[int, int] = {}
         for m in newcomers:
             tail = len(m.req.head)
-            if tail + 1 <= share:
-                joining.append(m)
-                share -= tail + 1
-            else:
-                if share > 0:
-                    chunks[m.seq] = min(tail, share)
-                break
-        plans = {}
-        for m in running + joining:
-            r = m.engine.plan(m.req)
-            if r is None:                  # stopped before a round (max_tokens 0, a full context)
-                self._end(m)
+            whole = m.engine.config.k          # room for a draft verified whole, whatever it turns out to be
+            need = tail + 1 + whole
+            if need <= max(share, 1 + whole if not tail else 0) and used + need <= limit:
+                if self._plan_one(m, out):
+                    plans[m.seq] = m
+                    used += self._fixed(m)
+                share -= need
                 continue
-            m.plan = r
-            d = len(r.draft)
-            own = m.engine.drafter.reach(r.proposal) if d > r.forced else np.zeros(0)
-            if own is None or not m.shared:    # a length given (--k), a seeded request: verified whole
-                m.reach = np.zeros(0)
-            else:
-                m.reach = np.zeros(d)
-                m.reach[: r.forced] = 1.0          # the grammar's forced tokens are the target's too
-                own = np.clip(own[: d - r.forced], 0.0, 1.0)
-                m.reach[r.forced : r.forced + len(own)] = own
-            plans[m.seq] = m
-        fixed = {s: len(m.req.head) + 1 + (len(m.plan.draft) if not len(m.reach) else 0)
-                 for s, m in plans.items()} | chunks
+            room = min(share, limit - used)
+            if tail and room > 0:
+                chunks[m.seq] = min(tail, room)
+                used += chunks[m.seq]
+            break
+        fixed = {s: self._fixed(m) for s, m in plans.items()} | chunks
         drafts = {s: m.reach for s, m in plans.items() if len(m.reach)}
         n = {}
-        given = [s for s, m in plans.items() if not len(m.reach) and len(m.plan.draft)]
-        while sum(fixed.values()) > limit:     # drafts of a given length beyond the batch: cut, longest first
-            s = max(given, key=lambda s: fixed[s] - len(plans[s].req.head))
+        # Drafts verified whole that together pass the batch (a k past what a slot holds, which a
+        # server refuses): cut, the longest first.
+        given = {s: len(m.plan.draft) for s, m in plans.items() if not len(m.reach) and len(m.plan.draft)}
+        while sum(fixed.values()) > limit and any(given.values()):
+            s = max(given, key=given.get)
+            given[s] -= 1
             fixed[s] -= 1
-            n[s] = fixed[s] - len(plans[s].req.head) - 1
+            n[s] = given[s]
         if drafts:
-            n |= allot(target, target.costs.cost(limit), fixed, drafts, limit)
+            n |= allot(self.target, self.target.costs.cost(limit), fixed, drafts, limit)
         parts = []
         for m in members:
             s = m.seq
@@ -299,10 +331,40 @@ class Batch:
                 parts.append((s, m.req.head[: chunks[s]], None))
         return parts, chunks
 
+    def _plan_one(self, m: Member, out: list) -> bool:
+        """Plan `m`'s round (its draft and the chance of each draft token): True when it has one;
+        a member that stopped before a round (max_tokens 0, a full context) ends, one whose
+        planning failed ends with its failure in `out`."""
+        try:
+            r = m.engine.plan(m.req)
+        except Exception as e:  # noqa: BLE001 - its drafter, its grammar: its own failure
+            self._fail(m, e, out)
+            return False
+        if r is None:
+            self._end(m)
+            return False
+        m.plan = r
+        d = len(r.draft)
+        own = m.engine.drafter.reach(r.proposal) if d > r.forced else np.zeros(0)
+        if own is None or not m.shared:    # a length given (--k), a seeded request: verified whole
+            m.reach = np.zeros(0)
+        else:
+            m.reach = np.zeros(d)
+            m.reach[: r.forced] = 1.0          # the grammar's forced tokens are the target's too
+            own = np.clip(own[: d - r.forced], 0.0, 1.0)
+            m.reach[r.forced : r.forced + len(own)] = own
+        return True
+
+    @staticmethod
+    def _fixed(m: Member) -> int:
+        """The rows `m`'s planned round decodes whatever the allotment: its prompt's tail, its
+        last token, and a draft verified whole."""
+        return len(m.req.head) + 1 + (len(m.plan.draft) if not len(m.reach) else 0)
+
     def chunk_rows(self, others: int) -> int:
         """Prompt tokens a round carries beside `others` rows: as many as cost PREFILL_SHARE times
         those rows, or STALL_S seconds if that is more (the cost curve's slope past its calibrated
-        sizes gives a prompt token's cost); within the batch."""
+        sizes gives a prompt token's cost); within what the batch has left."""
         target = self.target
         cost = target.costs.cost(target.n_batch)
         top = len(cost)
@@ -311,3 +373,11 @@ class Batch:
         rows = cost[min(max(others, 1), top) - 1]
         want = max(PREFILL_SHARE * rows, STALL_S) / per_token
         return int(max(min(max(CHUNK_MIN, want), target.n_batch - others), 1))
+
+
+def _clear(engine: Engine) -> None:
+    """A failed request's sequence emptied: nothing a failure left half done stays in its cells."""
+    try:
+        engine.target.truncate(0)
+    except Exception:  # noqa: BLE001 - a context that cannot even roll back is rebuilt by its next use
+        pass

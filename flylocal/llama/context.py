@@ -88,9 +88,9 @@ class Context:
         cparams.flash_attn_type = flash_attn_type(config.flash_attn, remote=bool(config.rpc))
         flash = cparams.flash_attn_type != llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         n_seq = config.n_seq
-        if n_seq == 0:                      # auto: as many sequences as memory holds, up to AUTO_SEQ
-            n_seq = next((n for n in range(AUTO_SEQ, 1, -1) if config.rpc or not model.memory_problem(
-                flash, n_vocab, n)), 1)
+        if n_seq == 0:                      # auto: as many sequences as memory holds, up to auto_seq
+            n_seq = next((n for n in range(min(AUTO_SEQ, config.auto_seq), 1, -1) if config.rpc or
+                          not model.memory_problem(flash, n_vocab, n)), 1)
         n_seq = self.n_seq = max(n_seq, 1)
         cparams.n_ctx = config.n_ctx * n_seq
         cparams.n_batch = config.n_batch

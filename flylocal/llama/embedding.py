@@ -20,6 +20,7 @@ from flylocal.llama.model import Model
 from flylocal.llama.vocab import Vocabulary
 
 MAX_SEQS = 16        # inputs per decode
+STEP_TOKENS = 256    # tokens per decode, but an input longer than that, which goes alone
 
 
 class TooLong(FlylocalError):
@@ -92,16 +93,30 @@ class Embedder:
     def embed(self, inputs: list[np.ndarray], cancelled=lambda: False) -> np.ndarray:
         """[len(inputs), n_embd] float32 unit vectors of token-id inputs, packed several to a
         decode. `cancelled()` is asked between decodes (FlylocalError when it says so)."""
+        steps = self.steps(inputs)
+        try:
+            while True:
+                if cancelled():
+                    raise FlylocalError("the request was cancelled")
+                next(steps)
+        except StopIteration as done:
+            return done.value
+        finally:
+            steps.close()
+
+    def steps(self, inputs: list[np.ndarray]):
+        """`embed` as a generator that yields after each decode (a server runs other work between
+        two) and returns the vectors. A decode holds at most STEP_TOKENS tokens (an input longer
+        than that goes alone), so a step costs about what a round's prompt chunk does."""
         self.check(inputs)
         if self._ctx is None:
             raise FlylocalError(f"{self.name} was already closed")
         out = np.empty((len(inputs), self.n_embd), dtype=np.float32)
         i = 0
         while i < len(inputs):
-            if cancelled():
-                raise FlylocalError("the request was cancelled")
             group, used = [], 0
-            while i < len(inputs) and len(group) < MAX_SEQS and used + len(inputs[i]) <= self.n_ctx:
+            while (i < len(inputs) and len(group) < MAX_SEQS
+                   and (not group or used + len(inputs[i]) <= min(STEP_TOKENS, self.n_ctx))):
                 group.append(i)
                 used += len(inputs[i])
                 i += 1
@@ -114,6 +129,7 @@ class Embedder:
                                                shape=(self.n_embd,))
                 norm = float(np.linalg.norm(vector))
                 out[j] = vector / norm if norm > 0 else vector
+            yield
         return out
 
     def _decode(self, group: list[np.ndarray]) -> None:

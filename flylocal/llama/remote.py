@@ -202,6 +202,25 @@ class RemoteContext:
     def tokens(self) -> np.ndarray:  # [n_past] int32, a view
         return self._tokens[: self.n_past]
 
+    # ----- one sequence, as the decoding core's Sequences (a server's one slot) -----
+    n_seq = 1
+
+    @property
+    def past(self) -> list[int]:
+        return [self.n_past]
+
+    def cached(self, seq: int) -> np.ndarray:  # [n_past] int32, a view
+        if seq:
+            one_sequence(seq)
+        return self.tokens
+
+    def split(self, rows: dict[int, int]) -> list[int]:
+        return [n for n in rows.values() if n > 0]
+
+    def decode_batch(self, parts) -> list:
+        """A shared decode of one sequence's part: its decode."""
+        return [self.decode(tokens, logits_from, seq=seq) for seq, tokens, logits_from in parts]
+
     def decode(self, tokens, logits_from: int | None = None, *, seq: int = 0) -> np.ndarray | None:
         if seq:
             one_sequence(seq)

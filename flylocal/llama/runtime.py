@@ -54,7 +54,7 @@ class Runtime(Target):
         self.n_vocab, self.bos, self.eos, self.add_bos = vocab.n_vocab, vocab.bos, vocab.eos, vocab.add_bos
         self.vocab_type = vocab.vocab_type
         self.n_ctx, self.n_batch, self.devices = context.n_ctx, context.n_batch, context.devices
-        self.n_seq = getattr(context, "n_seq", 1)
+        self.n_seq = context.n_seq
         self.thread_control, self.calibration_threads = context.thread_control, context.calibration_threads
 
     # ----- the cache (the context's) -----

@@ -79,10 +79,11 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
     @app.get("/health")
     async def health():
         worker = server.worker
+        if worker.failed is not None:
+            return JSONResponse({"status": "failed", "error": str(worker.failed)}, status_code=503)
         if worker.session is None:
             return JSONResponse({"status": "loading"}, status_code=503)
-        return {"status": "ready", "slots": worker.slots, "slots_busy": min(worker.busy, worker.slots),
-                "queued": len(worker.jobs)}
+        return {"status": "ready"} | worker.state()
 
     @app.get("/metrics")
     async def metrics_page(request: Request):
@@ -127,7 +128,7 @@ def serve(load: Callable[[], Session], settings: Settings, host: str, port: int,
     def ready() -> Session:
         session = load()
         shown = f"[{host}]" if ":" in host else host
-        slots = getattr(session.target, "n_seq", 1)
+        slots = session.target.n_seq
         how = ("--parallel auto: memory for that many contexts of --ctx " f"{settings.ctx}, up to 4"
                if settings.parallel == 0 else "--parallel")
         log(f"ready: {settings.target} on http://{shown}:{port}/v1 and the Ollama API at http://{shown}:{port}/api "

@@ -21,10 +21,12 @@ from flylocal.settings import Settings
 @dataclass
 class Whole:
     """A whole answer: its text (none for a tool call), its tokens, and how it ended (None: the
-    server shut down first)."""
+    server shut down first); `gone` when its client left first (logged as 499, what nginx
+    logs a request its client closed as)."""
     text: str = ""
     tokens: list[OutToken] = field(default_factory=list)
     end: Done | Failed | None = None
+    gone: bool = False          # the client went away before the end: nobody reads the answer
 
 
 class Answer:
@@ -62,13 +64,15 @@ class Answer:
     async def whole(self, request: Request) -> Whole:
         """Every event until the end; a client that goes away meanwhile frees the model within
         a round."""
+        out, parts = Whole(), []
+
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
+            out.gone = True
             self.job.cancel.set()
 
         watcher = asyncio.create_task(watch())
-        out, parts = Whole(), []
         try:
             async for event in self.events():
                 if isinstance(event, Text):

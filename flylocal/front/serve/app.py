@@ -171,6 +171,9 @@ class Server:
         return b"".join(chunks)
 
     def session(self) -> Session:
+        if self.worker.failed is not None:
+            raise ApiError(503, f"the server stopped: {self.worker.failed}", type_="server_error",
+                           code="server_failed")
         if self.worker.session is None:
             raise ApiError(503, "the models are still loading", type_="server_error", code="loading",
                            headers={"Retry-After": "1"})
@@ -184,7 +187,7 @@ class Server:
         """Settings a request asked for that no engine can run: a 400 naming the field at fault
         (`param`: the object it sits in, for the Ollama dialect's options)."""
         try:
-            check(settings)              # a draft longer than a batch holds, a drafter with no model
+            check(settings, self.worker.slots)     # a draft longer than a slot holds, a drafter with no model
         except OptionError as e:
             raise ApiError(400, e.api, param=param or e.option) from None
 
@@ -224,10 +227,11 @@ class Server:
             raise ApiError(e.status, e.message, type_="server_error", code=e.code, headers=e.headers) from None
         return Answer(job, queue, ask.calls)
 
-    async def compute(self, work: Callable[[Session, Any], Any]) -> Any:
-        """Run `work(session, cancel)` on the worker thread in turn with the generations, and
-        return what it returns (ApiError 503 when the queue is full; an ApiError it raises
-        passes through; another failure is a 500)."""
+    async def compute(self, work: Callable[[Session], Any], request: Request) -> Any:
+        """Run `work(session)`, a generator of steps (flylocal.front.serve.worker.Call), on the
+        worker thread between the generations' rounds, and return what it returns (ApiError 503
+        when the queue is full; an ApiError it raises passes through; another failure is a
+        500). A client that goes away meanwhile stops it before its next step."""
         loop = asyncio.get_running_loop()
         result: asyncio.Future = loop.create_future()
 
@@ -245,10 +249,23 @@ class Server:
             self.worker.submit(call)
         except Refused as e:
             raise ApiError(e.status, e.message, type_="server_error", code=e.code, headers=e.headers) from None
+
+        gone = []
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone.append(True)
+            call.cancel.set()
+
+        watcher = asyncio.create_task(watch())
         try:
             event = await result
         finally:
-            call.cancel.set()            # a client gone away: the work stops between decodes
+            watcher.cancel()
+            call.cancel.set()            # a handler cancelled (shutdown): the work stops before its next step
+        if gone:
+            raise ApiError(499, "the client went away", code="client_closed")
         if isinstance(event, Failed):
             if isinstance(event.error, ApiError):
                 raise event.error

@@ -117,11 +117,12 @@ def routes(app, server: Server) -> None:
             raise ApiError(404, f"the model {name!r} does not compute embeddings here; {listed} lists the models "
                                 "of this server", param="model", code="model_not_found")
 
-    async def vectors(texts: list, truncate_to: int | None, param: str) -> tuple[np.ndarray, int, float]:
+    async def vectors(request: Request, texts: list, truncate_to: int | None, param: str) -> tuple[np.ndarray, int, float]:
         """The unit vectors of `texts` (strings, or token-id lists), the tokens they took and the
         seconds the job ran; inputs longer than the context cut to `truncate_to` when given,
-        refused (400 naming the input) otherwise."""
-        def work(session, cancel):
+        refused (400 naming the input) otherwise. The job runs a decode at a time between the
+        generations' rounds, and stops when the client goes away."""
+        def work(session):
             e = embedder(session)
             started = time.perf_counter()
             inputs = []
@@ -134,14 +135,14 @@ def routes(app, server: Server) -> None:
                     ids = ids[:min(truncate_to, e.n_ctx)]
                 inputs.append(ids.astype(np.int32))
             try:
-                out = e.embed(inputs, cancel.is_set)
+                out = yield from e.steps(inputs)
             except FlylocalError as err:
                 index = getattr(err, "index", None)
                 raise ApiError(400, f"{param}: {err}" if index is None else f"{param}[{index}]: {err}",
                                param=param, code="context_length_exceeded" if index is not None else None) from None
             return out, sum(len(i) for i in inputs), time.perf_counter() - started
 
-        return await server.compute(work)
+        return await server.compute(work, request)
 
     async def guarded(request: Request, endpoint: str, ollama: bool, work):
         started = time.perf_counter()
@@ -167,7 +168,7 @@ def routes(app, server: Server) -> None:
                 texts = [texts]                         # one input of token ids
             if any(isinstance(t, str) and not t for t in texts) or any(isinstance(t, list) and not t for t in texts):
                 raise ApiError(400, "input: an input is empty", param="input")
-            out, n_tokens, _ = await vectors(texts, None, "input")
+            out, n_tokens, _ = await vectors(request, texts, None, "input")
             if req.dimensions is not None and req.dimensions != out.shape[1]:
                 raise ApiError(400, f"dimensions: {req.dimensions}; this model's vectors have {out.shape[1]} "
                                     "(flylocal does not shorten them)", param="dimensions")
@@ -190,7 +191,7 @@ def routes(app, server: Server) -> None:
             texts = [req.input] if isinstance(req.input, str) else req.input
             if not texts or any(not t for t in texts):
                 raise ApiError(400, "input: an input is empty", param="input")
-            out, n_tokens, seconds = await vectors(texts, (num_ctx or server.settings.ctx) if req.truncate else None,
+            out, n_tokens, seconds = await vectors(request, texts, (num_ctx or server.settings.ctx) if req.truncate else None,
                                                    "input")
             if req.dimensions is not None and req.dimensions != out.shape[1]:
                 raise ApiError(400, f"dimensions: {req.dimensions}; this model's vectors have {out.shape[1]}",
@@ -209,7 +210,7 @@ def routes(app, server: Server) -> None:
             num_ctx = check_options(req.options, server.settings.ctx)
             if not req.prompt:
                 return {"embedding": []}                # what ollama answers
-            out, _, _ = await vectors([req.prompt], num_ctx, "prompt")
+            out, _, _ = await vectors(request, [req.prompt], num_ctx, "prompt")
             return {"embedding": out[0].tolist()}
         return await guarded(request, "ollama_embeddings", True, work)
 

@@ -365,12 +365,9 @@ def routes(app, server: Server) -> None:
         async def work(started):
             session = server.session()
             expires = (datetime.now(timezone.utc) + KEPT_LOADED).isoformat().replace("+00:00", "Z")
-            worker = server.worker
             return {"models": [entry(session) | {"expires_at": expires, "size_vram": 0,
                                                  "context_length": session.target.n_ctx,
-                                                 "flylocal": {"slots": worker.slots,
-                                                              "slots_busy": min(worker.busy, worker.slots),
-                                                              "queued": len(worker.jobs)}}]}
+                                                 "flylocal": server.worker.state()}]}
         return await guarded(request, "ollama_ps", work)
 
     @app.post("/api/show")
@@ -461,8 +458,9 @@ def routes(app, server: Server) -> None:
         if not req.stream:
             whole = await answer.whole(request)
             done = whole.end
-            if not isinstance(done, Done):
-                e = failure(done.error if done is not None else None)
+            if not isinstance(done, Done) or whole.gone:
+                e = ApiError(499, "the client went away") if whole.gone else \
+                    failure(done.error if done is not None else None)
                 server.answered(request, endpoint, e.status, started)
                 return error(e.status, e.message)
             server.answered(request, endpoint, 200, started, done.stats, len(ask.ids), done.n_tokens)
@@ -483,6 +481,8 @@ def routes(app, server: Server) -> None:
                         yield json.dumps({"error": event.message}) + "\n"
             finally:
                 answer.close()
+                if done is None and status == 200:
+                    status = 499       # the client went away first
                 server.answered(request, endpoint, status, started, done and done.stats, len(ask.ids),
                                 done.n_tokens if done else 0)
 

@@ -242,6 +242,9 @@ def routes(app, server: Server) -> None:
         if not req.stream:
             whole = await answer.whole(request)
             done = whole.end
+            if whole.gone:
+                return error_response(ApiError(499, "the client went away", code="client_closed"), request, endpoint,
+                                      started)
             if not isinstance(done, Done):
                 return error_response(failure(done.error if done is not None else None), request, endpoint, started)
             if done.call is not None:
@@ -297,6 +300,8 @@ def routes(app, server: Server) -> None:
                 yield "data: [DONE]\n\n"
             finally:
                 answer.close()         # a client that went away frees the model within a round
+                if done is None and status == 200:
+                    status = 499       # the client went away first
                 server.answered(request, endpoint, status, started, done and done.stats, len(ask.ids),
                                 done.n_tokens if done else 0)
 

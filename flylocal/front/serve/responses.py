@@ -376,6 +376,8 @@ def routes(app, server: Server) -> None:
         if not req.stream:
             whole = await answer.whole(request)
             done = whole.end
+            if whole.gone:
+                return error_response(ApiError(499, "the client went away", code="client_closed"), request, started)
             if not isinstance(done, Done):
                 return error_response(failure(done.error if done is not None else None), request, started)
             status = "incomplete" if done.finish == "length" else "completed"

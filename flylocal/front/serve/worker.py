@@ -1,11 +1,16 @@
 """The generations behind `flylocal serve`: a bounded FIFO queue of jobs, one worker thread that
-loads the models and then runs the jobs (one at a time, or up to --parallel of them in shared
-decodes), stop strings cut across tokens, and the Prometheus metrics.
+loads the models and then runs them in one loop (docs/design.md, "Several requests at once"):
+up to --parallel generations in shared decodes (a single request is a batch of one), and work
+that is not a generation (embeddings) a step at a time between their rounds; stop strings cut
+across tokens; the Prometheus metrics.
 
 A job's output goes to its request handler through `emit`, as typed events
 (flylocal.front.serve.events): Text events, then Done, or Failed when the job raised. A
 request's handler sets the job's cancel flag when its client goes away; the worker reads it
-after every round, so its slot is free within one round and the caches stay consistent.
+before every round and every step, so its slot is free within one round and the caches stay
+consistent. One request's failure is its own: the batch ends that member alone. A failure of
+the worker itself fails every request it holds, says so on /health, and stops the server
+(`on_failure`): it never stays "ready" while nothing runs.
 """
 
 from __future__ import annotations
@@ -13,9 +18,10 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Generator
 
+from flylocal.errors import FlylocalError
 from flylocal.front.serve.events import Computed, Done, Failed, OutToken, Text
 from flylocal.session import Session, TextStream
 from flylocal.settings import Settings
@@ -33,19 +39,26 @@ class Refused(Exception):
 
 class StopStrings:
     """Cuts text at the first occurrence of any stop string, even one that spans tokens. Text
-    that could still turn out to be the start of a stop string is held back, nothing more."""
+    that could still turn out to be the start of a stop string is held back, nothing more.
+    After a hit, `end` is where the stop string ends, in characters of all the text fed."""
 
     def __init__(self, stops: list[str]):
         self.stops = stops
         self.held = ""
+        self.fed = 0               # characters fed so far
+        self.end: int | None = None
 
     def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
         """(text that may go out now, whether a stop string was found)."""
+        base = self.fed - len(self.held)      # where `held + text` begins in all the text fed
+        self.fed += len(text)
         text = self.held + text
         self.held = ""
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            return text[: min(hits)], True
+            at, size = min(hits)              # the earliest, and the shortest there: the first to end
+            self.end = base + at + size
+            return text[:at], True
         if final:
             return text, False
         keep = 0
@@ -73,221 +86,289 @@ class Job:
 
 @dataclass
 class Call:
-    """A job that is not a generation (embeddings): `work(session, cancel)` runs on the worker
-    thread, in turn with the generations; what it returns goes to `emit` as Computed."""
-    work: Callable[[Session, threading.Event], Any]
+    """A job that is not a generation (embeddings): `work(session)` runs on the worker thread as
+    a generator, one step (a decode) at a time between the generations' rounds, and returns
+    its value, which goes to `emit` as Computed. A cancelled call stops before its next step."""
+    work: Callable[[Session], Generator[None, None, Any]]
     emit: Callable[[Any], None]
     cancel: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
 
 
 class Worker:
-    """One thread loads the models, then runs the jobs, first come first served: one at a time,
-    or, where the models hold several sequences (--parallel), up to that many generations at
-    once, every one advancing in each shared decode (flylocal.decoding.batch)."""
+    """One thread loads the models, then serves: generations, first come first served, in up
+    to `slots` sequences of one Batch (flylocal.decoding.batch), every one advancing in each
+    shared decode; calls (embeddings), first come first served, a step between two rounds."""
 
     def __init__(self, load: Callable[[], Session], metrics: Metrics, max_queue: int,
                  on_failure: Callable[[BaseException], None] = lambda e: None):
         self.metrics, self.max_queue = metrics, max_queue
         self.session: Session | None = None         # None while the models load
-        self.failed: BaseException | None = None
-        self.jobs: collections.deque[Job | Call] = collections.deque()     # waiting, oldest first
-        self.busy = 0                                               # jobs running
+        self.failed: BaseException | None = None    # why loading, or the worker, failed
+        self.jobs: collections.deque[Job] = collections.deque()     # generations waiting, oldest first
+        self.calls: collections.deque[Call] = collections.deque()   # calls waiting, oldest first
+        self.busy = 0                                               # generations in slots
+        self.calling = False                                        # a call is running
         self.slots = 1                                              # generations at once, once loaded
         self.ready = threading.Condition()
         self.stopping = False
-        self.thread = threading.Thread(target=self._run, args=(load, on_failure), name="flylocal-worker",
-                                       daemon=True)
+        self.on_failure = on_failure
+        self._streams: dict = {}                                    # the running generations' streams
+        self._call: Call | None = None                              # the running call
+        self.thread = threading.Thread(target=self._run, args=(load,), name="flylocal-worker", daemon=True)
         self.thread.start()
 
+    # ----- what the request handlers see -----
     def submit(self, job: Job | Call) -> None:
+        """Queue a job, or Refused: 503 when the worker failed, or when the slots and the queue
+        (--max-queue waiting beyond the free slots) are both full."""
         with self.ready:
-            if any(j.cancel.is_set() for j in self.jobs):       # their clients went away
-                self.jobs = collections.deque(j for j in self.jobs if not j.cancel.is_set())
-            if len(self.jobs) >= self.max_queue and (self.busy >= self.slots or self.jobs):
-                raise Refused(503, f"the server is busy: {len(self.jobs)} requests are waiting (--max-queue)",
+            if self.failed is not None:
+                raise Refused(503, f"the server stopped: {self.failed}", "server_failed")
+            self._drop_cancelled()
+            if isinstance(job, Call):
+                waiting = len(self.calls) - (not self.calling)          # a call that runs next waits for nothing
+                queue = self.calls
+            else:
+                waiting = len(self.jobs) - max(self.slots - self.busy, 0)   # those a free slot takes are not waiting
+                queue = self.jobs
+            if waiting >= self.max_queue:
+                raise Refused(503, f"the server is busy: {max(waiting, 0)} requests are waiting (--max-queue)",
                               "queue_full", {"Retry-After": "1"})
-            self.jobs.append(job)
-            self.metrics.queue.set(len(self.jobs))
+            queue.append(job)
+            self._queued()
             self.ready.notify()
+
+    def state(self) -> dict:
+        """Slots, the busy ones and the requests waiting (/health, /api/ps)."""
+        with self.ready:
+            return {"slots": self.slots, "slots_busy": min(self.busy, self.slots),
+                    "queued": len(self.jobs) + len(self.calls)}
 
     def stop(self) -> None:
         with self.ready:
             self.stopping = True
             self.ready.notify()
 
-    def _run(self, load, on_failure) -> None:
+    # ----- the thread -----
+    def _run(self, load) -> None:
         try:
             session = load()
         except BaseException as e:  # noqa: BLE001 - the server reports it and exits
             self.failed = e
-            on_failure(e)
+            self.on_failure(e)
             return
         if session is None:          # nothing was loaded (a loader that gave up): nothing to run
             return
-        self.slots = getattr(session.target, "n_seq", 1)
+        self.slots = session.target.n_seq
         self.metrics.slots.set(self.slots)
         self.session = session
-        if self.slots > 1:
-            self._run_together()
-        else:
-            self._run_serially()
-        with self.session.lock:      # the refined cost curves are saved as the models close
-            self.session.models.close()
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - a failure of the loop itself: said, and the server stops
+            self._die(e)
+        finally:
+            with self.session.lock:  # the refined cost curves are saved as the models close
+                self.session.models.close()
 
-    def _next(self, wait: bool) -> Job | Call | None:
-        """The oldest job whose client is still there (waiting for one when `wait`); None when
-        there is none, or when the worker is stopping and none is left."""
+    def _drop_cancelled(self) -> None:
+        for queue in (self.jobs, self.calls):
+            if any(j.cancel.is_set() for j in queue):            # their clients went away
+                kept = [j for j in queue if not j.cancel.is_set()]
+                queue.clear()
+                queue.extend(kept)
+
+    def _queued(self) -> None:
+        self.metrics.queue.set(len(self.jobs) + len(self.calls))
+
+    def _take(self, streams: dict, call) -> tuple[list[Job], Call | None] | None:
+        """The jobs to start now: generations for the free slots, and the next call when none
+        runs (waiting for work when there is none); None when stopping with nothing left."""
         with self.ready:
             while True:
-                while wait and not self.jobs and not self.stopping:
-                    self.ready.wait()
-                if not self.jobs:
+                self._drop_cancelled()
+                if streams or call is not None or self.jobs or self.calls:
+                    break
+                if self.stopping:
                     return None
+                self.ready.wait()
+            new = []
+            while self.jobs and self.busy < self.slots:
                 job = self.jobs.popleft()
-                self.metrics.queue.set(len(self.jobs))
-                if not job.cancel.is_set():
-                    self.metrics.queue_wait.observe(time.perf_counter() - job.queued_at)
-                    self.busy += 1
-                    self.metrics.busy.set(self.busy)
-                    return job
+                self.metrics.queue_wait.observe(time.perf_counter() - job.queued_at)
+                self.busy += 1
+                new.append(job)
+            if call is None and self.calls:
+                call = self.calls.popleft()
+                self.metrics.queue_wait.observe(time.perf_counter() - call.queued_at)
+                self.calling = True
+            self._queued()
+            self.metrics.busy.set(self.busy + self.calling)
+            return new, call
 
-    def _done(self) -> None:
+    def _free(self, slots: int = 0, call: bool = False) -> None:
         with self.ready:
-            self.busy -= 1
-            self.metrics.busy.set(self.busy)
+            self.busy -= slots
+            if call:
+                self.calling = False
+            self.metrics.busy.set(self.busy + self.calling)
 
-    def _run_serially(self) -> None:
-        while (job := self._next(wait=True)) is not None:
-            try:
-                with self.session.lock:
-                    if isinstance(job, Call):
-                        job.emit(Computed(job.work(self.session, job.cancel)))
-                    else:
-                        self._generate(job)
-            except BaseException as e:  # noqa: BLE001 - reported to its request; the server goes on
-                job.emit(Failed(e))
-            finally:
-                self._done()
-
-    def _run_together(self) -> None:
-        """Up to `slots` generations in one Batch: between rounds, new jobs take free sequences
-        and work that is not a generation (embeddings) runs; each round advances every member."""
+    def _serve(self) -> None:
+        """The loop: start the jobs that can start, a step of the running call, a round of the
+        generations; until stopped with nothing left."""
         from flylocal.decoding.batch import Batch
 
         session = self.session
         batch = Batch(session.target)
-        streams: dict = {}                        # Generation -> its Stream
-        while True:
-            while len(streams) < self.slots:
-                job = self._next(wait=not streams)
-                if job is None:
-                    break
+        streams = self._streams                   # Generation -> its Stream
+        running: tuple[Call, Generator] | None = None
+        while (taken := self._take(streams, running[0] if running else None)) is not None:
+            new, call = taken
+            self._call = call
+            for job in new:
                 try:
                     with session.lock:
-                        if isinstance(job, Call):
-                            job.emit(Computed(job.work(session, job.cancel)))
-                            self._done()
-                            continue
-                        stream = Stream(job, session.target, self.metrics)
                         gen = self._join(batch, job)
-                except BaseException as e:  # noqa: BLE001 - reported to its request; the server goes on
+                except Exception as e:  # noqa: BLE001 - a request no engine can run: its own failure
                     job.emit(Failed(e))
-                    self._done()
+                    self._free(slots=1)
                     continue
-                streams[gen] = stream
-            if not streams:
-                if self.stopping:
-                    break
+                streams[gen] = Stream(job, session.target, self.metrics)
+            if call is not None:
+                running = self._step(call, running)
+            if streams:
+                self._round(batch, streams)
+
+    def _step(self, call: Call, running):
+        """One step of `call` (started on its first); None once it has ended."""
+        try:
+            if call.cancel.is_set():
+                raise FlylocalError("the request was cancelled")
+            with self.session.lock:
+                steps = running[1] if running is not None else call.work(self.session)
+                next(steps)
+            return call, steps
+        except StopIteration as done:
+            call.emit(Computed(done.value))
+        except Exception as e:  # noqa: BLE001 - reported to its request; the server goes on
+            if running is not None:
+                running[1].close()
+            call.emit(Failed(e))
+        self._free(call=True)
+        return None
+
+    def _round(self, batch, streams: dict) -> None:
+        """A round of every generation: its events to its stream; the ended ones finished."""
+        for gen, stream in list(streams.items()):          # clients that went away
+            if stream.job.cancel.is_set():
+                batch.leave(gen)
+        with self.session.lock:
+            events = batch.round()
+        for gen, event in events:
+            stream = streams.get(gen)
+            if stream is None:
                 continue
-            for gen, stream in list(streams.items()):         # clients that went away
-                if stream.job.cancel.is_set():
-                    batch.leave(gen)
-            try:
-                with session.lock:
-                    events = batch.round()
-            except BaseException as e:  # noqa: BLE001 - a failed decode fails the requests in it
-                for gen, stream in streams.items():
-                    stream.job.emit(Failed(e))
-                    self._done()
-                streams.clear()
-                continue
-            for gen, event in events:
-                if streams[gen].feed(event):                  # a stop string, or its client went away
-                    batch.leave(gen)
-            for gen, stream in list(streams.items()):
-                if gen.stats.stop:
-                    del streams[gen]
-                    try:
-                        stream.finish(gen)
-                    finally:
-                        self._done()
+            if isinstance(event, BaseException):            # the member failed, alone
+                del streams[gen]
+                stream.job.emit(Failed(event))
+                self._free(slots=1)
+            elif stream.feed(event):                        # a stop string, or its client went away
+                batch.leave(gen)
+        for gen, stream in list(streams.items()):
+            if gen.stats.stop:
+                del streams[gen]
+                try:
+                    stream.finish(gen)
+                finally:
+                    self._free(slots=1)
+
+    def _die(self, e: BaseException) -> None:
+        """The loop itself failed: every request it holds or has queued fails, /health says so,
+        and the server stops (on_failure)."""
+        failure = FlylocalError(f"the worker failed ({type(e).__name__}: {e})" if str(e) else
+                                f"the worker failed ({type(e).__name__})")
+        with self.ready:
+            self.failed = failure
+            waiting = list(self.jobs) + list(self.calls)
+            self.jobs.clear()
+            self.calls.clear()
+        held = [stream.job for stream in self._streams.values()] + ([self._call] if self._call is not None else [])
+        for job in held + waiting:
+            job.emit(Failed(failure))
+        self.on_failure(failure)
 
     def _join(self, batch, job: Job):
         """`job`'s generation, started in a free sequence of `batch` (FlylocalError for a request
         no engine can run)."""
         session = self.session
-        session.models.reconnect()
+        session.models.reconnect()       # a model whose rpc servers were lost: once they answer again
         seq = batch.place(job.ids)
+        if seq is None:                  # (the worker takes no more generations than it has slots)
+            raise FlylocalError("no free slot for the request")
         grammar = None
-        if job.grammar is not None:
+        if job.grammar is not None:      # the vocabulary is read once per model, on the first
             from flylocal.decoding.grammar import Grammar
 
             grammar = Grammar(session.target, job.grammar[1], job.grammar[0])
         engine = session.models.engine(job.settings, private=True, seq=seq)
         return batch.join(seq, engine, job.ids, grammar=grammar)
 
-    def _generate(self, job: Job) -> None:
-        session = self.session
-        session.models.reconnect()       # a model whose rpc servers were lost: once they answer again
-        grammar = None
-        if job.grammar is not None:      # the vocabulary is read once per model, on the first
-            from flylocal.decoding.grammar import Grammar
-
-            grammar = Grammar(session.target, job.grammar[1], job.grammar[0])
-        gen = session.request(job.ids, job.settings, grammar=grammar)
-        stream = Stream(job, session.target, self.metrics)
-        try:
-            for event in gen:
-                if stream.feed(event):
-                    break
-        finally:
-            gen.close()
-        stream.finish(gen)
-
 
 class Stream:
     """A generation's events to its request: text in pieces (at once at first, then at most every
-    SEND_EVERY seconds), cut at stop strings, tokens aligned with their text; then Done."""
+    SEND_EVERY seconds), cut at stop strings, tokens aligned with their text; then Done.
+
+    A stop string ends the answer (docs/design.md, "Server"): its text is cut where the stop
+    string begins, and its tokens end with the one that completes the stop string (the token
+    boundary at or after its end, where llama-server stops too): usage, logprobs, the streamed
+    `chars` and Ollama's `context` count exactly those, and the last one's characters are the
+    ones the text shows."""
 
     def __init__(self, job: Job, target, metrics: Metrics):
         self.job, self.target, self.metrics = job, target, metrics
         self.text = TextStream(target)
         self.stops = StopStrings(job.stops)
         self.tokens = Aligned() if job.tokens else None
-        self.stopped, self.first, self.sent, self.pending = False, None, 0.0, ""
+        self.ends: list[int] = []        # per output token so far: the characters of text through it
+        self.kept: int | None = None     # after a stop string: the answer's tokens
+        self.stopped, self.first, self.sent, self.pending, self.shown = False, None, 0.0, "", 0
 
     def feed(self, event) -> bool:
         """A round's event; True when the generation should stop here (a stop string, or the
         client went away)."""
         tokens = self.tokens
-        if tokens is None:
-            piece = self.text.feed(event.tokens)
-        else:                            # each token's own characters: its colour, its logprob
-            parts = self.text.each(event.tokens)
-            piece = "".join(p for _, p in parts)
+        parts = self.text.each(event.tokens)        # each token's own characters
+        made = self.ends[-1] if self.ends else 0
+        for _, text in parts:
+            made += len(text)
+            self.ends.append(made)
+        if tokens is not None:
             tokens.add(self.target, event, parts)
-        piece, self.stopped = self.stops.feed(piece)
+        piece, self.stopped = self.stops.feed("".join(p for _, p in parts))
         self.pending += piece
+        if self.stopped:
+            self._cut()
         now = time.perf_counter()
         # Text goes out at once at first, then at most every SEND_EVERY seconds: each send
         # wakes the event loop, which on a small machine takes a core from llama.cpp, and
         # is an event for the client to read (a browser on the same cores: design.md).
         if self.pending and (self.first is None or now - self.sent >= SEND_EVERY):
-            self.first = self.first or now
-            self.job.emit(Text(self.pending, tokens.release(len(self.pending)) if tokens else ()))
+            self._send(final=False)
             self.pending, self.sent = "", now
         return self.stopped or self.job.cancel.is_set()
+
+    def _cut(self) -> None:
+        """A stop string was found: the answer's tokens end with the one that completes it."""
+        end = self.stops.end
+        self.kept = next((i + 1 for i, e in enumerate(self.ends) if e >= end), len(self.ends))
+        if self.tokens is not None:
+            self.tokens.cut(self.kept, self.shown + len(self.pending))
+
+    def _send(self, final: bool) -> None:
+        tokens = self.tokens
+        self.first = self.first or time.perf_counter()
+        self.shown += len(self.pending)
+        self.job.emit(Text(self.pending, tokens.release(len(self.pending), final=final) if tokens else ()))
 
     def finish(self, gen) -> None:
         """The generation ended: what text is left, then Done with its stats."""
@@ -295,24 +376,30 @@ class Stream:
         if not self.stopped and not job.cancel.is_set():
             piece, self.stopped = self.stops.feed("", final=True)      # text held as a possible stop string
             self.pending += piece
+            if self.stopped:                     # (a final feed never finds one: held text is no stop)
+                self._cut()
         if self.pending or (tokens is not None and tokens.waiting(len(self.pending))):
-            job.emit(Text(self.pending, tokens.release(len(self.pending), final=True) if tokens else ()))
+            self._send(final=True)
+            self.pending = ""
         stats = gen.stats
         reason = "stop_string" if self.stopped else stats.stop
         if job.cancel.is_set() and reason == "interrupted":
             self.metrics.cancelled.inc()
-        self.metrics.observe(stats, len(gen.tokens), self.first - job.queued_at if self.first is not None else None)
-        job.emit(Done(reason, stats, len(gen.tokens)))
+        n_tokens = self.kept if self.kept is not None else len(gen.tokens)
+        self.metrics.observe(stats, n_tokens, self.first - job.queued_at if self.first is not None else None)
+        job.emit(Done(reason, stats, n_tokens))
 
 
 class Aligned:
     """Output tokens, released as the text they make goes out: a token goes with the text piece
-    that completes it; tokens whose text a stop string cut are never released."""
+    that completes it; after a stop string (`cut`), the tokens up to the one completing it, the
+    last of them with the characters the text shows."""
 
     def __init__(self):
         self.queue: collections.deque[tuple[int, OutToken]] = collections.deque()   # (end in chars, token)
         self.made = 0          # characters of text the tokens so far have made
         self.sent = 0          # characters released
+        self.count = 0         # tokens added
 
     def add(self, target, event, parts: list[tuple[bytes, str]]) -> None:
         """A round's tokens, with each one's bytes and the text the decoder gave out at it
@@ -325,6 +412,23 @@ class Aligned:
             token = OutToken(int(tid), piece, kind, lp[0] if lp else None, top, len(text))
             self.made += len(text)
             self.queue.append((self.made, token))
+        self.count += len(event.tokens)
+
+    def cut(self, kept: int, shown: int) -> None:
+        """Only the first `kept` tokens of the answer stay; the text ends at `shown` characters:
+        each token's characters are then those of the text that it ends, at most."""
+        drop = self.count - kept
+        for _ in range(min(drop, len(self.queue))):
+            self.queue.pop()
+        self.count = kept
+        start = self.sent
+        out = collections.deque()
+        for end, token in self.queue:
+            end = min(end, shown)
+            out.append((end, replace(token, chars=max(end - start, 0))))
+            start = max(start, end)
+        self.queue = out
+        self.made = shown
 
     def waiting(self, chars: int) -> bool:
         return bool(self.queue) and self.queue[0][0] <= self.sent + chars
@@ -332,10 +436,8 @@ class Aligned:
     def release(self, chars: int, final: bool = False) -> tuple[OutToken, ...]:
         self.sent += chars
         out = []
-        while self.queue and self.queue[0][0] <= self.sent:
+        while self.queue and (final or self.queue[0][0] <= self.sent):
             out.append(self.queue.popleft()[1])
-        if final:
-            self.queue.clear()
         return tuple(out)
 
 
