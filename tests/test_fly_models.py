@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import prompt
+from flylocal.decoding.contracts import Draft, Drafter
 from flylocal.decoding.drafters import make_drafter
 from flylocal.decoding.engine import Engine, EngineConfig, generate_all
 from flylocal.decoding.verifiers.fly import Fly, FlyParams
@@ -142,26 +143,68 @@ def kept_loose_positions(rows: list[dict]) -> list[int]:
     return kept
 
 
+class FourthBest(Drafter):
+    """A drafter that makes the counterexample the rank rule is for: now and then (once every
+    `every` tokens) it proposes the target's 4th most likely token, then the target's own greedy
+    continuation after it, so the window behind it matches natively; otherwise the greedy
+    continuation alone. It reads the target's logits off `oracle`, a second load of the target
+    (the exact build scores a position alike in any batch)."""
+
+    name = "fourth-best"
+
+    def __init__(self, oracle, every: int = 12):
+        self.oracle, self.every, self.last = oracle, every, -10**9
+
+    def _next(self, context):
+        kept = self.oracle.reuse_prefix(context)
+        return self.oracle.decode(context[kept:], logits_from=len(context) - kept - 1)[0]
+
+    def propose(self, context, k):
+        import numpy as np
+
+        out = []
+        z = self._next(context)
+        if len(context) - self.last >= self.every:
+            out.append(int(np.argsort(-z)[3]))
+            self.last = len(context)
+        else:
+            out.append(int(z.argmax()))
+        while len(out) < k:
+            out.append(int(self._next(np.concatenate([context, np.asarray(out, dtype=np.int32)])).argmax()))
+        return Draft(np.asarray(out, dtype=np.int32))
+
+
 def test_a_kept_loose_token_is_one_of_the_targets_top_m(smol, smol_draft):
     """With the gate's entropy always open (θ = 0), only the rank rule refuses: every token kept
     loose is one of the target's 3 most likely there, by a fresh scoring of the whole answer
-    (the exact build scores it as the rounds did). Without the rule, the same run keeps some
-    that are not, so the check has something to catch."""
+    (the exact build scores it as the rounds did), with prompt lookup's drafts and with drafts
+    made to hold the target's 4th most likely token followed by a clean window. Without the
+    rule, those made drafts get such tokens kept, so the check has something to catch."""
     import numpy as np
+
+    from conftest import SMOL, model_path
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
 
     ids, _ = encode_prompt(smol, PROMPTS["reply"], raw=False)
 
-    def ranks(params):
-        tokens, stats, trace = generate(smol, smol_draft, Fly(params), ids, drafter="pld", k=4, max_tokens=96)
+    def ranks(params, drafter=None):
+        if drafter is None:
+            tokens, stats, trace = generate(smol, smol_draft, Fly(params), ids, drafter="pld", k=4, max_tokens=96)
+        else:
+            engine = Engine(smol, drafter, Fly(params), EngineConfig(max_tokens=64, k=4, trace=True))
+            tokens, stats, trace = generate_all(engine, ids)
         seq = np.concatenate([ids, np.asarray(tokens, dtype=np.int32)])
         smol.reset()
         z = smol.decode(seq, logits_from=0)           # row i scores position i + 1
         kept = [P for P in kept_loose_positions(trace) if P < len(seq)]
-        assert kept and all(seq[P] != z[P - 1].argmax() for P in kept)
+        assert all(seq[P] != z[P - 1].argmax() for P in kept)
         return [int((z[P - 1] > z[P - 1][seq[P]]).sum()) for P in kept]
 
-    assert max(ranks(FlyParams(entropy=0.0))) < 3
-    assert max(ranks(FlyParams(entropy=0.0, candidates=False))) >= 3
+    natural = ranks(FlyParams(entropy=0.0))
+    assert natural and max(natural) < 3
+    with Runtime(model_path(SMOL), RuntimeConfig(n_ctx=2048, n_threads=1)) as oracle:
+        assert max(ranks(FlyParams(entropy=0.0), FourthBest(oracle)), default=0) < 3
+        assert max(ranks(FlyParams(entropy=0.0, candidates=False), FourthBest(oracle)), default=0) >= 3
 
 
 # θ = ∞ equals strict on the real models through the command line (test_cli.py,

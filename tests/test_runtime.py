@@ -71,8 +71,8 @@ def test_a_prompt_tail_decoded_with_the_rows_equals_it_decoded_apart(monkeypatch
         rt.reset()
         calls = []
         real = rt.context._decode_chunk
-        monkeypatch.setattr(rt.context, "_decode_chunk", lambda chunk, logits_from, seq=0: (calls.append((len(chunk), logits_from)),
-                                                                                     real(chunk, logits_from, seq)))
+        monkeypatch.setattr(rt.context, "_decode_chunk", lambda chunk, logits_from, *, seq: (
+            calls.append((len(chunk), logits_from)), real(chunk, logits_from, seq=seq)))
         merged = rt.decode(ids, logits_from=40)
         assert calls == [(16, 16), (16, 16), (12, 8)]       # 44 tokens in 3 decodes, not 4
         assert merged.shape == apart.shape and np.array_equal(merged, apart)

@@ -196,7 +196,7 @@ def test_thirty_two_clients_three_hundred_requests_with_disconnects():
                 "verifier": "strict", "drafter": "pld"}
         if failing:                                  # its grammar fails once it decodes, beside the others
             body["response_format"] = SELF_REF
-            drop = streamed = False
+            body["stream"] = drop = streamed = False
         async with sem:
             try:
                 for _ in range(RETRIES):            # as a client does: again after Retry-After (scaled down)

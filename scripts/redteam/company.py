@@ -19,7 +19,7 @@ Groups (a case is one request judged, or one burst's follow-up request):
   stop       a stop string ending inside a token: text, logprobs, usage, streamed chars and
              Ollama's context agree
   canary     the same seeded request (temperature 0.5, seed 11) and a strict one, alone and then
-             30 times each beside random company and embeddings: the same text
+             30 times each (--canary N) beside random company and embeddings: the same text
   gone       a client that leaves a non-streamed request: its log line says 499
 
     .venv/bin/python scripts/redteam/company.py [--tree PATH] [--exact] [--groups a,b] [--json OUT]
@@ -233,6 +233,9 @@ def embeddings(t: Tally, make) -> None:
             status, _ = chat(s.url, "Hi", max_tokens=8, timeout=20)
             t.case("embed", status == 200, f"a chat after an abandoned 2048-input embedding -> {status} in "
                                            f"{time.perf_counter() - t0:.1f} s")
+            if status != 200:                    # an abandoned job that runs on for minutes: a fresh server
+                s.stop()
+                s = make(["--parallel", "4", "--ctx", "1024"])
         for rep in range(2):
             gaps = [[] for _ in range(3)]
             started = [threading.Event() for _ in range(3)]
@@ -323,9 +326,9 @@ def stops(t: Tally, make) -> None:
             g = httpx.post(s.url + "/api/generate", json={"model": TARGET, "prompt": question, "stream": False,
                                                           "options": {"temperature": 0, "num_predict": 48,
                                                                       "stop": [stop]}}, timeout=60).json()
-            made = g["context"][g["prompt_eval_count"]:]
-            if len(made) != g["eval_count"]:
-                problems.append(f"Ollama's context has {len(made)} answer tokens, eval_count {g['eval_count']}")
+            made = len(g["context"]) - answer["usage"]["prompt_tokens"]     # the same prompt, templated alike
+            if made != g["eval_count"] or made != n:
+                problems.append(f"Ollama's context has {made} answer tokens, eval_count {g['eval_count']}")
             t.case("stop", not problems, f"{question!r} stop {stop!r} -> {text!r}: {'; '.join(problems) or 'agree'}")
     finally:
         s.stop()
@@ -339,7 +342,7 @@ def canary(t: Tally, make) -> None:
     question = "Write a haiku about the sea."
     try:
         refs = {name: text_of(chat(s.url, question, **fields)[1]) for name, fields in requests.items()}
-        for i in range(30):
+        for i in range(CANARY[0]):
             for name, fields in requests.items():
                 mine = lambda: chat(s.url, question, **fields)      # noqa: E731
                 calls = [mine]
@@ -376,6 +379,7 @@ def gone(t: Tally, make) -> None:
         s.stop()
 
 
+CANARY = [30]          # rounds of the canary (--canary)
 GROUPS = {"grammar": grammar, "k": draft_length, "draft": draft_company, "embed": embeddings,
           "admission": admission, "stop": stops, "canary": canary, "gone": gone}
 
@@ -386,7 +390,9 @@ def main() -> None:
     ap.add_argument("--exact", action="store_true", help="the exact build")
     ap.add_argument("--groups", default=",".join(GROUPS))
     ap.add_argument("--json", help="write the table here")
+    ap.add_argument("--canary", type=int, default=30, help="times each canary request is sent in company")
     args = ap.parse_args()
+    CANARY[0] = args.canary
     t = Tally()
 
     def make(server_args):
