@@ -311,3 +311,63 @@ def test_a_failing_worker_fails_its_requests_says_so_and_stops_the_server():
         assert refused.value.status == 503
     finally:
         worker.stop()
+
+
+# ----- stop strings inside tokens (Stream) -----
+
+class Words:
+    """A vocabulary of pieces of text: token t reads PIECES[t]."""
+
+    PIECES = ["a", "b", "ab", "ba", " ", "an", "na", " B", "ana", "e", "ea", " s", "sea", "."]
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        return self.PIECES[int(token)].encode()
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_a_stop_string_ends_text_and_tokens_together(seed, monkeypatch):
+    """Random answers from pieces of text, random rounds, random stop strings, text sent at once
+    or held by the 100 ms rule: the text is cut where the first stop string begins; the tokens
+    sent are exactly those up to the one completing it (all of them without a stop), each with
+    at most its own characters, their characters summing to the text's length, and Done counts
+    them."""
+    from types import SimpleNamespace
+
+    from flylocal.decoding.engine import RoundEvent
+    from flylocal.decoding.stats import Stats
+    from flylocal.front.serve import worker as w
+    from flylocal.front.serve.worker import Stream
+
+    rng = random.Random(seed)
+    monkeypatch.setattr(w, "SEND_EVERY", rng.choice([0.0, 1000.0]))
+    tokens = [rng.randrange(len(Words.PIECES)) for _ in range(rng.randint(1, 25))]
+    pieces = [Words.PIECES[t] for t in tokens]
+    text = "".join(pieces)
+    stops = [rng.choice(["an", "ana", "ea", "ab", "b a", "nan", "zz", "a."]) for _ in range(rng.randint(1, 3))]
+    hits = [(text.find(s), len(s)) for s in stops if text.find(s) >= 0]
+    if hits:
+        at, size = min(hits)
+        ends = np.cumsum([len(p) for p in pieces])
+        kept = next(i + 1 for i, e in enumerate(ends) if e >= at + size)
+        shown = text[:at]
+    else:
+        kept, shown = len(tokens), text
+    events: list = []
+    job = Job(Settings(), np.zeros(1, dtype=np.int32), stops, events.append, tokens=True)
+    stream = Stream(job, Words(), Metrics())
+    i, rounds, stopped = 0, 0, False
+    while i < len(tokens) and not stopped:
+        n = rng.randint(1, 4)
+        chunk = tokens[i:i + n]
+        stopped = stream.feed(RoundEvent(rounds, tuple(chunk), ("target",) * len(chunk)))
+        i += n
+        rounds += 1
+    gen = SimpleNamespace(stats=Stats(prompt_tokens=1, stop="eog"), tokens=tokens[:i])
+    stream.finish(gen)
+    texts = [e for e in events if isinstance(e, Text)]
+    sent = [t for e in texts for t in e.tokens]
+    assert "".join(e.text for e in texts) == shown
+    assert [t.id for t in sent] == tokens[:kept]
+    assert sum(t.chars for t in sent) == len(shown)
+    assert all(0 <= t.chars <= len(t.text) for t in sent)
+    assert events[-1].n_tokens == kept

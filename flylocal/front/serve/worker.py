@@ -399,6 +399,7 @@ class Aligned:
         self.queue: collections.deque[tuple[int, OutToken]] = collections.deque()   # (end in chars, token)
         self.made = 0          # characters of text the tokens so far have made
         self.sent = 0          # characters released
+        self.ended = 0         # where the last token released ends, in characters
         self.count = 0         # tokens added
 
     def add(self, target, event, parts: list[tuple[bytes, str]]) -> None:
@@ -421,7 +422,7 @@ class Aligned:
         for _ in range(min(drop, len(self.queue))):
             self.queue.pop()
         self.count = kept
-        start = self.sent
+        start = self.ended
         out = collections.deque()
         for end, token in self.queue:
             end = min(end, shown)
@@ -437,7 +438,8 @@ class Aligned:
         self.sent += chars
         out = []
         while self.queue and (final or self.queue[0][0] <= self.sent):
-            out.append(self.queue.popleft()[1])
+            self.ended, token = self.queue.popleft()
+            out.append(token)
         return tuple(out)
 
 
