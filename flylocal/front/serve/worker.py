@@ -172,11 +172,15 @@ class Worker:
                 self.session.models.close()
 
     def _drop_cancelled(self) -> None:
+        """Jobs whose clients went away while they waited leave the queue (their handlers hear so)."""
         for queue in (self.jobs, self.calls):
-            if any(j.cancel.is_set() for j in queue):            # their clients went away
+            if any(j.cancel.is_set() for j in queue):
+                gone = [j for j in queue if j.cancel.is_set()]
                 kept = [j for j in queue if not j.cancel.is_set()]
                 queue.clear()
                 queue.extend(kept)
+                for j in gone:
+                    j.emit(Failed(FlylocalError("the request was cancelled before it started")))
 
     def _queued(self) -> None:
         self.metrics.queue.set(len(self.jobs) + len(self.calls))
