@@ -128,8 +128,8 @@ class Target(Protocol):
 class Sequences(Protocol):
     """One cache holding several sequences, each its own Target (`sequence(s)`: its own cells,
     n_past, rollback and prefix reuse), and a decode that appends to several of them at once
-    (flylocal.decoding.batch). `Runtime` with `n_seq` > 1 and the tests' in-memory target
-    satisfy it. No cell of one sequence is visible to another."""
+    (flylocal.decoding.batch). Every `Runtime` (one sequence on rpc servers) and the tests'
+    in-memory target satisfy it. No cell of one sequence is visible to another."""
 
     n_seq: int
     n_batch: int

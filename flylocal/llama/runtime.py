@@ -7,9 +7,10 @@ a worker process (flylocal.llama.remote).
                                             `config.rpc` names them: a worker runs that)
     Runtime(path, config, remote=True)      this process keeps the vocabulary; the worker the rest
 
-With `config.n_seq` > 1 (a local model only) the context holds that many sequences, and the
-Runtime is also the decoding core's `Sequences` (flylocal.decoding.contracts): `sequence(s)` is
-sequence s as a Target of its own, `decode_batch` appends to several in one decode.
+The Runtime is also the decoding core's `Sequences` (flylocal.decoding.contracts): `sequence(s)`
+is sequence s as a Target of its own, `decode_batch` appends to several in one decode. With
+`config.n_seq` > 1 (a local model only) the context holds that many; a model on rpc servers
+holds one.
 """
 
 from __future__ import annotations
