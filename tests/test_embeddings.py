@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import GEMMA, SMOL, model_path
-from test_server import free_port, start, stop, wait_ready
+from test_server import free_port, served, start, stop, wait_ready
 
 pytestmark = pytest.mark.slow      # real models
 
@@ -82,14 +82,7 @@ def test_an_input_longer_than_the_context_names_its_place(embedder):
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    proc = start("--target", SMOL, "--api-key", KEY, "--ctx", str(CTX), port=port)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(proc, url)
-        yield url
-    finally:
-        stop(proc)
+    yield from served("--target", SMOL, "--api-key", KEY, "--ctx", str(CTX))
 
 
 def test_openai_embeddings_float_and_base64_agree(server):

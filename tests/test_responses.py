@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from conftest import SMOL, prompt
-from test_server import free_port, start, stop, wait_ready
+from test_server import served
 
 pytestmark = pytest.mark.slow      # a real model behind a real server
 
@@ -25,14 +25,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    proc = start("--target", SMOL, "--api-key", KEY, "--ctx", "1024", port=port)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(proc, url)
-        yield url
-    finally:
-        stop(proc)
+    yield from served("--target", SMOL, "--api-key", KEY, "--ctx", "1024")
 
 
 @pytest.fixture(scope="module")

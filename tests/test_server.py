@@ -44,6 +44,19 @@ def start(*args: str, port: int) -> subprocess.Popen:
     return proc
 
 
+def served(*args: str):
+    """A server started with `args` on a free port: its URL once it answers; stopped afterwards
+    (a generator for a module fixture: `yield from served(...)`)."""
+    port = free_port()
+    proc = start(*args, port=port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url)
+        yield url
+    finally:
+        stop(proc)
+
+
 def log(proc: subprocess.Popen) -> str:
     proc.log_file.seek(0)
     return proc.log_file.read()

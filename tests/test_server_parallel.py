@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from conftest import SMOL, SMOL_Q4_0, prompt
-from test_server import free_port, start, stop, wait_ready
+from test_server import free_port, served, start, stop, wait_ready
 
 pytestmark = pytest.mark.slow
 
@@ -247,15 +247,7 @@ def test_thirty_two_clients_three_hundred_requests_with_disconnects():
 def company():
     """Four slots with a draft model, on --threads auto (the default): the steered decodes of
     every slot's draft sequence."""
-    port = free_port()
-    proc = start("--target", SMOL, "--draft", SMOL_Q4_0, "--ctx", str(CTX), "--parallel", "4", "--threads", "auto",
-                 port=port)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(proc, url)
-        yield url
-    finally:
-        stop(proc)
+    yield from served("--target", SMOL, "--draft", SMOL_Q4_0, "--ctx", str(CTX), "--parallel", "4", "--threads", "auto")
 
 
 def chat(url, content, timeout=300, **fields):
@@ -282,6 +274,26 @@ def hold(url, question, max_tokens, started: threading.Event, stop: threading.Ev
             if stop.is_set():
                 return
     started.set()
+
+
+@contextlib.contextmanager
+def streams(url, questions, max_tokens):
+    """Streams holding a slot each (`hold`) until the block ends; yields each one's chunk times,
+    once every one has begun."""
+    started = [threading.Event() for _ in questions]
+    leave = threading.Event()
+    chunks: list[list[float]] = [[] for _ in questions]
+    holders = [threading.Thread(target=hold, args=(url, q, max_tokens, e, leave, c))
+               for q, e, c in zip(questions, started, chunks)]
+    for h in holders:
+        h.start()
+    try:
+        assert all(e.wait(120) for e in started)
+        yield chunks
+    finally:
+        leave.set()
+        for h in holders:
+            h.join(120)
 
 
 def test_a_failing_grammar_fails_alone_and_the_server_goes_on(company):
@@ -320,15 +332,8 @@ def test_a_draft_model_beside_a_long_request_gives_its_text_alone(company, field
     request in slot 0, gives the text it gives alone (a draft step on another slot's sequence
     would change its drafts, and a loose or seeded answer with them), with the same acceptance."""
     alone = chat(company, prompt("qa-france"), max_tokens=48, **fields)[1]
-    started, leave = threading.Event(), threading.Event()
-    holder = threading.Thread(target=hold, args=(company, prompt("story-robot"), 400, started, leave))
-    holder.start()
-    try:
-        assert started.wait(120)
+    with streams(company, [prompt("story-robot")], 400):
         beside = chat(company, prompt("qa-france"), max_tokens=48, **fields)[1]
-    finally:
-        leave.set()
-        holder.join(120)
     assert content(beside) == content(alone)
     assert beside["usage"]["flylocal"]["accepted"] == alone["usage"]["flylocal"]["accepted"]
 
@@ -338,31 +343,11 @@ def test_embeddings_share_the_worker_and_stop_when_their_client_leaves(company):
     while every stream still runs; 600 inputs beside three streams leave them streaming; 2,048
     inputs whose client leaves stop, and a chat sent next is answered."""
     sentence = "The quick brown fox jumps over the lazy dog near the river bank in the morning light."
-    started = [threading.Event() for _ in range(4)]
-    leave = threading.Event()
-    chunks: list[list[float]] = [[] for _ in range(4)]
-    holders = [threading.Thread(target=hold, args=(company, QUESTIONS[i], 300, started[i], leave, chunks[i]))
-               for i in range(4)]
-    for h in holders:
-        h.start()
-    try:
-        assert all(e.wait(120) for e in started)
+    with streams(company, QUESTIONS[:4], 300):
         r = httpx.post(company + "/v1/embeddings", json={"input": sentence}, timeout=120)
         assert r.status_code == 200
         assert httpx.get(company + "/health").json()["slots_busy"] == 4      # no stream had to end first
-        leave.set()
-    finally:
-        leave.set()
-        for h in holders:
-            h.join(120)
-    started, leave = [threading.Event() for _ in range(3)], threading.Event()
-    chunks = [[] for _ in range(3)]
-    holders = [threading.Thread(target=hold, args=(company, QUESTIONS[i], 400, started[i], leave, chunks[i]))
-               for i in range(3)]
-    for h in holders:
-        h.start()
-    try:
-        assert all(e.wait(120) for e in started)
+    with streams(company, QUESTIONS[:3], 400) as chunks:
         t0 = time.perf_counter()
         r = httpx.post(company + "/v1/embeddings", json={"input": [f"{sentence} {i}" for i in range(600)]},
                        timeout=600)
@@ -370,10 +355,6 @@ def test_embeddings_share_the_worker_and_stop_when_their_client_leaves(company):
         assert r.status_code == 200 and len(r.json()["data"]) == 600
         during = [sum(t0 < t < t1 for t in c) for c in chunks]
         assert all(n > 0 for n in during), during                # every stream went on meanwhile
-    finally:
-        leave.set()
-        for h in holders:
-            h.join(120)
     with pytest.raises(httpx.TimeoutException):
         httpx.post(company + "/v1/embeddings", json={"input": [f"{sentence} {i}" for i in range(2048)]}, timeout=1.5)
     t0 = time.perf_counter()

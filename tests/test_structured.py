@@ -16,7 +16,7 @@ import pytest
 from pydantic import BaseModel
 
 from conftest import SMOL, SMOL_Q4_0
-from test_server import free_port, start, stop, wait_ready
+from test_server import served
 
 pytestmark = pytest.mark.slow
 
@@ -86,14 +86,7 @@ def test_bad_constraints_are_one_line_errors(tmp_path):
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    proc = start("--target", SMOL, "--draft", SMOL_Q4_0, "--ctx", "2048", port=port)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(proc, url)
-        yield url
-    finally:
-        stop(proc)
+    yield from served("--target", SMOL, "--draft", SMOL_Q4_0, "--ctx", "2048")
 
 
 @pytest.fixture(scope="module")

@@ -123,14 +123,19 @@ def start_worker(n_seq: int, plans: dict, max_queue: int = 64, on_failure=lambda
     return worker, target
 
 
-def steps(n: int, value, log: list, broken: int | None = None):
-    """A call's work: n steps (each logged as "step"), then `value`; step `broken` raises."""
+def steps(n: int, value, log: list, broken: int | None = None, budgets: list | None = None):
+    """A call's work: primed, then n steps (each logged as "step"), then `value`; step `broken`
+    raises. Each step is sent a token budget (None while no generation runs): kept in `budgets`."""
     def work(session):
+        budget = yield                   # primed: nothing done yet
         for i in range(n):
             if i == broken:
                 raise Broken("the call broke")
             log.append("step")
-            yield
+            if budgets is not None:
+                budgets.append(budget)
+            if i < n - 1:
+                budget = yield
         return value
     return work
 
@@ -223,7 +228,8 @@ def test_a_call_waits_at_most_a_round_and_generations_keep_going():
             time.sleep(0.001)
         c = Client()
         at = len(log)
-        worker.submit(Call(steps(30, "done", log), c.emit))
+        budgets: list = []
+        worker.submit(Call(steps(30, "done", log, budgets=budgets), c.emit))
         go.set()
         assert c.ended.wait(30)
         first = log.index("step", at)
@@ -234,6 +240,7 @@ def test_a_call_waits_at_most_a_round_and_generations_keep_going():
         mine = [i for i, what in enumerate(log) if what == "step" and i < first_end]
         rounds_between = [log[a:b].count("round") for a, b in zip(mine, mine[1:])]
         assert len(mine) >= 3 and all(r >= 1 for r in rounds_between), rounds_between
+        assert all(b is not None and b >= 1 for b in budgets[: len(mine)])     # bounded while others decode
     finally:
         worker.stop()
         worker.thread.join(10)
@@ -246,6 +253,7 @@ def test_a_cancelled_call_stops_before_its_next_step():
         log: list[str] = []
 
         def slow_work(session):
+            yield
             for _ in range(10_000):
                 log.append("step")
                 time.sleep(0.001)

@@ -20,7 +20,6 @@ from flylocal.llama.model import Model
 from flylocal.llama.vocab import Vocabulary
 
 MAX_SEQS = 16        # inputs per decode
-STEP_TOKENS = 256    # tokens per decode, but an input longer than that, which goes alone
 
 
 class TooLong(FlylocalError):
@@ -95,28 +94,31 @@ class Embedder:
         decode. `cancelled()` is asked between decodes (FlylocalError when it says so)."""
         steps = self.steps(inputs)
         try:
+            next(steps)
             while True:
                 if cancelled():
                     raise FlylocalError("the request was cancelled")
-                next(steps)
+                steps.send(None)
         except StopIteration as done:
             return done.value
         finally:
             steps.close()
 
     def steps(self, inputs: list[np.ndarray]):
-        """`embed` as a generator that yields after each decode (a server runs other work between
-        two) and returns the vectors. A decode holds at most STEP_TOKENS tokens (an input longer
-        than that goes alone), so a step costs about what a round's prompt chunk does."""
+        """`embed` as a generator of decodes, for a server to run other work between two: each
+        `yield` takes the token budget of the next decode (None: as many as the context holds;
+        an input longer than the budget goes alone, since pooling needs an input whole), and
+        it returns the vectors. Primed with next() (nothing is decoded), then driven by send()."""
         self.check(inputs)
         if self._ctx is None:
             raise FlylocalError(f"{self.name} was already closed")
         out = np.empty((len(inputs), self.n_embd), dtype=np.float32)
         i = 0
+        budget = yield
         while i < len(inputs):
+            limit = self.n_ctx if budget is None else max(1, min(budget, self.n_ctx))
             group, used = [], 0
-            while (i < len(inputs) and len(group) < MAX_SEQS
-                   and (not group or used + len(inputs[i]) <= min(STEP_TOKENS, self.n_ctx))):
+            while i < len(inputs) and len(group) < MAX_SEQS and (not group or used + len(inputs[i]) <= limit):
                 group.append(i)
                 used += len(inputs[i])
                 i += 1
@@ -129,7 +131,8 @@ class Embedder:
                                                shape=(self.n_embd,))
                 norm = float(np.linalg.norm(vector))
                 out[j] = vector / norm if norm > 0 else vector
-            yield
+            if i < len(inputs):
+                budget = yield
         return out
 
     def _decode(self, group: list[np.ndarray]) -> None:

@@ -88,7 +88,10 @@ class Job:
 class Call:
     """A job that is not a generation (embeddings): `work(session)` runs on the worker thread as
     a generator, one step (a decode) at a time between the generations' rounds, and returns
-    its value, which goes to `emit` as Computed. A cancelled call stops before its next step."""
+    its value, which goes to `emit` as Computed. It is primed with next() (what it does before
+    its first yield), and then each step is sent the tokens it may decode: about what a round's
+    prompt chunk takes beside the generations running (Batch.chunk_rows), None when none runs.
+    A cancelled call stops before its next step."""
     work: Callable[[Session], Generator[None, None, Any]]
     emit: Callable[[Any], None]
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -239,18 +242,23 @@ class Worker:
                     continue
                 streams[gen] = Stream(job, session.target, self.metrics)
             if call is not None:
-                running = self._step(call, running)
+                running = self._step(call, running, batch.chunk_rows(len(streams)) if streams else None)
             if streams:
                 self._round(batch, streams)
 
-    def _step(self, call: Call, running):
-        """One step of `call` (started on its first); None once it has ended."""
+    def _step(self, call: Call, running, budget: int | None):
+        """One step of `call`, of at most `budget` tokens (started and primed on its first);
+        None once it has ended."""
         try:
             if call.cancel.is_set():
                 raise FlylocalError("the request was cancelled")
             with self.session.lock:
-                steps = running[1] if running is not None else call.work(self.session)
-                next(steps)
+                if running is None:
+                    steps = call.work(self.session)
+                    next(steps)
+                else:
+                    steps = running[1]
+                steps.send(budget)
             return call, steps
         except StopIteration as done:
             call.emit(Computed(done.value))
