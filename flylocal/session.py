@@ -126,13 +126,6 @@ class Session:
             text += m["content"] if m["role"] == "assistant" else ("\n\n" if text else "") + m["content"]
         return self.target.tokenize(text)
 
-    def request(self, ids, settings: Settings, on_end=None, grammar=None) -> Generation:
-        """A one-off request on these models with its own settings: a fresh engine, a fresh
-        verifier (its own ASD ledger), and lookup that never sees other requests' text. The
-        conversation is not touched. Hold `lock` while the Generation runs when requests can
-        come from several threads."""
-        return self.models.engine(settings, private=True).generate(ids, on_end=on_end, grammar=grammar)
-
     def _prompt_ids(self, user: str):
         """Token ids of the conversation plus the new message, dropping the oldest turns if it
         would not leave room to answer; raises if the new message alone cannot fit."""

@@ -89,20 +89,16 @@ class Embedder:
             if len(ids) > self.n_ctx:
                 raise TooLong(i, len(ids), self.n_ctx)
 
-    def embed(self, inputs: list[np.ndarray], cancelled=lambda: False) -> np.ndarray:
+    def embed(self, inputs: list[np.ndarray]) -> np.ndarray:
         """[len(inputs), n_embd] float32 unit vectors of token-id inputs, packed several to a
-        decode. `cancelled()` is asked between decodes (FlylocalError when it says so)."""
+        decode (`steps`, run to its end)."""
         steps = self.steps(inputs)
         try:
             next(steps)
             while True:
-                if cancelled():
-                    raise FlylocalError("the request was cancelled")
                 steps.send(None)
         except StopIteration as done:
             return done.value
-        finally:
-            steps.close()
 
     def steps(self, inputs: list[np.ndarray]):
         """`embed` as a generator of decodes, for a server to run other work between two: each

@@ -386,10 +386,8 @@ class Stream:
         """The generation ended: what text is left, then Done with its stats."""
         job, tokens = self.job, self.tokens
         if not self.stopped and not job.cancel.is_set():
-            piece, self.stopped = self.stops.feed("", final=True)      # text held as a possible stop string
+            piece, _ = self.stops.feed("", final=True)      # text held as a possible stop string (none is one)
             self.pending += piece
-            if self.stopped:                     # (a final feed never finds one: held text is no stop)
-                self._cut()
         if self.pending or (tokens is not None and tokens.waiting(len(self.pending))):
             self._send(final=True)
             self.pending = ""
