@@ -407,3 +407,38 @@ def test_drafts_of_a_given_length_as_long_as_a_slot_holds_get_in_and_stay_whole(
     for gen, p, drafter in gens:
         assert gen.tokens == greedy(lm, p.tolist(), 40, 300)[0]
         assert [len(d) for d in drafter.drafts if len(d)] == [n for n in drafter.proposed if n]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_request_alone_in_a_batch_drafts_as_outside_one(seed):
+    """A batch of one (the server's every request when it has no company) proposes, verifies
+    and accounts every round as the engine's own loop does: the same drafts under draft-length
+    control, the same rounds, the same output."""
+    from fake_backend import NoisyOracle, controlled
+
+    lm = LMS[0]
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(lm.n_vocab, size=8).astype(np.int32)
+
+    def run(target, view, machine, step):
+        drafter = Recording(controlled(NoisyOracle(lm, seed=seed), 6, view))
+        engine = Engine(view, drafter, make_verifier_strict(), EngineConfig(max_tokens=40, k=6), clock=machine)
+        return step(engine), drafter
+
+    machine = Machine(row_cost=0.1)
+    alone = FakeTarget(lm, 80, 64, fixed_costs(0.1, rows=64), machine)
+    (tokens, stats, _), own = run(alone, alone, machine, lambda e: generate_all(e, prompt))
+    machine = Machine(row_cost=0.1)
+    shared = FakeSequences(lm, 1, 80, 64, fixed_costs(0.1, rows=64), machine)
+    batch = Batch(shared, clock=machine)
+
+    def in_batch(engine):
+        gen = batch.join(0, engine, prompt)
+        while batch.members:
+            batch.round()
+        return gen
+
+    gen, mine = run(shared, shared.sequence(0), machine, in_batch)
+    assert [d.tolist() for d in mine.drafts] == [d.tolist() for d in own.drafts]
+    assert gen.tokens == tokens and gen.stats.rounds == stats.rounds and gen.stats.drafted == stats.drafted
+    assert stats.drafted > 0

@@ -44,7 +44,8 @@ class Member:
     gen: Generation
     req: Request
     joined: float                 # the clock when it joined
-    shared: bool = True           # its drafts are cut by the allotment (not a seeded request's)
+    shared: bool = True           # its drafts may be cut by the allotment (not a seeded request's)
+    sharing: bool = False         # its drafter is told they are (it has company: `_plan_one`)
     plan: Round | None = None     # this round's
     reach: np.ndarray | None = None    # [draft] float64: P(first j+1 draft tokens accepted)
 
@@ -149,7 +150,6 @@ class Batch:
         # A seeded request's output must not follow what else runs (a loose verifier's follows its
         # drafts): its drafter cuts its own drafts as alone, and they are verified whole.
         shared = not engine.config.pin_costs
-        engine.drafter.share(shared)
         gen = engine.generate(prompt, on_end=on_end, grammar=grammar)
         req = engine.start(np.asarray(prompt, dtype=np.int32), gen)
         try:
@@ -335,6 +335,12 @@ class Batch:
         """Plan `m`'s round (its draft and the chance of each draft token): True when it has one;
         a member that stopped before a round (max_tokens 0, a full context) ends, one whose
         planning failed ends with its failure in `out`."""
+        # Alone, a request drafts as it does outside a batch (its drafter cuts its own drafts); in
+        # company its drafter proposes what is worth verifying and the allotment cuts.
+        company = m.shared and len(self.members) > 1
+        if company != m.sharing:
+            m.engine.drafter.share(company)
+            m.sharing = company
         try:
             r = m.engine.plan(m.req)
         except Exception as e:  # noqa: BLE001 - its drafter, its grammar: its own failure
@@ -346,7 +352,7 @@ class Batch:
         m.plan = r
         d = len(r.draft)
         own = m.engine.drafter.reach(r.proposal) if d > r.forced else np.zeros(0)
-        if own is None or not m.shared:    # a length given (--k), a seeded request: verified whole
+        if own is None or not m.sharing:   # a length given (--k), a seeded request, alone: verified whole
             m.reach = np.zeros(0)
         else:
             m.reach = np.zeros(d)

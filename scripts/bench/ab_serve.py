@@ -17,7 +17,7 @@ import os
 import shlex
 import sys
 
-from harness import interval, median, questions, servers, stream_chat
+from harness import end_tokens, interval, median, questions, servers, stream_chat
 
 
 def main() -> None:
@@ -33,9 +33,11 @@ def main() -> None:
     command = [sys.executable, "-m", "flylocal", "serve", "--port", "{port}", "--target", args.target, *args.options]
     # B runs from the other tree: its folder first on the path (`-m` puts the working folder there).
     other = ["sh", "-c", f"cd {shlex.quote(args.tree)} && exec " + " ".join(shlex.quote(c) for c in command)]
+    from flylocal import models
+
+    banned = end_tokens(str(models.resolve(args.target)))
     with servers({"A": command}) as a, servers({"B": other}, env=dict(os.environ, PYTHONPATH=args.tree)) as b:
         urls = {"A": a["A"], "B": b["B"]}
-        eos = []
         rates: dict[str, list[float]] = {"A": [], "B": []}
         ttft: dict[str, list[float]] = {"A": [], "B": []}
         ratios = []
@@ -44,7 +46,7 @@ def main() -> None:
                 order = ("A", "B") if (i + rep) % 2 == 0 else ("B", "A")
                 got = {}
                 for side in order:
-                    r = stream_chat(urls[side], q, args.max_tokens, banned=eos or (2,))
+                    r = stream_chat(urls[side], q, args.max_tokens, banned=banned)
                     decode = r["last"] - r["first"] if r["first"] and r["last"] else float("nan")
                     got[side] = (r["tokens"] - 1) / decode if decode > 0 else float("nan")
                     ttft[side].append(r["first"] - r["start"])

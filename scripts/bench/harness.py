@@ -120,6 +120,19 @@ def stream_chat(url: str, question: str, max_tokens: int, banned=()) -> dict:
     return {"tokens": tokens if tokens is not None else chunks, "start": start, "first": first, "last": last}
 
 
+def end_tokens(path: str) -> list[int]:
+    """The end-of-generation ids of the model at `path` (to ban them: every answer full length)."""
+    import numpy as np
+
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
+
+    rt = Runtime(path, RuntimeConfig(n_ctx=256, n_threads=1))
+    try:
+        return [int(t) for t in np.flatnonzero(rt.eog_mask)]
+    finally:
+        rt.close()
+
+
 def questions(per_category: int) -> list[str]:
     """The first turn of the first `per_category` Spec-Bench questions of each group."""
     from flylocal.front.bench import load_prompts, per_group

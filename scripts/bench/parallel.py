@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from harness import ROOT, interval, servers, stream_chat
+from harness import ROOT, end_tokens, interval, servers, stream_chat
 
 METHODS = {"strict-pld": ["--verifier", "strict", "--drafter", "pld"],
            "fly-pld": ["--verifier", "fly", "--drafter", "pld"],
@@ -57,16 +57,6 @@ def spec_questions(copy: bool) -> list[str]:
     for i in range(max(len(v) for v in groups.values())):
         order += [v[i] for v in groups.values() if i < len(v)]
     return order
-
-
-def end_tokens(path: str) -> list[int]:
-    from flylocal.llama.runtime import Runtime, RuntimeConfig
-
-    rt = Runtime(path, RuntimeConfig(n_ctx=256, n_threads=1))
-    try:
-        return [int(t) for t in np.flatnonzero(rt.eog_mask)]
-    finally:
-        rt.close()
 
 
 def stream(url: str, question: str, max_tokens: int, banned: list[int]) -> dict:
