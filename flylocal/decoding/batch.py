@@ -287,7 +287,8 @@ class Batch:
             if self._plan_one(m, out):
                 plans[m.seq] = m
         used = sum(self._fixed(m) for m in plans.values())
-        share = min(self.chunk_rows(used), limit - used) if plans else limit
+        # (the cost curve, refined every round, is read only when a newcomer needs a share)
+        share = (min(self.chunk_rows(used), limit - used) if plans else limit) if newcomers else 0
         chunks: dict[int, int] = {}
         for m in newcomers:
             tail = len(m.req.head)
