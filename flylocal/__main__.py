@@ -1,5 +1,5 @@
 import sys
 
-from flylocal.front.cli import main
+from flylocal.launch import main
 
 sys.exit(main())

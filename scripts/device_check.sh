@@ -128,11 +128,16 @@ measure() {
   [ -f "$big" ] || "$py" scripts/random_gguf.py "$big"
   echo "## build"
   [ -n "$smol" ] || say "the first half of SmolLM2 is not here (run --receive first): SmolLM2's parts are skipped"
-  "$py" -m flylocal doctor --model "${smol:-$big}" 2>&1 | sed -n '1,/^$/p'
+  if "$py" -X faulthandler -m flylocal doctor --model "${smol:-$big}" > "$DEV/doctor.log" 2>&1; then
+    sed -n '1,/^$/p' "$DEV/doctor.log"
+  else
+    tail -40 "$DEV/doctor.log"; say "flylocal doctor failed: the lines above; the measurements go on"
+  fi
   echo "## t(1..33): decode seconds of n rows, every layer offloaded (median of 5)"
   for m in $smol "$big"; do
     "$py" - "$m" <<'PY'
 import statistics, sys, time
+import flylocal.llama.binding  # llama.cpp before numpy: flylocal/launch.py says why
 import numpy as np
 from flylocal.llama.runtime import Runtime, RuntimeConfig
 rt = Runtime(sys.argv[1], RuntimeConfig(n_ctx=1024, n_gpu_layers=999))
@@ -166,6 +171,8 @@ case "${1:-}" in
   --prepare) prepare ;;
   --receive) receive ;;
   --cpu) build cpu && measure ;;
+  --measure) [ -d "$DEV/build/bin" ] || first "scripts/device_check.sh" "no build in $DEV/build (the measuring call builds it)"
+             measure ;;
   "") build gpu && measure ;;
   *) sed -n '2,28p' "$0"; exit 2 ;;
 esac

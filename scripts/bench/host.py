@@ -19,9 +19,10 @@ import statistics
 import sys
 import time
 
-import numpy as np
+from harness import ROOT, timed     # first: puts this checkout on sys.path
 
-from harness import ROOT, timed
+import flylocal.llama.binding  # noqa: E402,F401 - llama.cpp before numpy (flylocal/launch.py says why)
+import numpy as np  # noqa: E402
 
 
 def measure(name: str, ks: list[int], repeat: int, threads: int | None) -> list[dict]:
