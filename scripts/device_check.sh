@@ -14,6 +14,8 @@
 #                                       half in build/ (ignored outputs stay between calls)
 #   scripts/device_check.sh             there, second call (carry .device): build libllama with
 #                                       CUDA for that GPU's architecture only, then measure
+#   scripts/device_check.sh --measure   there, a later call on the same warm machine (no carry:
+#                                       the build from the call before stays): measure again
 #   scripts/device_check.sh --cpu       here: the same, built for this CPU
 #
 # It prints: t(1..33), the decode seconds of 1..33 rows with every layer offloaded, of SmolLM2
@@ -174,5 +176,5 @@ case "${1:-}" in
   --measure) [ -d "$DEV/build/bin" ] || first "scripts/device_check.sh" "no build in $DEV/build (the measuring call builds it)"
              measure ;;
   "") build gpu && measure ;;
-  *) sed -n '2,28p' "$0"; exit 2 ;;
+  *) sed -n '2,30p' "$0"; exit 2 ;;
 esac
