@@ -24,6 +24,7 @@ def import_order(*args: str, exact: bool = False) -> list[str]:
             and not line.rstrip().endswith("package")]
 
 
+@pytest.mark.slow      # loads llama.cpp
 def test_the_command_loads_llama_cpp_before_numpy():
     order = import_order("--version")
     assert "llama_cpp.llama_cpp" in order and "numpy" in order
