@@ -386,6 +386,14 @@ OPTIONS = {o.name: o for o in [
            type=click.IntRange(min=0, max=2**32 - 1), to="sampling"),
 ]}
 
+# A request's own fields (serve) that no command-line option sets: settings_from routes them
+# as it routes the options, so that a request becomes settings the way a command line does.
+REQUEST_FIELDS = {o.name: o for o in [
+    Option("logit_bias", (), "(token id, added to its logit) pairs, sorted.", to="sampling"),
+    Option("repeat_last_n", (), "How many last tokens the penalties look at.", to="sampling"),
+    Option("logprobs", (), "Give output tokens their log-probabilities, and this many alternatives."),
+]}
+
 MODEL = ("target", "draft", "draft_vocab", "target_rpc", "draft_rpc", "tensor_split", "rpc_output", "rpc_timeout")
 METHOD = ("drafter", "verifier")
 DRAFTING = ("k", "draft_p_min", "lookup_corpus", "pld_ngram", "pld_tokens", "max_tokens")
@@ -403,11 +411,12 @@ def options(*names: str):
 
 
 def settings_from(params: dict, base: Settings = Settings()) -> Settings:
-    """Settings from click's parsed parameters: each declared option present in `params` goes
-    to its field; anything else keeps `base`'s value."""
+    """Settings from click's parsed parameters, or a request's (serve): each declared option
+    (or request field, REQUEST_FIELDS) present in `params` goes to its field; anything else
+    keeps `base`'s value."""
     parts: dict[str, dict] = {"settings": {}, "fly": {}, "asd": {}, "sampling": {}}
     for name, value in params.items():
-        opt = OPTIONS.get(name)
+        opt = OPTIONS.get(name) or REQUEST_FIELDS.get(name)
         if opt is not None and opt.to is not None:
             parts[opt.to][opt.field_name] = (not value) if opt.invert else value
     verifiers = VerifierConfig(fly=dataclasses.replace(base.verifiers.fly, **parts["fly"]),

@@ -1,16 +1,15 @@
 """A test-only API dialect, written as docs/design.md "Adding an API dialect" says: POST /plain
 with {"prompt", "max_tokens"} is answered as plain text, streamed as it is generated, and a last
-line "[FINISH, N tokens]". A request model and a renderer: everything else is the server's."""
+line "[FINISH, N tokens]". A parser and a renderer: everything else is the server's."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from fastapi import Request
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
-from flylocal.front.serve.app import ApiError, Ask, Server, check_fields, parse_request
+from flylocal.front.serve.app import ApiError, Ask, Endpoint, Exchange
 from flylocal.front.serve.events import Done, Text
 
 
@@ -20,31 +19,34 @@ class PlainRequest(BaseModel):
     max_tokens: int | None = None
 
 
-def routes(app, server: Server) -> None:
-    @app.post("/plain")
-    async def plain(request: Request):
-        try:
-            server.authorize(request)
-            req = parse_request(PlainRequest, await server.body(request))
-            check_fields(req, {"max_tokens": "max_tokens"})
-            session = server.session()
-            ids = session.target.tokenize(req.prompt)
-            server.check_fits(ids, session, "prompt")
-            settings = dataclasses.replace(server.settings, max_tokens=req.max_tokens or server.settings.max_tokens)
-            answer = server.start(Ask(settings, ids))
-        except ApiError as e:
-            return PlainTextResponse(e.message + "\n", status_code=e.status)
+class Plain(Endpoint):
+    name, body, checked, role = "plain", PlainRequest, {"max_tokens": "max_tokens"}, "target"
+    media_type, stream_headers = "text/plain; charset=utf-8", {}
 
-        async def text():
-            try:
-                async for event in answer.events():
-                    if isinstance(event, Text):
-                        yield event.text
-                    elif isinstance(event, Done):
-                        yield f"\n[{event.finish}, {event.n_tokens} tokens]\n"
-                    else:
-                        yield f"\n[error: {event.message}]\n"
-            finally:
-                answer.close()
+    def model(self, body) -> None:
+        return None                     # the server's target, always
 
-        return StreamingResponse(text(), media_type="text/plain; charset=utf-8")
+    def streams(self, body) -> bool:
+        return True
+
+    def job(self, x: Exchange) -> Ask:
+        ids = x.session.target.tokenize(x.body.prompt)
+        self.server.check_fits(ids, x.session, "prompt")
+        settings = self.server.settings
+        return Ask(dataclasses.replace(settings, max_tokens=x.body.max_tokens or settings.max_tokens), ids)
+
+    async def chunks(self, x: Exchange, events):
+        async for event in events:
+            if isinstance(event, Text):
+                yield event.text
+            elif isinstance(event, Done):
+                yield f"\n[{event.finish}, {event.n_tokens} tokens]\n"
+            else:
+                yield f"\n[error: {event.message}]\n"
+
+    def error(self, e: ApiError) -> PlainTextResponse:
+        return PlainTextResponse(e.message + "\n", status_code=e.status)
+
+
+def routes(app, server) -> None:
+    server.route(app, ["POST"], "/plain", Plain(server))

@@ -85,3 +85,70 @@ def test_a_dialect_written_against_the_server_alone_answers_as_the_others_do():
         assert unknown.status_code == 400 and "temperature" in unknown.text
         zero = client.post("/plain", json={"prompt": prompt, "max_tokens": 0})
         assert zero.status_code == 400 and "max_tokens" in zero.text
+
+
+def strict_json(text: str):
+    """JSON as the standard has it: no Infinity, -Infinity or NaN (Python's reader takes them)."""
+    import json
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.slow
+def test_a_non_finite_stat_is_valid_json_in_every_dialect():
+    """ASD with an unbounded budget leaves an infinite budget: every dialect's answer, whole and
+    streamed, is still JSON (the budget left is null), in the same report."""
+    import dataclasses
+
+    from fastapi.testclient import TestClient
+
+    from conftest import SMOL
+    from flylocal.decoding.verifiers.asd import AsdParams
+    from flylocal.front.serve import create_app
+    from flylocal.loader import load
+    from flylocal.session import Session
+    from flylocal.settings import Settings
+
+    base = Settings(target=SMOL, drafter="pld", verifier="asd", k=4, threads=1, ctx=512, max_tokens=8)
+    settings = dataclasses.replace(base, verifiers=dataclasses.replace(base.verifiers, asd=AsdParams(budget=float("inf"))))
+    app = create_app(lambda: Session(load(settings)), settings)
+    chat = {"messages": [{"role": "user", "content": "Count to five."}]}
+    with TestClient(app, base_url=BASE) as client:
+        for _ in range(600):                              # the models load on the worker thread
+            if client.get("/health").status_code == 200:
+                break
+            __import__("time").sleep(0.1)
+        reports = []
+        for path, body, report in (
+                ("/v1/chat/completions", chat, lambda r: r["usage"]["flylocal"]),
+                ("/v1/completions", {"prompt": "Count to five:"}, lambda r: r["usage"]["flylocal"]),
+                ("/v1/responses", {"input": "Count to five."}, lambda r: r["usage"]["flylocal"]),
+                ("/api/chat", chat | {"model": SMOL}, lambda r: r["flylocal"]),
+                ("/api/generate", {"model": SMOL, "prompt": "Count to five:"}, lambda r: r["flylocal"])):
+            whole = client.post(path, json=body | {"stream": False})
+            assert whole.status_code == 200, (path, whole.text)
+            reports.append(report(strict_json(whole.text)))
+            with client.stream("POST", path, json=body | {"stream": True} |
+                               ({"stream_options": {"include_usage": True}} if path.startswith("/v1/c") else {})) as s:
+                assert s.status_code == 200
+                lines = [line for line in s.iter_lines() if line.strip()]
+            payloads = [line.removeprefix("data: ") for line in lines if not line.startswith("event:")]
+            parsed = [strict_json(p) for p in payloads if p != "[DONE]"]
+            last = [p for p in parsed if report_of(p) is not None][-1]
+            reports.append(report_of(last))
+        assert len(reports) == 10
+        assert all(r["verifier"] == "asd" and r["budget_left"] is None for r in reports), reports
+
+
+def report_of(payload: dict) -> dict | None:
+    """flylocal's report in a streamed payload of any dialect, where it has one."""
+    if isinstance(payload.get("usage"), dict):
+        return payload["usage"].get("flylocal")
+    response = payload.get("response")
+    if isinstance(response, dict) and isinstance(response.get("usage"), dict):
+        return response["usage"]["flylocal"]
+    return payload.get("flylocal") if isinstance(payload.get("flylocal"), dict) and "verifier" in payload["flylocal"] \
+        else None

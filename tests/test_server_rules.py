@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("fastapi", reason="the server extra: pip install -e '.[serve]'")
 
 from flylocal.front.serve.app import ApiError
-from flylocal.front.serve.openai import ChatRequest, CompletionRequest, parse, request_settings
+from flylocal.front.serve.openai_requests import ChatRequest, CompletionRequest, parse, request_settings
 from flylocal.front.serve.worker import StopStrings
 from flylocal.settings import Settings
 

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flylocal.errors import FlylocalError
 from flylocal.front.serve import embeddings, ollama, openai, page, responses
-from flylocal.front.serve.app import ApiError, Server
+from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server
 from flylocal.front.serve.guard import Guard, HostRule
 from flylocal.llama.net import check_port, is_loopback
 from flylocal.session import Session
@@ -33,6 +33,16 @@ from flylocal.settings import Settings
 __all__ = ["DIALECTS", "create_app", "serve"]
 
 DIALECTS = (openai, responses, ollama)
+
+
+class MetricsPage(Endpoint):
+    """/metrics: Prometheus's text format."""
+    name = "metrics"
+
+    def job(self, x: Exchange) -> PlainTextResponse:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return PlainTextResponse(generate_latest(self.server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str | None = None,
@@ -85,17 +95,7 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
             return JSONResponse({"status": "loading"}, status_code=503)
         return {"status": "ready"} | worker.state()
 
-    @app.get("/metrics")
-    async def metrics_page(request: Request):
-        try:
-            server.authorize(request)
-        except ApiError as e:
-            server.answered(request, "metrics", e.status, time.perf_counter())
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        return PlainTextResponse(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
+    server.route(app, ["GET"], "/metrics", MetricsPage(server))
     for dialect in dialects:
         dialect.routes(app, server)
     embeddings.routes(app, server)

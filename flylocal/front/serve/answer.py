@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -94,10 +95,12 @@ class Answer:
 
 
 def stats_report(done: Done, settings: Settings) -> dict:
-    """flylocal's own report on an answer, the same under every dialect."""
+    """flylocal's own report on an answer, the same under every dialect. Valid JSON whatever the
+    run: a number that is not finite (an unbounded ASD budget) is null, as JSON has no infinity."""
     stats = done.stats
-    return {"verifier": settings.verifier, "drafter": settings.drafter_name, "rounds": stats.rounds,
-            "drafted": stats.drafted, "accepted": stats.accepted, "loose": stats.loose, "forced": stats.forced,
-            "mean_accepted_length": round(stats.mean_accepted_length, 4),
-            "tokens_per_s": round(stats.tokens_per_s, 3), "prompt_reused": stats.prompt_reused,
-            "budget_left": stats.budget_left, "stop": done.reason}
+    report = {"verifier": settings.verifier, "drafter": settings.drafter_name, "rounds": stats.rounds,
+              "drafted": stats.drafted, "accepted": stats.accepted, "loose": stats.loose, "forced": stats.forced,
+              "mean_accepted_length": round(stats.mean_accepted_length, 4),
+              "tokens_per_s": round(stats.tokens_per_s, 3), "prompt_reused": stats.prompt_reused,
+              "budget_left": stats.budget_left, "stop": done.reason}
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in report.items()}

@@ -1,11 +1,13 @@
 """What every dialect of `flylocal serve` shares (docs/design.md, "Server"): the refused
 request (ApiError), the checks of a request's fields against the command line's declarations,
-and the Server whose calls a dialect translates its requests onto:
+the Endpoint a dialect writes, and the Server, whose `handle` takes every request through
+one pipeline:
 
-    authorize -> body -> parse (the dialect's request model) -> Ask -> start -> Answer
-              -> the dialect renders Answer.events() or Answer.whole()
+    authorize -> body -> parse (the endpoint's request model) -> model check
+              -> job: an Ask (a generation), a Compute (embeddings) or the reply itself
+              -> start -> whole or stream (the endpoint renders) -> failure -> log line
 
-A dialect is a request model and a renderer (docs/design.md, "Adding an API dialect")."""
+A dialect is a parser and a renderer (docs/design.md, "Adding an API dialect")."""
 
 from __future__ import annotations
 
@@ -14,20 +16,20 @@ import hmac
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
-
 from pathlib import Path
+from typing import Any, AsyncIterator, Callable
 
 import click
 import numpy as np
 from fastapi import Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
 from flylocal.errors import FlylocalError, OptionError
 from flylocal.front.serve import tools
 from flylocal.front.serve.answer import Answer
-from flylocal.front.serve.events import Computed, Failed
+from flylocal.front.serve.events import Computed, Done, Event, Failed, Text
 from flylocal.front.serve.worker import Call, Job, Metrics, Refused, Worker
 from flylocal.loader import check
 from flylocal.session import Session
@@ -131,6 +133,88 @@ class Ask:
     tokens: bool = False                      # per-token details with the text (kinds, logprobs)
 
 
+@dataclass(frozen=True)
+class Compute:
+    """A job that is not a generation: `work(session)`, a generator of steps run on the worker
+    thread between the generations' rounds (flylocal.front.serve.worker.Call)."""
+    work: Callable
+
+
+@dataclass
+class Exchange:
+    """One request on its way through Server.handle: what an endpoint's job and renderer read."""
+    request: Request
+    started: float
+    body: Any = None                # the parsed request (the endpoint's model); None without one
+    session: Session | None = None  # set for an endpoint that names a model
+    ask: Ask | None = None          # the generation it asked for
+    kept: Any = None                # what the endpoint's job keeps for its renderer
+
+    @property
+    def path(self) -> dict:
+        return self.request.path_params
+
+
+class Endpoint:
+    """One endpoint of a dialect: a parser and a renderer; Server.handle does the rest.
+
+    - `name`: its label in the metrics; `body`: the pydantic model of its request (None: no body
+      is read), refused fields worded by `forbidden`; `checked`: request field -> the declared
+      option whose type and range it must satisfy;
+    - `role`: the model a request may name ("target", "embedding"; None: names none), required
+      when `model_required`, looked up without ollama's ":latest" when `latest`, and `listed`
+      where the models are listed;
+    - `job(x)`: the request as an Ask, a Compute, or the reply itself (a dict, a pydantic model, a
+      Response); an ApiError refuses it;
+    - `whole(x, result)`: the reply to a whole answer (a Whole) or to a Compute (its value);
+    - `chunks(x, events)`: a streamed answer's text pieces, from its events (Text ... Done |
+      Failed); a request streams when `streams(body)`;
+    - `error(e)`: a refusal in the dialect's shape."""
+
+    name = ""
+    body: type[BaseModel] | None = None
+    forbidden = "flylocal does not support the field {param!r}"
+    checked: dict[str, str] = {}
+    role: str | None = None
+    model_required = False
+    latest = False
+    listed = "/v1/models"
+    media_type = "text/event-stream"
+    stream_headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+    def __init__(self, server: "Server"):
+        self.server = server
+
+    def model(self, body) -> str | None:
+        return body.model
+
+    def streams(self, body) -> bool:
+        return bool(body is not None and body.stream)
+
+    def job(self, x: Exchange) -> Any:
+        raise NotImplementedError
+
+    def whole(self, x: Exchange, result) -> Any:
+        raise NotImplementedError
+
+    def chunks(self, x: Exchange, events: AsyncIterator[Event]) -> AsyncIterator[str]:
+        raise NotImplementedError
+
+    def error(self, e: ApiError) -> Response:
+        """OpenAI's shape."""
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def reply(value: Any) -> Response:
+    """A reply as a response: as it is, a pydantic model as JSON (which writes a non-finite
+    number as null), anything else through json (which refuses one)."""
+    if isinstance(value, Response):
+        return value
+    if isinstance(value, BaseModel):
+        return PlainTextResponse(value.model_dump_json(), media_type="application/json")
+    return JSONResponse(value)
+
+
 class Server:
     """What the dialects share: the settings, the worker and its metrics, the key, the log."""
 
@@ -182,6 +266,110 @@ class Server:
     def names(self, session: Session) -> set[str]:
         """The names a request may give the target by."""
         return {self.settings.target, session.target.name, session.target.name.removesuffix(".gguf")}
+
+    def roles(self, session: Session) -> dict[str, set[str]]:
+        """Each name a request may give a model by, and what that model does here: the target
+        generates; the embedding model (the target, without --embedding-model) computes
+        embeddings."""
+        out = {name: {"target"} for name in self.names(session)}
+        if self.embedding_model is None:
+            for name in out:
+                out[name].add("embedding")
+        else:
+            path = self.embedding_model
+            for name in (self.embedding_name, path.name, path.name.removesuffix(".gguf")):
+                out.setdefault(name, set()).add("embedding")
+        return out
+
+    def check_model(self, endpoint: Endpoint, x: Exchange) -> None:
+        """The model a request names is one this server runs in the endpoint's role; ApiError
+        400 when a required name is missing or names the model of another role, 404 when it is
+        no model of this server."""
+        name = endpoint.model(x.body)
+        if name is None:
+            if endpoint.model_required:
+                raise ApiError(400, "model is required", param="model")
+            return
+        roles = self.roles(x.session).get(str(name).removesuffix(":latest") if endpoint.latest else name)
+        if roles is None:
+            raise ApiError(404, f"model {name!r} not found: this server runs {self.settings.target}"
+                                + (f" and {self.embedding_name} (embeddings)" if self.embedding_name else "")
+                                + f"; GET {endpoint.listed} lists its models", param="model", code="model_not_found")
+        if endpoint.role not in roles:
+            does = "computes embeddings" if "embedding" in roles else "generates text"
+            raise ApiError(400 if "embedding" in roles else 404,
+                           f"the model {name!r} {does} here, not what {x.request.url.path} asks for; "
+                           f"GET {endpoint.listed} lists the models of this server", param="model",
+                           code="model_not_supported" if "embedding" in roles else "model_not_found")
+
+    # ----- the pipeline -----
+    async def handle(self, request: Request, endpoint: Endpoint) -> Response:
+        """A request through authorize, body, parse, model check, job, start, whole or stream,
+        failure and the log line."""
+        x = Exchange(request, time.perf_counter())
+        try:
+            self.authorize(request)
+            if endpoint.body is not None:
+                x.body = parse_request(endpoint.body, await self.body(request), endpoint.forbidden)
+                check_fields(x.body, endpoint.checked)
+            if endpoint.role is not None:
+                x.session = self.session()
+                self.check_model(endpoint, x)
+            job = endpoint.job(x)
+            if isinstance(job, Compute):
+                out = reply(endpoint.whole(x, await self.compute(job.work, request)))
+            elif not isinstance(job, Ask):
+                out = reply(job)
+            else:
+                x.ask = job
+                answer = self.start(job)
+                if endpoint.streams(x.body):
+                    return StreamingResponse(self._stream(x, endpoint, answer), media_type=endpoint.media_type,
+                                             headers=endpoint.stream_headers)
+                whole = await answer.whole(request)
+                if whole.gone:
+                    raise ApiError(499, "the client went away", code="client_closed")
+                if not isinstance(whole.end, Done):
+                    raise failure(whole.end.error if whole.end is not None else None)
+                out = reply(endpoint.whole(x, whole))
+                self.answered(x, endpoint.name, 200, whole.end)
+                return out
+        except FlylocalError as e:          # a request no engine can run, found late
+            return self._refuse(x, endpoint, ApiError(400, str(e)))
+        except ApiError as e:
+            return self._refuse(x, endpoint, e)
+        self.answered(x, endpoint.name, 200)
+        return out
+
+    async def _stream(self, x: Exchange, endpoint: Endpoint, answer: Answer) -> AsyncIterator[str]:
+        end: list[Event] = []
+
+        async def events():
+            async for event in answer.events():
+                if not isinstance(event, Text):
+                    end.append(event)
+                yield event
+
+        try:
+            async for piece in endpoint.chunks(x, events()):
+                yield piece
+        finally:
+            answer.close()          # a client that went away frees the model within a round
+            last = end[0] if end else None
+            # no end: the client went away first (499, what nginx logs for it)
+            self.answered(x, endpoint.name, 499 if last is None else 200 if isinstance(last, Done) else 500,
+                          last if isinstance(last, Done) else None)
+
+    def _refuse(self, x: Exchange, endpoint: Endpoint, e: ApiError) -> Response:
+        self.answered(x, endpoint.name, e.status)
+        return endpoint.error(e)
+
+    def route(self, app, methods: list[str], path: str, endpoint: Endpoint) -> None:
+        """Serve `endpoint` at `path`."""
+        async def handler(request: Request):
+            return await self.handle(request, endpoint)
+
+        app.add_api_route(path, handler, methods=methods)
 
     def check_settings(self, settings: Settings, param: str | None = None) -> None:
         """Settings a request asked for that no engine can run: a 400 naming the field at fault
@@ -273,17 +461,17 @@ class Server:
         assert isinstance(event, Computed)
         return event.value
 
-    def answered(self, request: Request, endpoint: str, status: int, started: float, stats=None,
-                 prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+    def answered(self, x: Exchange, endpoint: str, status: int, done: Done | None = None) -> None:
         """Count a response, and log it: method, path, status, tokens, speed, time."""
         self.metrics.requests.labels(endpoint, str(status)).inc()
         if self.log is None:
             return
-        line = f"{request.method} {request.url.path} {status}"
-        if stats is not None:
-            line += (f" prompt {prompt_tokens} completion {completion_tokens} {stats.tokens_per_s:.1f} tok/s"
+        line = f"{x.request.method} {x.request.url.path} {status}"
+        if done is not None:
+            stats = done.stats
+            line += (f" prompt {len(x.ask.ids)} completion {done.n_tokens} {stats.tokens_per_s:.1f} tok/s"
                      f" mean accepted length {stats.mean_accepted_length:.2f}")
-        self.log(line + f" {time.perf_counter() - started:.2f} s")
+        self.log(line + f" {time.perf_counter() - x.started:.2f} s")
 
 
 def failure(e: BaseException | None) -> ApiError:
@@ -297,9 +485,3 @@ def failure(e: BaseException | None) -> ApiError:
         return ApiError(400, str(e))
     return ApiError(500, str(e) if isinstance(e, FlylocalError) else f"internal error: {type(e).__name__}",
                     type_="server_error")
-
-
-def json_body(model: Any) -> PlainTextResponse:
-    """A pydantic model as JSON (pydantic writes a non-finite number, an infinite ASD budget, as
-    null: JSON has none)."""
-    return PlainTextResponse(model.model_dump_json(), media_type="application/json")

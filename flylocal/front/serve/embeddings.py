@@ -15,13 +15,11 @@ import time
 from typing import Any, Literal
 
 import numpy as np
-from fastapi import Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from flylocal.errors import FlylocalError
-from flylocal.front.serve.app import ApiError, Server, parse_request
-from flylocal.front.serve.ollama import IDLE, checked_keep_alive, error
+from flylocal.front.serve.app import ApiError, Compute, Endpoint, Exchange, Server
+from flylocal.front.serve.ollama import IDLE, Ollama, checked_keep_alive
 
 MAX_INPUTS = 2048          # inputs in one request (OpenAI's own bound)
 
@@ -99,120 +97,111 @@ def check_options(options: dict | None, n_ctx: int) -> int | None:
     return num_ctx
 
 
-def routes(app, server: Server) -> None:
-    def embedder(session):
-        return session.models.embeddings(server.embedding_model)
-
-    def names(session) -> set[str]:
-        if server.embedding_model is None:
-            return server.names(session)
-        path = server.embedding_model
-        return {server.embedding_name, path.name, path.name.removesuffix(".gguf")}
-
-    def check_model(session, name: str | None, ollama: bool) -> None:
-        if name is None:
-            return
-        if (name.removesuffix(":latest") if ollama else name) not in names(session):
-            listed = "/api/tags" if ollama else "/v1/models"
-            raise ApiError(404, f"the model {name!r} does not compute embeddings here; {listed} lists the models "
-                                "of this server", param="model", code="model_not_found")
-
-    async def vectors(request: Request, texts: list, truncate_to: int | None, param: str) -> tuple[np.ndarray, int, float]:
-        """The unit vectors of `texts` (strings, or token-id lists), the tokens they took and the
-        seconds the job ran; inputs longer than the context cut to `truncate_to` when given,
-        refused (400 naming the input) otherwise. The job runs a decode at a time between the
-        generations' rounds, and stops when the client goes away."""
-        def work(session):
-            e = embedder(session)
-            started = time.perf_counter()
-            inputs = []
-            for i, t in enumerate(texts):
-                ids = e.tokenize(t) if isinstance(t, str) else np.asarray(t, dtype=np.int64)
-                if not isinstance(t, str) and len(ids) and not (0 <= ids.min() and ids.max() < e.n_vocab):
-                    raise ApiError(400, f"{param}[{i}]: a token id outside the vocabulary (0..{e.n_vocab - 1})",
-                                   param=param)
-                if truncate_to is not None:
-                    ids = ids[:min(truncate_to, e.n_ctx)]
-                inputs.append(ids.astype(np.int32))
-            try:
-                out = yield from e.steps(inputs)
-            except FlylocalError as err:
-                index = getattr(err, "index", None)
-                raise ApiError(400, f"{param}: {err}" if index is None else f"{param}[{index}]: {err}",
-                               param=param, code="context_length_exceeded" if index is not None else None) from None
-            return out, sum(len(i) for i in inputs), time.perf_counter() - started
-
-        return await server.compute(work, request)
-
-    async def guarded(request: Request, endpoint: str, ollama: bool, work):
+def vectors(server: Server, texts: list, truncate_to: int | None, param: str) -> Compute:
+    """The job computing the unit vectors of `texts` (strings, or token-id lists): it returns
+    them, the tokens they took and the seconds it ran; inputs longer than the context cut to
+    `truncate_to` when given, refused (400 naming the input) otherwise. It runs a decode at a
+    time between the generations' rounds, and stops when the client goes away."""
+    def work(session):
+        e = session.models.embeddings(server.embedding_model)
         started = time.perf_counter()
+        inputs = []
+        for i, t in enumerate(texts):
+            ids = e.tokenize(t) if isinstance(t, str) else np.asarray(t, dtype=np.int64)
+            if not isinstance(t, str) and len(ids) and not (0 <= ids.min() and ids.max() < e.n_vocab):
+                raise ApiError(400, f"{param}[{i}]: a token id outside the vocabulary (0..{e.n_vocab - 1})",
+                               param=param)
+            if truncate_to is not None:
+                ids = ids[:min(truncate_to, e.n_ctx)]
+            inputs.append(ids.astype(np.int32))
         try:
-            server.authorize(request)
-            response = await work(await server.body(request))
-        except ApiError as e:
-            server.answered(request, endpoint, e.status, started)
-            if ollama:
-                return error(e.status, e.message, e.headers)
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-        server.answered(request, endpoint, 200, started)
-        return response
+            out = yield from e.steps(inputs)
+        except FlylocalError as err:
+            index = getattr(err, "index", None)
+            raise ApiError(400, f"{param}: {err}" if index is None else f"{param}[{index}]: {err}",
+                           param=param, code="context_length_exceeded" if index is not None else None) from None
+        return out, sum(len(i) for i in inputs), time.perf_counter() - started
 
-    @app.post("/v1/embeddings")
-    async def openai_embeddings(request: Request):
-        async def work(raw: bytes):
-            req = parse_request(OpenAIEmbeddingRequest, raw)
-            session = server.session()
-            check_model(session, req.model, ollama=False)
-            texts = [req.input] if isinstance(req.input, str) else req.input
-            if texts and isinstance(texts[0], int):
-                texts = [texts]                         # one input of token ids
-            if any(isinstance(t, str) and not t for t in texts) or any(isinstance(t, list) and not t for t in texts):
-                raise ApiError(400, "input: an input is empty", param="input")
-            out, n_tokens, _ = await vectors(request, texts, None, "input")
-            if req.dimensions is not None and req.dimensions != out.shape[1]:
-                raise ApiError(400, f"dimensions: {req.dimensions}; this model's vectors have {out.shape[1]} "
-                                    "(flylocal does not shorten them)", param="dimensions")
-            if req.encoding_format == "base64":
-                data = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in out]
-            else:
-                data = [v.tolist() for v in out]
-            return {"object": "list", "model": req.model or embedder_name(session),
-                    "data": [{"object": "embedding", "index": i, "embedding": d} for i, d in enumerate(data)],
-                    "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
-        return await guarded(request, "embeddings", False, work)
+    return Compute(work)
 
-    @app.post("/api/embed")
-    async def ollama_embed(request: Request):
-        async def work(raw: bytes):
-            req = parse_request(OllamaEmbedRequest, raw, forbidden="flylocal does not take the field {param!r}")
-            session = server.session()
-            check_model(session, req.model, ollama=True)
-            num_ctx = check_options(req.options, server.settings.ctx)
-            texts = [req.input] if isinstance(req.input, str) else req.input
-            if not texts or any(not t for t in texts):
-                raise ApiError(400, "input: an input is empty", param="input")
-            out, n_tokens, seconds = await vectors(request, texts, (num_ctx or server.settings.ctx) if req.truncate else None,
-                                                   "input")
-            if req.dimensions is not None and req.dimensions != out.shape[1]:
-                raise ApiError(400, f"dimensions: {req.dimensions}; this model's vectors have {out.shape[1]}",
-                               param="dimensions")
-            ns = int(seconds * 1e9)
-            return {"model": req.model or embedder_name(session), "embeddings": [v.tolist() for v in out],
-                    "total_duration": ns, "load_duration": 0, "prompt_eval_count": n_tokens}
-        return await guarded(request, "ollama_embed", True, work)
 
-    @app.post("/api/embeddings")
-    async def ollama_embeddings(request: Request):
-        async def work(raw: bytes):
-            req = parse_request(OllamaEmbeddingsRequest, raw, forbidden="flylocal does not take the field {param!r}")
-            session = server.session()
-            check_model(session, req.model, ollama=True)
-            num_ctx = check_options(req.options, server.settings.ctx)
-            if not req.prompt:
-                return {"embedding": []}                # what ollama answers
-            out, _, _ = await vectors(request, [req.prompt], num_ctx, "prompt")
-            return {"embedding": out[0].tolist()}
-        return await guarded(request, "ollama_embeddings", True, work)
+def checked_dimensions(dimensions: int | None, out: np.ndarray) -> None:
+    if dimensions is not None and dimensions != out.shape[1]:
+        raise ApiError(400, f"dimensions: {dimensions}; this model's vectors have {out.shape[1]} (flylocal does not "
+                            "shorten them)", param="dimensions")
 
-    def embedder_name(session) -> str:
-        return server.embedding_name or server.settings.target
+
+class OpenAIEmbeddings(Endpoint):
+    name, body, role = "embeddings", OpenAIEmbeddingRequest, "embedding"
+
+    def streams(self, body) -> bool:
+        return False
+
+    def job(self, x: Exchange) -> Compute:
+        req = x.body
+        texts = [req.input] if isinstance(req.input, str) else req.input
+        if texts and isinstance(texts[0], int):
+            texts = [texts]                         # one input of token ids
+        if any(isinstance(t, str) and not t for t in texts) or any(isinstance(t, list) and not t for t in texts):
+            raise ApiError(400, "input: an input is empty", param="input")
+        return vectors(self.server, texts, None, "input")
+
+    def whole(self, x: Exchange, result) -> dict:
+        req, (out, n_tokens, _) = x.body, result
+        checked_dimensions(req.dimensions, out)
+        if req.encoding_format == "base64":
+            data = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in out]
+        else:
+            data = [v.tolist() for v in out]
+        return {"object": "list", "model": req.model or embedder_name(self.server),
+                "data": [{"object": "embedding", "index": i, "embedding": d} for i, d in enumerate(data)],
+                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
+
+
+class OllamaEmbed(Ollama):
+    name, body, role = "ollama_embed", OllamaEmbedRequest, "embedding"
+
+    def streams(self, body) -> bool:
+        return False
+
+    def job(self, x: Exchange) -> Compute:
+        req, ctx = x.body, self.server.settings.ctx
+        num_ctx = check_options(req.options, ctx)
+        texts = [req.input] if isinstance(req.input, str) else req.input
+        if not texts or any(not t for t in texts):
+            raise ApiError(400, "input: an input is empty", param="input")
+        return vectors(self.server, texts, (num_ctx or ctx) if req.truncate else None, "input")
+
+    def whole(self, x: Exchange, result) -> dict:
+        req, (out, n_tokens, seconds) = x.body, result
+        checked_dimensions(req.dimensions, out)
+        return {"model": req.model or embedder_name(self.server), "embeddings": [v.tolist() for v in out],
+                "total_duration": int(seconds * 1e9), "load_duration": 0, "prompt_eval_count": n_tokens}
+
+
+class OllamaEmbeddings(Ollama):
+    """/api/embeddings, ollama's older endpoint."""
+    name, body, role = "ollama_embeddings", OllamaEmbeddingsRequest, "embedding"
+
+    def streams(self, body) -> bool:
+        return False
+
+    def job(self, x: Exchange):
+        req = x.body
+        num_ctx = check_options(req.options, self.server.settings.ctx)
+        if not req.prompt:
+            return {"embedding": []}                # what ollama answers
+        return vectors(self.server, [req.prompt], num_ctx, "prompt")
+
+    def whole(self, x: Exchange, result) -> dict:
+        return {"embedding": result[0][0].tolist()}
+
+
+def embedder_name(server: Server) -> str:
+    return server.embedding_name or server.settings.target
+
+
+def routes(app, server: Server) -> None:
+    server.route(app, ["POST"], "/v1/embeddings", OpenAIEmbeddings(server))
+    server.route(app, ["POST"], "/api/embed", OllamaEmbed(server))
+    server.route(app, ["POST"], "/api/embeddings", OllamaEmbeddings(server))

@@ -17,6 +17,7 @@ delete say so.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -26,16 +27,13 @@ from typing import Any, Literal
 
 import click
 import numpy as np
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from flylocal.errors import FlylocalError
-from flylocal.front.serve.answer import stats_report
-from flylocal.front.serve.app import (ApiError, Ask, Server, check_fields, checked_option, checked_stops, failure,
-                                      parse_request, read_json)
+from flylocal.front.serve.answer import Whole, stats_report
+from flylocal.front.serve.app import ApiError, Ask, Endpoint, Exchange, Server, check_fields, checked_option, checked_stops
 from flylocal.front.serve.events import Done, Text
-from flylocal.settings import OPTIONS, Settings
+from flylocal.settings import OPTIONS, Settings, settings_from
 
 VERSION = "0.6.0"              # the Ollama API this dialect follows
 
@@ -165,21 +163,21 @@ class Generation(BaseModel):
         return json_output() if self.format == "json" else json_output(self.format, "format")
 
     def settings(self, base: Settings, n_ctx: int) -> tuple[Settings, tuple[str, ...]]:
-        """The server's settings with the request's options applied, and its stop strings."""
+        """The server's settings with the request's options applied (through the command line's
+        option table), and its stop strings."""
         check_fields(self, {"verifier": "verifier", "drafter": "drafter"})
-        sampling: dict[str, Any] = {}
-        top = {k: v for k, v in (("verifier", self.verifier), ("drafter", self.drafter)) if v is not None}
+        params: dict[str, Any] = {k: v for k, v in (("verifier", self.verifier), ("drafter", self.drafter))
+                                  if v is not None}
         stops: list[str] = []
-        no_penalties = False
         for name, value in (self.options or {}).items():
             try:
                 if name in SAMPLING_OPTIONS:
-                    sampling[name] = sampling_option(name, value)
+                    params[SAMPLING_OPTIONS[name]] = sampling_option(name, value)
                 elif name == "num_predict":
                     value = whole(value)
                     if value < -2 or value == 0:
                         raise ValueError(f"{value}; a positive count, or -1 (to the context's end)")
-                    top["max_tokens"] = n_ctx if value < 0 else value
+                    params["max_tokens"] = n_ctx if value < 0 else value
                 elif name == "stop":
                     stops = checked_stops(value)
                 elif name == "num_ctx":
@@ -193,10 +191,7 @@ class Generation(BaseModel):
                     value = whole(value)
                     if value < -1:
                         raise ValueError(f"{value}; a count of tokens, -1 (the context) or 0 (no penalties)")
-                    if value == 0:
-                        no_penalties = True
-                    else:
-                        sampling["repeat_last_n"] = n_ctx if value == -1 else value
+                    params["repeat_last_n"] = n_ctx if value == -1 else value
                 elif name in IDLE:
                     if IDLE[name] is not None and value != IDLE[name]:
                         raise ValueError(f"{value!r}; flylocal does not offer it (only {IDLE[name]!r})")
@@ -206,11 +201,10 @@ class Generation(BaseModel):
                     raise ValueError("flylocal does not support this option")
             except (ValueError, OverflowError) as e:      # OverflowError: an integer no float holds
                 raise ApiError(400, f"options.{name}: {e}", param="options") from None
-        if no_penalties:                # ollama's repeat_last_n 0: the penalties look at no tokens
-            sampling.update(repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
-        settings = dataclasses.replace(base, **top, sampling=dataclasses.replace(base.sampling, **sampling),
-                                       trace=False)
-        return settings, tuple(stops)
+        if params.get("repeat_last_n") == 0:    # ollama's repeat_last_n 0: the penalties look at no tokens
+            del params["repeat_last_n"]
+            params.update(repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+        return settings_from(params, base), tuple(stops)
 
 
 class ChatRequest(Generation):
@@ -314,97 +308,109 @@ def details(info) -> dict:
             "parameter_size": size, "quantization_level": info.file_type}
 
 
-def routes(app, server: Server) -> None:
-    settings = server.settings
-    info_cache: dict = {}
+@functools.lru_cache(maxsize=4)
+def model_info(path) -> Any:
+    """The GGUF facts of a served model, read once."""
+    from flylocal.gguf_info import read_info
 
-    def model_info(session) -> Any:
-        if "info" not in info_cache:
-            from flylocal.gguf_info import read_info
+    return read_info(path)
 
-            info_cache["info"] = read_info(session.target.path)
-        return info_cache["info"]
 
-    def entry(session) -> dict:
-        info = model_info(session)
-        path = session.target.path
-        return {"name": settings.target, "model": settings.target,
-                "modified_at": datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).isoformat(),
+class Ollama(Endpoint):
+    """An endpoint of the Ollama dialect: its refusals are {"error": "..."}, its models listed
+    at /api/tags, named with or without ":latest"."""
+    listed, latest = "/api/tags", True
+    forbidden = "flylocal does not take the field {param!r}"
+
+    def error(self, e: ApiError) -> JSONResponse:
+        return error(e.status, e.message, e.headers)
+
+    def info(self, session) -> Any:
+        return model_info(session.target.path)
+
+    def entry(self, session) -> dict:
+        info, name = self.info(session), self.server.settings.target
+        return {"name": name, "model": name,
+                "modified_at": datetime.fromtimestamp(session.target.path.stat().st_mtime, timezone.utc).isoformat(),
                 "size": info.file_size, "digest": "", "details": details(info)}
 
-    def find(session, name) -> None:
-        if name is None:
-            raise ApiError(400, "model is required")
-        given = str(name).removesuffix(":latest")
-        if given not in server.names(session):
-            raise ApiError(404, f"model '{name}' not found: this server runs {settings.target}")
 
-    async def guarded(request: Request, endpoint: str, work):
-        started = time.perf_counter()
-        try:
-            server.authorize(request)
-            return await work(started)
-        except ApiError as e:
-            server.answered(request, endpoint, e.status, started)
-            return error(e.status, e.message, e.headers)
+class Version(Ollama):
+    name = "ollama_version"
 
-    @app.get("/api/version")
-    async def version(request: Request):
-        async def work(started):
-            return {"version": VERSION}
-        return await guarded(request, "ollama_version", work)
+    def job(self, x: Exchange) -> dict:
+        return {"version": VERSION}
 
-    @app.get("/api/tags")
-    async def tags(request: Request):
-        async def work(started):
-            return {"models": [entry(server.session())]}
-        return await guarded(request, "ollama_tags", work)
 
-    @app.get("/api/ps")
-    async def ps(request: Request):
-        async def work(started):
-            session = server.session()
-            expires = (datetime.now(timezone.utc) + KEPT_LOADED).isoformat().replace("+00:00", "Z")
-            return {"models": [entry(session) | {"expires_at": expires, "size_vram": 0,
-                                                 "context_length": session.target.n_ctx,
-                                                 "flylocal": server.worker.state()}]}
-        return await guarded(request, "ollama_ps", work)
+class Tags(Ollama):
+    name = "ollama_tags"
 
-    @app.post("/api/show")
-    async def show(request: Request):
-        async def work(started):
-            data = read_json(await server.body(request))
-            session = server.session()
-            find(session, data.get("model", data.get("name")))
-            info = model_info(session)
-            arch = info.architecture or "unknown"
-            return {"modelfile": "", "parameters": "", "template": session.target.chat_template() or "",
-                    "details": details(info),
-                    "model_info": {"general.architecture": arch, "general.parameter_count": info.parameters,
-                                   f"{arch}.context_length": info.context_length or session.target.n_ctx},
-                    "capabilities": ["completion", "tools"], "modified_at": entry(session)["modified_at"]}
-        return await guarded(request, "ollama_show", work)
+    def job(self, x: Exchange) -> dict:
+        return {"models": [self.entry(self.server.session())]}
 
-    for path in ("pull", "push", "create", "copy", "delete", "blobs/{digest}"):
-        def refuse(request: Request, path=path):
-            return error(501, f"flylocal does not manage models (/api/{path.split('/')[0]}): it serves the models "
-                              f"it was started with; see `flylocal models`")
-        app.add_api_route(f"/api/{path}", refuse, methods=["POST", "DELETE", "HEAD"] if path != "blobs/{digest}"
-                          else ["POST", "HEAD"])
 
-    def ask_of(req: Generation, chat: bool) -> Ask | None:
-        """The request, checked, as the worker's job; None when it has no prompt (ollama's way
-        to load a model, which is loaded already)."""
-        session = server.session()
-        find(session, req.model)
-        run, stops = req.settings(settings, session.target.n_ctx)
+class Ps(Ollama):
+    name = "ollama_ps"
+
+    def job(self, x: Exchange) -> dict:
+        session = self.server.session()
+        expires = (datetime.now(timezone.utc) + KEPT_LOADED).isoformat().replace("+00:00", "Z")
+        return {"models": [self.entry(session) | {"expires_at": expires, "size_vram": 0,
+                                                  "context_length": session.target.n_ctx,
+                                                  "flylocal": self.server.worker.state()}]}
+
+
+class ShowRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    name: str | None = None         # the older name of `model`
+    verbose: bool | None = None
+
+
+class Show(Ollama):
+    name, body, role, model_required = "ollama_show", ShowRequest, "target", True
+
+    def model(self, body: ShowRequest) -> str | None:
+        return body.model if body.model is not None else body.name
+
+    def job(self, x: Exchange) -> dict:
+        session = x.session
+        info = self.info(session)
+        arch = info.architecture or "unknown"
+        return {"modelfile": "", "parameters": "", "template": session.target.chat_template() or "",
+                "details": details(info),
+                "model_info": {"general.architecture": arch, "general.parameter_count": info.parameters,
+                               f"{arch}.context_length": info.context_length or session.target.n_ctx},
+                "capabilities": ["completion", "tools"], "modified_at": self.entry(session)["modified_at"]}
+
+
+class Unmanaged(Ollama):
+    """pull, push, create, copy, delete: flylocal serves the models it was started with."""
+    name = "ollama_manage"
+
+    def job(self, x: Exchange):
+        what = x.request.url.path.split("/")[2]
+        raise ApiError(501, f"flylocal does not manage models (/api/{what}): it serves the models it was started "
+                            "with; see `flylocal models`")
+
+
+class Generate(Ollama):
+    """/api/chat (`chat`) and /api/generate."""
+    role, model_required, media_type, stream_headers = "target", True, "application/x-ndjson", {}
+    chat = True
+
+    def job(self, x: Exchange) -> Ask | JSONResponse:
+        """The request, checked, as the worker's job; a load-only reply when it has no prompt
+        (ollama's way to load a model, which is loaded already)."""
+        req, session, server = x.body, x.session, self.server
+        run, stops = req.settings(server.settings, session.target.n_ctx)
         server.check_settings(run, param="options")
         grammar = req.grammar()
-        if chat:
+        if self.chat:
             if req.messages is None:
                 raise ApiError(400, "messages must be a list")
             if not req.messages:
-                return None
+                return self.load_only()
             if req.tools and grammar is not None:
                 raise ApiError(400, "format and tools: flylocal constrains an answer to one of them")
             ask = server.chat_prompt(session, [m.turn() for m in req.messages], req.tools or [], "auto")
@@ -412,91 +418,69 @@ def routes(app, server: Server) -> None:
                 ask = dataclasses.replace(ask, grammar=grammar)
         else:
             if not req.prompt:
-                return None
+                return self.load_only()
             # the answer's tokens too: its `context` holds them
-            ask = Ask(settings, generate_ids(session, req), grammar=grammar, tokens=True)
+            ask = Ask(server.settings, generate_ids(session, req), grammar=grammar, tokens=True)
         server.check_fits(ask.ids, session, "prompt")
         return dataclasses.replace(ask, settings=run, stops=stops)
 
-    async def generation(request: Request, endpoint: str, chat: bool):
-        started = time.perf_counter()
-        try:
-            server.authorize(request)
-            req = parse_request(ChatRequest if chat else GenerateRequest, await server.body(request))
-            ask = ask_of(req, chat)
-            if ask is None:
-                return load_only(chat)
-            answer = server.start(ask)
-        except FlylocalError as e:
-            server.answered(request, endpoint, 400, started)
-            return error(400, str(e))
-        except ApiError as e:
-            server.answered(request, endpoint, e.status, started)
-            return error(e.status, e.message, e.headers)
+    def load_only(self) -> JSONResponse:
+        head = {"model": self.server.settings.target, "created_at": now(), "done": True, "done_reason": "load"}
+        return JSONResponse(head | ({"message": {"role": "assistant", "content": ""}} if self.chat
+                                    else {"response": ""}))
 
-        def piece(text: str) -> dict:
-            head = {"model": req.model, "created_at": now()}
-            if chat:
-                return head | {"message": {"role": "assistant", "content": text}, "done": False}
-            return head | {"response": text, "done": False}
+    def piece(self, x: Exchange, text: str) -> dict:
+        head = {"model": x.body.model, "created_at": now()}
+        if self.chat:
+            return head | {"message": {"role": "assistant", "content": text}, "done": False}
+        return head | {"response": text, "done": False}
 
-        def final(done: Done, text: str = "", made: tuple[int, ...] | list[int] = ()) -> dict:
-            stats = done.stats
-            last = piece(text) | {
-                "done": True, "done_reason": "stop" if done.call is not None else done.finish,
-                "total_duration": int((time.perf_counter() - started) * 1e9), "load_duration": 0,
-                "prompt_eval_count": stats.prompt_evaluated, "prompt_eval_duration": int(stats.prefill_s * 1e9),
-                "eval_count": done.n_tokens, "eval_duration": int(stats.decode_s * 1e9),
-                "flylocal": stats_report(done, ask.settings)}
-            if not chat:            # what a request sends back to continue from here
-                last["context"] = ask.ids.tolist() + list(made)
-            if done.call is not None:
-                last["message"]["tool_calls"] = [{"function": {"name": done.call["name"],
-                                                               "arguments": done.call["arguments"]}}]
-            return last
+    def final(self, x: Exchange, done: Done, text: str = "", made: list[int] = ()) -> dict:
+        stats = done.stats
+        last = self.piece(x, text) | {
+            "done": True, "done_reason": "stop" if done.call is not None else done.finish,
+            "total_duration": int((time.perf_counter() - x.started) * 1e9), "load_duration": 0,
+            "prompt_eval_count": stats.prompt_evaluated, "prompt_eval_duration": int(stats.prefill_s * 1e9),
+            "eval_count": done.n_tokens, "eval_duration": int(stats.decode_s * 1e9),
+            "flylocal": stats_report(done, x.ask.settings)}
+        if not self.chat:            # what a request sends back to continue from here
+            last["context"] = x.ask.ids.tolist() + list(made)
+        if done.call is not None:
+            last["message"]["tool_calls"] = [{"function": {"name": done.call["name"],
+                                                           "arguments": done.call["arguments"]}}]
+        return last
 
-        if not req.stream:
-            whole = await answer.whole(request)
-            done = whole.end
-            if not isinstance(done, Done) or whole.gone:
-                e = ApiError(499, "the client went away") if whole.gone else \
-                    failure(done.error if done is not None else None)
-                server.answered(request, endpoint, e.status, started)
-                return error(e.status, e.message)
-            server.answered(request, endpoint, 200, started, done.stats, len(ask.ids), done.n_tokens)
-            return JSONResponse(final(done, whole.text, [t.id for t in whole.tokens]))
+    def whole(self, x: Exchange, whole: Whole) -> dict:
+        return self.final(x, whole.end, whole.text, [t.id for t in whole.tokens])
 
-        async def lines():
-            done, status, made = None, 200, []
-            try:
-                async for event in answer.events():
-                    if isinstance(event, Text):
-                        made += [t.id for t in event.tokens]
-                        yield json.dumps(piece(event.text)) + "\n"
-                    elif isinstance(event, Done):
-                        done = event
-                        yield json.dumps(final(event, made=made)) + "\n"
-                    else:
-                        status = 500
-                        yield json.dumps({"error": event.message}) + "\n"
-            finally:
-                answer.close()
-                if done is None and status == 200:
-                    status = 499       # the client went away first
-                server.answered(request, endpoint, status, started, done and done.stats, len(ask.ids),
-                                done.n_tokens if done else 0)
+    async def chunks(self, x: Exchange, events):
+        made: list[int] = []
+        async for event in events:
+            if isinstance(event, Text):
+                made += [t.id for t in event.tokens]
+                yield json.dumps(self.piece(x, event.text)) + "\n"
+            elif isinstance(event, Done):
+                yield json.dumps(self.final(x, event, made=made)) + "\n"
+            else:
+                yield json.dumps({"error": event.message}) + "\n"
 
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
 
-    def load_only(chat: bool) -> JSONResponse:
-        """No prompt: ollama's way to load a model; here it is loaded already."""
-        head = {"model": settings.target, "created_at": now(), "done": True, "done_reason": "load"}
-        return JSONResponse(head | ({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}))
+class Chat(Generate):
+    name, body, chat = "ollama_chat", ChatRequest, True
 
-    @app.post("/api/chat")
-    async def chat(request: Request):
-        return await generation(request, "ollama_chat", chat=True)
 
-    @app.post("/api/generate")
-    async def generate(request: Request):
-        return await generation(request, "ollama_generate", chat=False)
+class GenerateText(Generate):
+    name, body, chat = "ollama_generate", GenerateRequest, False
+
+
+def routes(app, server: Server) -> None:
+    server.route(app, ["GET"], "/api/version", Version(server))
+    server.route(app, ["GET"], "/api/tags", Tags(server))
+    server.route(app, ["GET"], "/api/ps", Ps(server))
+    server.route(app, ["POST"], "/api/show", Show(server))
+    unmanaged = Unmanaged(server)
+    for path in ("pull", "push", "create", "copy", "delete"):
+        server.route(app, ["POST", "DELETE", "HEAD"], f"/api/{path}", unmanaged)
+    server.route(app, ["POST", "HEAD"], "/api/blobs/{digest}", unmanaged)
+    server.route(app, ["POST"], "/api/chat", Chat(server))
+    server.route(app, ["POST"], "/api/generate", GenerateText(server))

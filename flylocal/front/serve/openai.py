@@ -13,17 +13,16 @@ import time
 import uuid
 from typing import Any, Literal
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, field_serializer, model_serializer
 
 from flylocal.decoding.engine import KIND_LETTERS
 from flylocal.errors import FlylocalError
-from flylocal.front.serve.answer import stats_report
 from flylocal.front.serve import tools
-from flylocal.front.serve.app import ApiError, Ask, Server, failure, json_body
+from flylocal.front.serve.answer import Whole, stats_report
+from flylocal.front.serve.app import ApiError, Ask, Endpoint, Exchange, Server
 from flylocal.front.serve.events import Done, Text
-from flylocal.front.serve.openai_requests import ChatRequest, Common, CompletionRequest, logprobs_wanted, parse, request_settings
+from flylocal.front.serve.openai_requests import (CHECKED, ChatRequest, CompletionRequest, logprobs_wanted,
+                                                  request_settings)
 from flylocal.settings import Settings
 
 # ----- responses: OpenAI's shapes -----
@@ -146,53 +145,47 @@ def e_param(message: str, chat: bool) -> str:
     return "messages" if chat else "prompt"
 
 
-def routes(app, server: Server) -> None:
-    settings = server.settings
+def model_entries(server: Server) -> list[dict]:
+    """The models a request may name: the target (with the draft that speeds it up), and the
+    model that computes embeddings when it is another."""
+    settings, created = server.settings, int(time.time())
+    target = {"id": settings.target, "object": "model", "created": created, "owned_by": "flylocal",
+              "flylocal": {"role": "target"} | ({"draft": settings.draft} if settings.draft else {})}
+    out = [target]
+    if server.embedding_name:
+        out.append({"id": server.embedding_name, "object": "model", "created": created, "owned_by": "flylocal",
+                    "flylocal": {"role": "embedding"}})
+    return out
 
-    def error_response(e: ApiError, request: Request, endpoint: str, started: float) -> JSONResponse:
-        server.answered(request, endpoint, e.status, started)
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
-    def model_entries() -> list[dict]:
-        """The models a request may name: the target (with the draft that speeds it up), and
-        the model that computes embeddings when it is another."""
-        created = int(time.time())
-        target = {"id": settings.target, "object": "model", "created": created, "owned_by": "flylocal",
-                  "flylocal": {"role": "target"} | ({"draft": settings.draft} if settings.draft else {})}
-        out = [target]
-        if server.embedding_name:
-            out.append({"id": server.embedding_name, "object": "model", "created": created, "owned_by": "flylocal",
-                        "flylocal": {"role": "embedding"}})
-        return out
+class Models(Endpoint):
+    name = "models"
 
-    @app.get("/v1/models")
-    async def list_models(request: Request):
-        try:
-            server.authorize(request)
-        except ApiError as e:
-            return error_response(e, request, "models", time.perf_counter())
-        return {"object": "list", "data": model_entries()}
+    def job(self, x: Exchange):
+        return {"object": "list", "data": model_entries(self.server)}
 
-    @app.get("/v1/models/{model_id:path}")
-    async def one_model(request: Request, model_id: str):
-        started = time.perf_counter()
-        try:
-            server.authorize(request)
-            for entry in model_entries():
-                if entry["id"] == model_id:
-                    return entry
-            raise ApiError(404, f"the model {model_id!r} is not served here; GET /v1/models lists those that are",
-                           param="model", code="model_not_found")
-        except ApiError as e:
-            return error_response(e, request, "models", started)
 
-    def ask_of(req: Common, chat: bool) -> Ask:
+class OneModel(Endpoint):
+    name = "models"
+
+    def job(self, x: Exchange):
+        for entry in model_entries(self.server):
+            if entry["id"] == x.path["model_id"]:
+                return entry
+        raise ApiError(404, f"the model {x.path['model_id']!r} is not served here; GET /v1/models lists those that "
+                            "are", param="model", code="model_not_found")
+
+
+class Generate(Endpoint):
+    """/v1/chat/completions (`chat`) and /v1/completions."""
+    role = "target"
+    checked = CHECKED
+    chat = True
+
+    def job(self, x: Exchange) -> Ask:
         """The request, checked, as the worker's job."""
-        session = server.session()
-        if req.model is not None and req.model not in server.names(session):
-            raise ApiError(404, f"the model {req.model!r} is not loaded here; GET /v1/models lists the one "
-                                "that is", param="model", code="model_not_found")
-        run_settings = request_settings(settings, req, session.target.n_vocab)
+        req, session, server, chat = x.body, x.session, self.server, self.chat
+        run_settings = request_settings(server.settings, req, session.target.n_vocab)
         server.check_settings(run_settings)
         try:
             if chat:
@@ -203,7 +196,7 @@ def routes(app, server: Server) -> None:
                 text = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
                 if not text:
                     raise ApiError(400, "the prompt is empty", param="prompt")
-                ask = Ask(settings, session.target.tokenize(text, add_special=True, parse_special=False))
+                ask = Ask(server.settings, session.target.tokenize(text, add_special=True, parse_special=False))
         except FlylocalError as e:
             raise ApiError(400, str(e), param=e_param(str(e), chat)) from None
         server.check_fits(ask.ids, session, "messages" if chat else "prompt")
@@ -214,104 +207,77 @@ def routes(app, server: Server) -> None:
         # A stream always carries how each token came (stream_kinds); logprobs only when asked.
         return dataclasses.replace(ask, settings=run_settings, stops=tuple(stops), tokens=top is not None or req.stream)
 
-    async def run(request: Request, endpoint: str, chat: bool):
-        started = time.perf_counter()
-        try:
-            server.authorize(request)
-            req = parse(ChatRequest if chat else CompletionRequest, await server.body(request))
-            ask = ask_of(req, chat)
-            answer = server.start(ask)
-        except ApiError as e:
-            return error_response(e, request, endpoint, started)
+    def head(self, x: Exchange) -> dict:
+        return {"id": ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
+                "model": x.body.model or self.server.settings.target}
 
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        model = req.model or settings.target
-        top = ask.settings.logprobs
-        offset = 0
+    def logprobs(self, x: Exchange, tokens, offset: list[int]):
+        """The logprobs of `tokens` in the endpoint's shape, or None when not asked for;
+        `offset`: the completions endpoint's text offset, carried on."""
+        if x.ask.settings.logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(tokens)
+        out, offset[0] = completion_logprobs(tokens, offset[0])
+        return out
 
-        def logprobs(tokens):
-            nonlocal offset
-            if top is None:
-                return None
+    def whole(self, x: Exchange, whole: Whole) -> Response:
+        done, lp = whole.end, self.logprobs(x, whole.tokens, [0])
+        if done.call is not None:
+            choice = ChatChoice(message=AssistantMessage(content=None, tool_calls=[openai_call(done.call)]),
+                                logprobs=lp, finish_reason=done.finish)
+        elif self.chat:
+            choice = ChatChoice(message=AssistantMessage(content=whole.text), logprobs=lp, finish_reason=done.finish)
+        else:
+            choice = TextChoice(text=whole.text, logprobs=lp, finish_reason=done.finish)
+        return Response(**self.head(x), object="chat.completion" if self.chat else "text_completion", choices=[choice],
+                        usage=usage(len(x.ask.ids), done, x.ask.settings))
+
+    async def chunks(self, x: Exchange, events):
+        chat, head, offset = self.chat, self.head(x), [0]
+        include_usage = bool(x.body.stream_options and x.body.stream_options.include_usage)
+
+        def chunk(choices: list, usage: Usage | None = None, tokens=()) -> str:
+            body = Response(**head, object="chat.completion.chunk" if chat else "text_completion", choices=choices,
+                            usage=usage, flylocal=stream_kinds(tokens) if tokens else None)
+            absent = {name for name in ("usage", "flylocal") if getattr(body, name) is None}
+            return "data: " + body.model_dump_json(exclude=absent or None) + "\n\n"
+
+        def piece(text: str | None, finish: str | None, tokens=()):
+            lp = self.logprobs(x, tokens, offset) if tokens else None
             if chat:
-                return chat_logprobs(tokens)
-            out, offset = completion_logprobs(tokens, offset)
-            return out
+                return ChunkChoice(delta=Delta(content=text), logprobs=lp, finish_reason=finish)
+            return TextChoice(text=text or "", logprobs=lp, finish_reason=finish)
 
-        if not req.stream:
-            whole = await answer.whole(request)
-            done = whole.end
-            if whole.gone:
-                return error_response(ApiError(499, "the client went away", code="client_closed"), request, endpoint,
-                                      started)
-            if not isinstance(done, Done):
-                return error_response(failure(done.error if done is not None else None), request, endpoint, started)
-            if done.call is not None:
-                choice = ChatChoice(message=AssistantMessage(content=None, tool_calls=[openai_call(done.call)]),
-                                    logprobs=logprobs(whole.tokens), finish_reason=done.finish)
-            elif chat:
-                choice = ChatChoice(message=AssistantMessage(content=whole.text), logprobs=logprobs(whole.tokens),
-                                    finish_reason=done.finish)
+        if chat:
+            yield chunk([ChunkChoice(delta=Delta(role="assistant", content=""))])
+        async for event in events:
+            if isinstance(event, Text):
+                yield chunk([piece(event.text, None, event.tokens)], tokens=event.tokens)
+            elif isinstance(event, Done):
+                if event.call is not None:
+                    made = event.call_tokens
+                    yield chunk([ChunkChoice(delta=Delta(tool_calls=[openai_call(event.call) | {"index": 0}]),
+                                             logprobs=self.logprobs(x, made, offset) if made else None)],
+                            tokens=made)
+                yield chunk([piece(None if chat else "", event.finish)])
+                if include_usage:
+                    yield chunk([], usage=usage(len(x.ask.ids), event, x.ask.settings))
             else:
-                choice = TextChoice(text=whole.text, logprobs=logprobs(whole.tokens), finish_reason=done.finish)
-            body = Response(id=rid, object="chat.completion" if chat else "text_completion", created=created,
-                            model=model, choices=[choice], usage=usage(len(ask.ids), done, ask.settings))
-            server.answered(request, endpoint, 200, started, done.stats, len(ask.ids), done.n_tokens)
-            return json_body(body)
+                yield "data: " + json.dumps(ApiError(500, event.message, type_="server_error").body()) + "\n\n"
+        yield "data: [DONE]\n\n"
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        async def events():
-            chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+class Chat(Generate):
+    name, body, chat = "chat", ChatRequest, True
 
-            def chunk(choices: list, usage: Usage | None = None, tokens=()) -> str:
-                body = Response(id=rid, object=chunk_kind, created=created, model=model, choices=choices, usage=usage,
-                                flylocal=stream_kinds(tokens) if tokens else None)
-                absent = {name for name in ("usage", "flylocal") if getattr(body, name) is None}
-                return "data: " + body.model_dump_json(exclude=absent or None) + "\n\n"
 
-            def piece(text: str | None, finish: str | None, tokens=()):
-                lp = logprobs(tokens) if tokens and top is not None else None
-                if chat:
-                    return ChunkChoice(delta=Delta(content=text), logprobs=lp, finish_reason=finish)
-                return TextChoice(text=text or "", logprobs=lp, finish_reason=finish)
+class Completion(Generate):
+    name, body, chat = "completions", CompletionRequest, False
 
-            done, status = None, 200
-            try:
-                if chat:
-                    yield chunk([ChunkChoice(delta=Delta(role="assistant", content=""))])
-                async for event in answer.events():
-                    if isinstance(event, Text):
-                        yield chunk([piece(event.text, None, event.tokens)], tokens=event.tokens)
-                    elif isinstance(event, Done):
-                        done = event
-                        if event.call is not None:
-                            made = event.call_tokens
-                            lp = logprobs(made) if made and top is not None else None
-                            yield chunk([ChunkChoice(delta=Delta(tool_calls=[openai_call(event.call) | {"index": 0}]),
-                                                     logprobs=lp)], tokens=made)
-                        yield chunk([piece(None if chat else "", event.finish)])
-                        if include_usage:
-                            yield chunk([], usage=usage(len(ask.ids), event, ask.settings))
-                    else:
-                        status = 500
-                        yield "data: " + json.dumps(ApiError(500, event.message, type_="server_error").body()) + "\n\n"
-                yield "data: [DONE]\n\n"
-            finally:
-                answer.close()         # a client that went away frees the model within a round
-                if done is None and status == 200:
-                    status = 499       # the client went away first
-                server.answered(request, endpoint, status, started, done and done.stats, len(ask.ids),
-                                done.n_tokens if done else 0)
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await run(request, "chat", chat=True)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await run(request, "completions", chat=False)
+def routes(app, server: Server) -> None:
+    server.route(app, ["GET"], "/v1/models", Models(server))
+    server.route(app, ["GET"], "/v1/models/{model_id:path}", OneModel(server))
+    server.route(app, ["POST"], "/v1/chat/completions", Chat(server))
+    server.route(app, ["POST"], "/v1/completions", Completion(server))

@@ -11,14 +11,13 @@ fields (openai's `extra_body`) are checked by the command line's declarations (C
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flylocal.front.serve.app import ApiError, check_fields, checked_stops, parse_request
-from flylocal.settings import Settings
+from flylocal.settings import Settings, settings_from
 
 # Request field -> the declared option whose type and range it must satisfy.
 CHECKED = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "top_k": "top_k", "min_p": "min_p",
@@ -283,31 +282,20 @@ def parse(model: type[BaseModel], raw: bytes) -> Any:
     return req
 
 
-def request_settings(base: Settings, req: Own, n_vocab: int | None = None, max_tokens: int | None = None) -> Settings:
-    """The server's settings with a request's fields applied (the request owns its ledger);
-    `max_tokens`, where the endpoint names it otherwise (max_output_tokens)."""
-    max_tokens = max_tokens or getattr(req, "max_completion_tokens", None) or getattr(req, "max_tokens", None)
-    bias = ()
+def request_settings(base: Settings, req: Own, n_vocab: int | None = None) -> Settings:
+    """The server's settings with a request's fields applied, through the command line's
+    option table (CHECKED names the option each field sets; a later field wins:
+    max_completion_tokens over max_tokens)."""
+    given = type(req).model_fields
+    params = {option: getattr(req, name) for name, option in CHECKED.items()
+              if name in given and getattr(req, name) is not None}
     if getattr(req, "logit_bias", None):
         bias = tuple(sorted((int(k), float(v)) for k, v in req.logit_bias.items()))
         if n_vocab is not None and bias[-1][0] >= n_vocab:
             raise ApiError(400, f"logit_bias: token id {bias[-1][0]} is not in the vocabulary (0..{n_vocab - 1})",
                            param="logit_bias")
-    sampling = {k: v for k, v in dict(temperature=req.temperature, top_p=req.top_p, seed=req.seed, top_k=req.top_k,
-                                      min_p=req.min_p, repeat_penalty=req.repeat_penalty,
-                                      frequency_penalty=getattr(req, "frequency_penalty", None),
-                                      presence_penalty=getattr(req, "presence_penalty", None)).items()
-                if v is not None}
-    if bias:
-        sampling["logit_bias"] = bias
-    fly = {k: v for k, v in dict(entropy=req.fly_entropy, window=req.fly_window).items() if v is not None}
-    asd = {k: v for k, v in dict(gate=req.asd_gate, cap=req.asd_cap, budget=req.asd_budget).items() if v is not None}
-    top = {k: v for k, v in dict(verifier=req.verifier, drafter=req.drafter, k=req.k,
-                                 max_tokens=max_tokens).items() if v is not None}
-    verifiers = dataclasses.replace(base.verifiers, fly=dataclasses.replace(base.verifiers.fly, **fly),
-                                    asd=dataclasses.replace(base.verifiers.asd, **asd))
-    return dataclasses.replace(base, **top, sampling=dataclasses.replace(base.sampling, **sampling),
-                               verifiers=verifiers, trace=False)
+        params["logit_bias"] = bias
+    return settings_from(params, base)
 
 
 def logprobs_wanted(req: Common, chat: bool) -> int | None:

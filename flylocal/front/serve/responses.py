@@ -19,20 +19,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import math
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from flylocal.errors import FlylocalError
-from flylocal.front.serve.answer import stats_report
-from flylocal.front.serve.app import ApiError, Ask, Server, failure
+from flylocal.front.serve.answer import Whole, stats_report
+from flylocal.front.serve.app import ApiError, Ask, Endpoint, Exchange, Server
 from flylocal.front.serve.events import Done, Text
-from flylocal.front.serve.openai_requests import Own, parse, request_settings
+from flylocal.front.serve.openai_requests import CHECKED, Own, request_settings
 
 MAX_STORED = 256           # responses kept for previous_response_id, the newest
 
@@ -246,11 +244,6 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def finite(report: dict) -> dict:
-    """JSON has no infinity (an unbounded ASD budget): null."""
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in report.items()}
-
-
 def message_item(item_id: str, text: str, status: str = "completed") -> dict:
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress"
@@ -287,21 +280,26 @@ class Responses:
         return self.kept[rid]
 
 
-def routes(app, server: Server) -> None:
-    settings = server.settings
-    kept = Responses()
+@dataclass
+class Kept:
+    """What a request's job keeps for its renderer: the response's id and time, and the
+    conversation the request makes (without instructions)."""
+    id: str
+    created: float
+    turns: list[dict]
 
-    def error_response(e: ApiError, request: Request, started: float) -> JSONResponse:
-        server.answered(request, "responses", e.status, started)
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
-    def ask_of(req: ResponsesRequest) -> tuple[Ask, list[dict]]:
-        """The request, checked, as the worker's job; and its conversation (without instructions)."""
-        session = server.session()
-        if req.model is not None and req.model not in server.names(session):
-            raise ApiError(404, f"the model {req.model!r} is not loaded here; GET /v1/models lists the one "
-                                "that is", param="model", code="model_not_found")
-        run_settings = request_settings(settings, req, session.target.n_vocab, max_tokens=req.max_output_tokens)
+class Create(Endpoint):
+    name, body, checked, role = "responses", ResponsesRequest, CHECKED, "target"
+
+    def __init__(self, server: Server, kept: Responses):
+        super().__init__(server)
+        self.kept = kept
+
+    def job(self, x: Exchange) -> Ask:
+        """The request, checked, as the worker's job."""
+        req, session, server = x.body, x.session, self.server
+        run_settings = request_settings(server.settings, req, session.target.n_vocab)
         server.check_settings(run_settings)
         offered, choice = chat_tools(req.tools), chat_choice(req.tool_choice)
         fmt = req.text.format if req.text is not None else None
@@ -309,7 +307,7 @@ def routes(app, server: Server) -> None:
             raise ApiError(400, "text.format and tools: flylocal constrains an answer to one of them",
                            param="text.format")
         try:
-            history = kept.find(req.previous_response_id, "previous_response_id")[1] \
+            history = self.kept.find(req.previous_response_id, "previous_response_id")[1] \
                 if req.previous_response_id is not None else []
             turns = history + turns_of(req.input)
             system = [{"role": "system", "content": req.instructions}] if req.instructions else []
@@ -327,148 +325,125 @@ def routes(app, server: Server) -> None:
         except FlylocalError as e:
             raise ApiError(400, str(e), param=param_of(str(e))) from None
         server.check_fits(ask.ids, session, "input")
-        return dataclasses.replace(ask, settings=run_settings), turns
+        x.kept = Kept(new_id("resp"), time.time(), turns)
+        return dataclasses.replace(ask, settings=run_settings)
 
-    @app.post("/v1/responses")
-    async def create(request: Request):
-        started = time.perf_counter()
-        try:
-            server.authorize(request)
-            req = parse(ResponsesRequest, await server.body(request))
-            ask, turns = ask_of(req)
-            answer = server.start(ask)
-        except ApiError as e:
-            return error_response(e, request, started)
-
-        rid, created = new_id("resp"), time.time()
-        model = req.model or settings.target
+    def body_of(self, x: Exchange, status: str, output: list[dict], done: Done | None = None,
+                error: dict | None = None) -> dict:
+        req, ask = x.body, x.ask
         fmt = req.text.format if req.text is not None and req.text.format is not None else None
+        out = {"id": x.kept.id, "object": "response", "created_at": x.kept.created, "status": status, "error": error,
+               "incomplete_details": None, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+               "model": req.model or self.server.settings.target, "output": output,
+               "parallel_tool_calls": bool(req.parallel_tool_calls if req.parallel_tool_calls is not None else True),
+               "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+               "store": req.store is not False, "temperature": ask.settings.sampling.temperature,
+               "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+               "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+               "tools": req.tools or [], "top_p": ask.settings.sampling.top_p, "truncation": "disabled",
+               "usage": None, "user": req.user, "metadata": req.metadata or {}}
+        if done is not None:
+            if done.finish == "length":
+                out["status"] = "incomplete"
+                out["incomplete_details"] = {"reason": "max_output_tokens"}
+            n_in = len(ask.ids)
+            out["usage"] = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": done.stats.prompt_reused},
+                            "output_tokens": done.n_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                            "total_tokens": n_in + done.n_tokens, "flylocal": stats_report(done, ask.settings)}
+        return out
 
-        def body(status: str, output: list[dict], done: Done | None = None, error: dict | None = None) -> dict:
-            out = {"id": rid, "object": "response", "created_at": created, "status": status, "error": error,
-                   "incomplete_details": None, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-                   "model": model, "output": output, "parallel_tool_calls": bool(req.parallel_tool_calls
-                                                                                    if req.parallel_tool_calls is not None else True),
-                   "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
-                   "store": req.store is not False, "temperature": ask.settings.sampling.temperature,
-                   "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
-                   "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-                   "tools": req.tools or [], "top_p": ask.settings.sampling.top_p, "truncation": "disabled",
-                   "usage": None, "user": req.user, "metadata": req.metadata or {}}
-            if done is not None:
-                if done.finish == "length":
-                    out["status"] = "incomplete"
-                    out["incomplete_details"] = {"reason": "max_output_tokens"}
-                n_in = len(ask.ids)
-                out["usage"] = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": done.stats.prompt_reused},
-                                "output_tokens": done.n_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                                "total_tokens": n_in + done.n_tokens,
-                                "flylocal": finite(stats_report(done, ask.settings))}
-            return out
+    def finish(self, x: Exchange, done: Done, output: list[dict]) -> dict:
+        whole = self.body_of(x, "completed", output, done)
+        if x.body.store is not False:
+            self.kept.keep(whole, x.kept.turns + output_turns(output))
+        return whole
 
-        def finish(done: Done, output: list[dict]) -> dict:
-            whole = body("completed", output, done)
-            if req.store is not False:
-                kept.keep(whole, turns + output_turns(output))
-            server.answered(request, "responses", 200, started, done.stats, len(ask.ids), done.n_tokens)
-            return whole
+    def whole(self, x: Exchange, whole: Whole) -> dict:
+        done = whole.end
+        status = "incomplete" if done.finish == "length" else "completed"
+        item = call_item(new_id("fc"), done.call) if done.call is not None \
+            else message_item(new_id("msg"), whole.text, status)
+        return self.finish(x, done, [item])
 
-        if not req.stream:
-            whole = await answer.whole(request)
-            done = whole.end
-            if whole.gone:
-                return error_response(ApiError(499, "the client went away", code="client_closed"), request, started)
-            if not isinstance(done, Done):
-                return error_response(failure(done.error if done is not None else None), request, started)
-            status = "incomplete" if done.finish == "length" else "completed"
-            item = call_item(new_id("fc"), done.call) if done.call is not None \
-                else message_item(new_id("msg"), whole.text, status)
-            return JSONResponse(finish(done, [item]))
+    async def chunks(self, x: Exchange, events):
+        sequence = 0
 
-        async def events():
-            sequence = 0
+        def event(kind: str, **fields) -> str:
+            nonlocal sequence
+            data = {"type": kind, "sequence_number": sequence} | fields
+            sequence += 1
+            return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
-            def event(kind: str, **fields) -> str:
-                nonlocal sequence
-                data = {"type": kind, "sequence_number": sequence} | fields
-                sequence += 1
-                return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+        msg_id, text, opened = new_id("msg"), [], False
 
-            msg_id, text, opened, ended = new_id("msg"), [], False, False
+        def open_message():
+            yield event("response.output_item.added", output_index=0, item=message_item(msg_id, "", "in_progress"))
+            yield event("response.content_part.added", item_id=msg_id, output_index=0, content_index=0,
+                        part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
 
-            def open_message():
-                yield event("response.output_item.added", output_index=0, item=message_item(msg_id, "", "in_progress"))
-                yield event("response.content_part.added", item_id=msg_id, output_index=0, content_index=0,
-                            part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+        yield event("response.created", response=self.body_of(x, "in_progress", []))
+        yield event("response.in_progress", response=self.body_of(x, "in_progress", []))
+        async for ev in events:
+            if isinstance(ev, Text):
+                if not opened:
+                    opened = True
+                    for line in open_message():
+                        yield line
+                text.append(ev.text)
+                yield event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0,
+                            delta=ev.text, logprobs=[])
+            elif isinstance(ev, Done):
+                if ev.call is not None:
+                    item = call_item(new_id("fc"), ev.call)
+                    yield event("response.output_item.added", output_index=0, item=item | {"arguments": "",
+                                                                                          "status": "in_progress"})
+                    yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=0,
+                                delta=item["arguments"])
+                    yield event("response.function_call_arguments.done", item_id=item["id"], output_index=0,
+                                name=item["name"], arguments=item["arguments"])
+                    yield event("response.output_item.done", output_index=0, item=item)
+                else:
+                    if not opened:
+                        opened = True
+                        for line in open_message():
+                            yield line
+                    status = "incomplete" if ev.finish == "length" else "completed"
+                    item = message_item(msg_id, "".join(text), status)
+                    part = item["content"][0]
+                    yield event("response.output_text.done", item_id=msg_id, output_index=0, content_index=0,
+                                text=part["text"], logprobs=[])
+                    yield event("response.content_part.done", item_id=msg_id, output_index=0,
+                                content_index=0, part=part)
+                    yield event("response.output_item.done", output_index=0, item=item)
+                whole = self.finish(x, ev, [item])
+                kind = "response.incomplete" if whole["status"] == "incomplete" else "response.completed"
+                yield event(kind, response=whole)
+            else:
+                yield event("response.failed", response=self.body_of(x, "failed", [], error={
+                    "code": "server_error", "message": ev.message}))
 
-            try:
-                yield event("response.created", response=body("in_progress", []))
-                yield event("response.in_progress", response=body("in_progress", []))
-                async for ev in answer.events():
-                    if isinstance(ev, Text):
-                        if not opened:
-                            opened = True
-                            for line in open_message():
-                                yield line
-                        text.append(ev.text)
-                        yield event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0,
-                                    delta=ev.text, logprobs=[])
-                    elif isinstance(ev, Done):
-                        ended = True
-                        if ev.call is not None:
-                            item = call_item(new_id("fc"), ev.call)
-                            yield event("response.output_item.added", output_index=0, item=item | {"arguments": "",
-                                                                                                  "status": "in_progress"})
-                            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=0,
-                                        delta=item["arguments"])
-                            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=0,
-                                        name=item["name"], arguments=item["arguments"])
-                            yield event("response.output_item.done", output_index=0, item=item)
-                        else:
-                            if not opened:
-                                opened = True
-                                for line in open_message():
-                                    yield line
-                            status = "incomplete" if ev.finish == "length" else "completed"
-                            item = message_item(msg_id, "".join(text), status)
-                            part = item["content"][0]
-                            yield event("response.output_text.done", item_id=msg_id, output_index=0, content_index=0,
-                                        text=part["text"], logprobs=[])
-                            yield event("response.content_part.done", item_id=msg_id, output_index=0,
-                                        content_index=0, part=part)
-                            yield event("response.output_item.done", output_index=0, item=item)
-                        whole = finish(ev, [item])
-                        kind = "response.incomplete" if whole["status"] == "incomplete" else "response.completed"
-                        yield event(kind, response=whole)
-                    else:
-                        ended = True
-                        yield event("response.failed", response=body("failed", [], error={
-                            "code": "server_error", "message": ev.message}))
-                        server.answered(request, "responses", 500, started)
-            finally:
-                answer.close()         # a client that went away frees the model within a round
-                if not ended:
-                    server.answered(request, "responses", 499, started)
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+class Retrieve(Endpoint):
+    name = "responses"
 
-    @app.get("/v1/responses/{rid}")
-    async def retrieve(request: Request, rid: str):
-        started = time.perf_counter()
-        try:
-            server.authorize(request)
-            return JSONResponse(kept.find(rid)[0])
-        except ApiError as e:
-            return error_response(e, request, started)
+    def __init__(self, server: Server, kept: Responses):
+        super().__init__(server)
+        self.kept = kept
 
-    @app.delete("/v1/responses/{rid}")
-    async def delete(request: Request, rid: str):
-        started = time.perf_counter()
-        try:
-            server.authorize(request)
-            kept.find(rid)
-            del kept.kept[rid]
-            return {"id": rid, "object": "response.deleted", "deleted": True}
-        except ApiError as e:
-            return error_response(e, request, started)
+    def job(self, x: Exchange) -> dict:
+        return self.kept.find(x.path["rid"])[0]
+
+
+class Delete(Retrieve):
+    def job(self, x: Exchange) -> dict:
+        rid = x.path["rid"]
+        self.kept.find(rid)
+        del self.kept.kept[rid]
+        return {"id": rid, "object": "response.deleted", "deleted": True}
+
+
+def routes(app, server: Server) -> None:
+    kept = Responses()
+    server.route(app, ["POST"], "/v1/responses", Create(server, kept))
+    server.route(app, ["GET"], "/v1/responses/{rid}", Retrieve(server, kept))
+    server.route(app, ["DELETE"], "/v1/responses/{rid}", Delete(server, kept))
