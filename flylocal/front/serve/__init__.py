@@ -14,7 +14,6 @@ FIFO queue (flylocal.front.serve.worker). Web pages and slow clients are kept ou
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 from typing import Callable
 
