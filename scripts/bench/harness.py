@@ -91,20 +91,25 @@ def flylocal_serve(*options: str) -> list[str]:
     return [sys.executable, "-m", "flylocal", "serve", "--port", "{port}", "--quiet", *options]
 
 
-def stream_chat(url: str, question: str, max_tokens: int, banned=()) -> dict:
+def stream_chat(url: str, question: str, max_tokens: int, banned=(), model: str | None = None,
+                extra: dict | None = None) -> dict:
     """One streamed, greedy chat request of `max_tokens` tokens (the `banned` ids at logit_bias
-    -100): its completion tokens and the perf_counter times of its start, first and last text."""
+    -100; `model` and the `extra` body fields when given): its completion tokens, the stream's
+    usage object (None when it sent none) and the perf_counter times of its start, first and last
+    text and its end. A status other than 200 raises httpx.HTTPStatusError."""
     import json
 
     import httpx
 
     body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
+    if model is not None:
+        body["model"] = model
     if banned:
         body["logit_bias"] = {str(t): -100 for t in banned}
     start = time.perf_counter()
     first = last = None
-    chunks, tokens = 0, None
+    chunks, usage = 0, None
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=900) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -112,12 +117,13 @@ def stream_chat(url: str, question: str, max_tokens: int, banned=()) -> dict:
                 continue
             data = json.loads(line[6:])
             if data.get("usage"):
-                tokens = data["usage"]["completion_tokens"]
+                usage = data["usage"]
             if data.get("choices") and data["choices"][0].get("delta", {}).get("content"):
                 last = time.perf_counter()
                 first = first or last
                 chunks += 1
-    return {"tokens": tokens if tokens is not None else chunks, "start": start, "first": first, "last": last}
+    return {"tokens": usage["completion_tokens"] if usage else chunks, "usage": usage, "start": start,
+            "first": first, "last": last, "end": time.perf_counter()}
 
 
 def end_tokens(path: str) -> list[int]:
@@ -175,3 +181,10 @@ def timed(fn, repeat: int) -> float:
 def cores() -> list[int]:
     """The cores this process may run on."""
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description="What the benchmark scripts in this folder share: servers, questions, "
+                            "statistics.", epilog="A module they import; run by itself it does nothing.").parse_args()

@@ -21,11 +21,10 @@ import time
 
 from harness import ROOT, timed     # first: puts this checkout on sys.path
 
-import flylocal.llama.binding  # noqa: E402,F401 - llama.cpp before numpy (flylocal/launch.py says why)
-import numpy as np  # noqa: E402
-
 
 def measure(name: str, ks: list[int], repeat: int, threads: int | None) -> list[dict]:
+    import numpy as np   # after llama.cpp, which main loads first
+
     from flylocal import models
     from flylocal.decoding.drafters.pld import PromptLookup
     from flylocal.decoding.sampling import SamplingParams, target_argmax
@@ -85,6 +84,8 @@ def main() -> int:
     ap.add_argument("--step-ms", type=float, default=10.0)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
+    import flylocal.llama.binding  # noqa: F401 - llama.cpp before numpy (flylocal/launch.py says why)
+
     ks = [int(k) for k in args.k.split(",")]
     print("| model | vocab | k | logits view | argmax | strict | FLy | ASD | truncate | pld | round, strict | "
           "round, FLy | share of a round, FLy |")

@@ -67,3 +67,10 @@ end = time.monotonic() + float(sys.argv[1])
 while time.monotonic() < end:
     subprocess.run(sys.argv[2:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=end - time.monotonic())
 """
+
+
+if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description="Busy loops for benchmarks that measure flylocal on a loaded machine.",
+                            epilog="A module costs.py and threads.py import; run by itself it does nothing.").parse_args()

@@ -17,24 +17,25 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
-
-from flylocal import models as registry
-from flylocal.decoding import grammar as G
-from flylocal.decoding.engine import generate_all
-from flylocal.loader import build_engine
-from flylocal.llama.runtime import Runtime, RuntimeConfig
-from flylocal.settings import Settings
-
-from harness import ROOT
+from harness import ROOT     # first: puts this checkout on sys.path
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schema", default=str(ROOT / "data/structured/long_keys.json"))
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=20)
     args = ap.parse_args()
+    import flylocal.llama.binding  # noqa: F401 - llama.cpp before numpy (flylocal/launch.py says why)
+    import numpy as np
+
+    from flylocal import models as registry
+    from flylocal.decoding import grammar as G
+    from flylocal.decoding.engine import generate_all
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
+    from flylocal.loader import build_engine
+    from flylocal.settings import Settings
+
     schema = json.loads(Path(args.schema).read_text())
     for name in ("smollm2-135m-instruct", "gemma-3-270m"):
         rt = Runtime(registry.local_path(name), RuntimeConfig(n_ctx=1024))

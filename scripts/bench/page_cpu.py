@@ -10,7 +10,7 @@ of Chromium's processes is read from /proc around each answer. `--idle` measures
 and doing nothing for as long, the floor every reader pays; `--one-conversation` keeps every
 answer in one conversation, which soon outgrows the window, so the page scrolls to follow. Less
 CPU here is less taken from llama.cpp's threads when the browser and the server share a machine
-(bench_page.py measures that directly, with more noise).
+(scripts/bench/page.py measures that directly, with more noise).
 
     .venv/bin/python scripts/bench/page_cpu.py [--answers 6] [--max-tokens 256] [--idle] [--one-conversation]
 """

@@ -24,7 +24,8 @@ import time
 
 import httpx
 
-from harness import ROOT, cores, servers
+from harness import ROOT, cores, servers, stream_chat
+
 PROMPTS = [json.loads(line)["prompt"] for line in (ROOT / "data" / "prompts.jsonl").read_text().splitlines()
            if json.loads(line)["category"] in ("qa", "summarization", "reply", "chat", "writing")]
 
@@ -33,29 +34,14 @@ MODEL = "smollm2-135m-instruct"
 
 
 def one_request(url: str, prompt: str, max_tokens: int, extra: dict) -> dict:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra}
-    t0 = time.perf_counter()
-    first = last = None
-    chunks, usage = 0, None
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
-        if r.status_code != 200:
-            return {"error": f"{r.status_code} {r.read()[:200]!r}"}
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if data.get("usage"):
-                usage = data["usage"]
-            if data.get("choices") and data["choices"][0].get("delta", {}).get("content"):
-                last = time.perf_counter()
-                first = first or last
-                chunks += 1
-    end = time.perf_counter()
-    tokens = usage["completion_tokens"] if usage else chunks
-    return {"latency": end - t0, "ttft": (first or end) - t0, "tokens": tokens,
-            "stream_tps": (tokens - 1) / (last - first) if first and last and last > first else None,
-            "engine_tps": (usage or {}).get("flylocal", {}).get("tokens_per_s")}
+    try:
+        r = stream_chat(url, prompt, max_tokens, model=MODEL, extra=extra)
+    except httpx.HTTPStatusError as e:
+        return {"error": f"{e.response.status_code}"}
+    first, last, end = r["first"], r["last"], r["end"]
+    return {"latency": end - r["start"], "ttft": (first or end) - r["start"], "tokens": r["tokens"],
+            "stream_tps": (r["tokens"] - 1) / (last - first) if first and last and last > first else None,
+            "engine_tps": (r["usage"] or {}).get("flylocal", {}).get("tokens_per_s")}
 
 
 def load(url: str, clients: int, requests: int, max_tokens: int, extra: dict) -> dict:
