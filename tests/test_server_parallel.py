@@ -168,6 +168,7 @@ def test_thirty_two_clients_three_hundred_requests_with_disconnects():
     plan = [(rng.choice(QUESTIONS), rng.randint(1, 12), rng.random() < 0.25, rng.random() < 0.5,
              rng.random() < 0.05) for _ in range(300)]
     statuses: list = []
+    outcome: dict[int, tuple] = {}
     refused: list[int] = []
     rss: list[int] = []
 
@@ -208,6 +209,7 @@ def test_thirty_two_clients_three_hundred_requests_with_disconnects():
                     refused.append(i)
                     await asyncio.sleep(rng.uniform(0.05, 0.3))
                 statuses.append(status)
+                outcome[i] = status
             except httpx.HTTPError as e:
                 statuses.append(("error", repr(e)))
             if len(statuses) == 100:
@@ -225,7 +227,11 @@ def test_thirty_two_clients_three_hundred_requests_with_disconnects():
         rss.append(rss_kib(proc.pid))
         assert len(statuses) == 300
         odd = [s for s in statuses if s[0] not in (200, "dropped", "failed") and s != (503, "1")]
-        assert sum(s[0] == "failed" for s in statuses) == sum(p[4] for p in plan)
+        # A failing request fails with a 400, unless the queue stayed full through all its retries
+        # (a busier machine): its grammar never decodes then. Nothing else fails.
+        failing = [i for i, p in enumerate(plan) if p[4]]
+        assert all(outcome[i][0] == "failed" or outcome[i] == (503, "1") for i in failing)
+        assert sum(s[0] == "failed" for s in statuses) == sum(outcome[i][0] == "failed" for i in failing) > 0
         assert not odd, odd[:5]
         assert sum(1 for s in statuses if s[0] == 200) >= 150 and refused     # the queue filled, and emptied
         assert rss[-1] < rss[0] * 1.25 + 32 * 1024, rss
