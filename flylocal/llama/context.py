@@ -37,8 +37,7 @@ from flylocal.llama.binding import KERNELS, interrupts_deferred, last_error, lla
 from flylocal.llama.config import RuntimeConfig
 from flylocal.llama.devices import gpu_offload, system_info
 from flylocal.llama.model import Model
-from flylocal.host import usable_cores
-from flylocal.decoding.costs.meter import MIN_WALL, CpuLoad
+from flylocal.host import MIN_WALL, CpuLoad, usable_cores
 from flylocal.llama.threads import ThreadControl, candidates, keep_count, known_count
 
 AUTO_SEQ = 4          # --parallel auto: at most this many sequences

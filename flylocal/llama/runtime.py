@@ -38,7 +38,7 @@ class Runtime(Target):
             rpc.check_servers(config.rpc)   # one line naming a server that does not answer, in seconds
         load = None
         if not remote and config.n_threads is None:    # --threads auto reads the load from here on
-            from flylocal.decoding.costs.meter import CpuLoad
+            from flylocal.host import CpuLoad
 
             load = CpuLoad()
             load.start()
