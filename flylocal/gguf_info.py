@@ -308,7 +308,8 @@ def _fingerprint(buf: mmap.mmap, kv: dict) -> str:
 
 @dataclass(frozen=True)
 class Layout:
-    """What placing a model's layers on a GPU needs from its header (flylocal.llama.placement)."""
+    """What placing a model's layers on a GPU, and sizing its context, need from its header
+    (flylocal.llama.placement, flylocal.llama.context.sequences_that_fit)."""
     n_layer: int                   # {arch}.block_count
     layer_bytes: tuple[int, ...]   # the weights of blk.0 .. blk.{n_layer-1}
     output_bytes: int              # the output layer: output.weight (token_embd.weight where tied) and the norm
@@ -317,6 +318,7 @@ class Layout:
     key_width: int                 # per head
     value_width: int
     n_vocab: int
+    model_bytes: int = 0           # every tensor's weights: what llama.cpp counts as the model's size
 
 
 _BLOCK = re.compile(r"blk\.(\d+)\.")
@@ -350,7 +352,7 @@ def _parse_layout(cur: _Cursor) -> Layout:
     return Layout(n_layer=n_layer, layer_bytes=tuple(layers), output_bytes=output, n_head=n_head,
                   n_head_kv=number(Keys.Attention.HEAD_COUNT_KV, n_head),
                   key_width=number(Keys.Attention.KEY_LENGTH, width), value_width=number(Keys.Attention.VALUE_LENGTH, width),
-                  n_vocab=tokens.count if isinstance(tokens, _Array) else 0)
+                  n_vocab=tokens.count if isinstance(tokens, _Array) else 0, model_bytes=sum(named.values()))
 
 
 def check_gguf_file(path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -20,6 +21,8 @@ from flylocal.files import read_text
 from flylocal.settings import Settings
 
 from flylocal.llama.config import RuntimeConfig
+
+AUTO_SLOTS = 4          # --parallel auto: at most this many sequences
 
 if TYPE_CHECKING:      # llama.cpp is imported when models are loaded, not before (flylocal.llama.kernels)
     from flylocal.llama.embedding import Embedder
@@ -140,11 +143,12 @@ def load(settings: Settings, log: Callable[[str], None] = lambda s: None) -> Mod
     if slots != 1 and (settings.target_rpc or settings.draft_rpc):
         slots = 1
         log("a model on rpc servers decodes one request at a time: --parallel is 1")
-    fit = max(settings.batch_size // (settings.draft_length + 1), 1)     # slots whose drafts fit a decode
     if layers.line:
         log(layers.line)
-    target = open_model(target_path, runtime_config(settings, settings.target_rpc, settings.tensor_split,
-                                                    layers.target, n_seq=slots, auto_seq=fit))
+    config = runtime_config(settings, settings.target_rpc, settings.tensor_split, layers.target)
+    if slots == 0:
+        slots = auto_slots(settings, target_path, config)
+    target = open_model(target_path, dataclasses.replace(config, n_seq=slots))
     past_training(target, settings.ctx, log)
     draft = None
     through_text = False
@@ -217,13 +221,22 @@ def gpu_layers(settings: Settings, target_path, draft_path) -> Placement:
     return placed
 
 
+def auto_slots(settings: Settings, target_path, config: RuntimeConfig) -> int:
+    """--parallel auto: as many sequences of --ctx cells as memory holds for the target of
+    `config`, up to AUTO_SLOTS and to the slots whose drafts fit a decode (so that company
+    never cuts a draft verified whole: `check`)."""
+    from flylocal.llama.context import sequences_that_fit
+
+    fit = max(settings.batch_size // (settings.draft_length + 1), 1)
+    return sequences_that_fit(target_path, config, min(AUTO_SLOTS, fit))
+
+
 def runtime_config(settings: Settings, rpc: tuple[str, ...] = (), tensor_split: tuple[float, ...] = (),
-                   gpu_layers: int = 0, n_seq: int = 1, auto_seq: int = 4) -> RuntimeConfig:
+                   gpu_layers: int = 0, n_seq: int = 1) -> RuntimeConfig:
     """A model's llama.cpp settings; `rpc`: the servers that hold its layers; `gpu_layers`: its
-    n_gpu_layers (loader.gpu_layers); `n_seq`: its sequences (0: as many as memory holds, up to
-    `auto_seq`)."""
+    n_gpu_layers (loader.gpu_layers); `n_seq`: its sequences (--parallel, resolved)."""
     return RuntimeConfig(n_ctx=settings.ctx, n_batch=settings.batch_size, n_threads=settings.threads,
-                         n_gpu_layers=gpu_layers, n_seq=n_seq, auto_seq=auto_seq, kv_unified=settings.kv_unified,
+                         n_gpu_layers=gpu_layers, n_seq=n_seq, kv_unified=settings.kv_unified,
                          flash_attn=settings.flash_attn, rpc=rpc, tensor_split=tensor_split,
                          rpc_timeout=settings.rpc_timeout, rpc_output=settings.rpc_output)
 

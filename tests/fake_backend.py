@@ -156,10 +156,9 @@ class FakeTarget(Target):
     def cost_key(self) -> dict:
         return {"fake_lm": self.lm.seed, "n_vocab": self.n_vocab}
 
-    def decode(self, tokens, logits_from: int | None = None, *, seq: int = 0) -> np.ndarray | None:
+    def decode(self, tokens, logits_from: int | None = None) -> np.ndarray | None:
         """Append `tokens` at n_past; the logits of rows logits_from.. [rows, n_vocab] float32
         (None when logits_from is None or no row is asked for)."""
-        _one_sequence(seq)
         tokens = np.asarray(tokens, dtype=np.int32)
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
@@ -189,9 +188,8 @@ class FakeTarget(Target):
         states = [self._hash[p] % self.lm.n_states for p in range(p0 + start, p0 + n)]
         return self.lm.table[states]                 # fancy indexing: a fresh [rows, n_vocab] array
 
-    def truncate(self, n_keep: int, *, seq: int = 0) -> None:
+    def truncate(self, n_keep: int) -> None:
         """Roll back to the first n_keep cells (a no-op when n_keep >= n_past)."""
-        _one_sequence(seq)
         if n_keep >= self.n_past:
             return
         if n_keep < 0:
@@ -201,18 +199,12 @@ class FakeTarget(Target):
     def reset(self) -> None:
         self.n_past = 0
 
-    def reuse_prefix(self, tokens, *, seq: int = 0) -> int:
+    def reuse_prefix(self, tokens) -> int:
         """Keep the longest cached prefix of `tokens`, leaving at least the last token out of
         the cache; return how many were kept."""
-        _one_sequence(seq)
         keep = reusable_prefix(self._tokens[: self.n_past], np.asarray(tokens, dtype=np.int32))
         self.truncate(keep)
         return keep
-
-
-def _one_sequence(seq: int) -> None:
-    if seq != 0:
-        raise ValueError(f"sequence {seq}: this target holds one sequence (0)")
 
 
 def greedy(lm: FakeLM, prompt, max_tokens: int, n_ctx: int) -> tuple[list[int], str]:

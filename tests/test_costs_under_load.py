@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from fake_backend import FakeLM, FakeTarget, Machine, NoisyOracle, controlled
+from flylocal import host
 from flylocal.decoding.costs import curve as costs_module
-from flylocal.decoding.costs import meter as meter_module
 from flylocal.decoding.costs import store
 from flylocal.decoding.adaptive import DraftLength, ModelDraftLength, timed_decode
 from flylocal.decoding.costs import BUDGET, EXPLORE, CostCurve, read_record
@@ -44,7 +44,7 @@ class Quiet:
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FLYLOCAL_COSTS", str(tmp_path / "costs"))
-    monkeypatch.setattr(meter_module, "CpuLoad", Quiet)
+    monkeypatch.setattr(host, "CpuLoad", Quiet)
     return tmp_path / "costs"
 
 
@@ -378,13 +378,13 @@ def test_a_refinement_measured_while_other_work_was_busy_is_used_but_not_saved(c
     curve = CostCurve(key=KEY)
     curve.calibrate(lambda rows: 0.01 * (1 + 0.4 * (rows - 1)), max_rows=9)
     curve.save()
-    monkeypatch.setattr(meter_module, "CpuLoad", Busy)
+    monkeypatch.setattr(host, "CpuLoad", Busy)
     refine(curve)
     assert curve.shape(9) == pytest.approx(3.0)            # this process decides on it
     curve.save()
     again = CostCurve(key=KEY)
     assert again.load() and again.shape(9) == pytest.approx(TRUE_SHAPE[8])
-    monkeypatch.setattr(meter_module, "CpuLoad", Quiet)
+    monkeypatch.setattr(host, "CpuLoad", Quiet)
     refine(again)
     again.save()
     third = CostCurve(key=KEY)

@@ -303,3 +303,31 @@ def test_llama_cpp_imported_first_cannot_pass_for_the_exact_build():
                             "print(r.KERNELS, llama_cpp.llama_cpp._lib._name)"], env=env, capture_output=True, text=True)
     kernels, lib = right.stdout.split()
     assert kernels == "exact" and "flylocal-exact" in lib
+
+
+@pytest.mark.parametrize("fixture", ["smol", "smol_draft", "gemma_q8", "gemma_q4km"])
+def test_parallel_auto_reads_the_shape_the_loaded_model_checks(request, fixture):
+    """--parallel auto is resolved by the loader from the model's header, before the model loads
+    (flylocal.llama.context.sequences_that_fit): the shape it reads there is the one the loaded
+    model's own memory check reads, so both judge a number of sequences alike."""
+    from flylocal.gguf_info import read_layout
+    from flylocal.llama import placement
+
+    rt = request.getfixturevalue(fixture)
+    assert placement.shape(read_layout(rt.path)) == rt.model.shape(rt.n_vocab)
+
+
+def test_parallel_auto_takes_what_memory_holds(smol, monkeypatch):
+    """As many sequences as fit, from the most asked for down; one when none more do."""
+    from flylocal.llama import context, memory
+
+    fits = {1, 2, 3}
+    monkeypatch.setattr(context, "memory_problem", lambda shape, config, flash, name, n: None if n in fits else "no")
+    config = smol.config
+    assert context.sequences_that_fit(smol.path, config, 4) == 3
+    assert context.sequences_that_fit(smol.path, config, 2) == 2
+    fits = set()
+    assert context.sequences_that_fit(smol.path, config, 4) == 1
+    assert context.sequences_that_fit(smol.path, config, 1) == 1
+    assert memory.check(smol.model.shape(smol.n_vocab), config.n_ctx, config.n_batch, False, "x", available=1 << 20,
+                        slots=2) is not None         # the rule it applies refuses what does not fit

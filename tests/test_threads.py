@@ -284,7 +284,7 @@ def test_a_fresh_process_measures_before_its_first_prompt_and_the_next_starts_th
         pytest.skip("one core: nothing to choose")
     monkeypatch.setenv("FLYLOCAL_COSTS", str(tmp_path / "costs"))
     # The machine reads as idle (the suite's other workers may be busy): the probe is what is tested.
-    monkeypatch.setattr("flylocal.decoding.costs.meter.CpuLoad.stop", lambda self: 0.0)
+    monkeypatch.setattr("flylocal.host.CpuLoad.stop", lambda self: 0.0)
     with Runtime(model_path(SMOL), RuntimeConfig(n_ctx=512)) as rt:
         control = rt.thread_control
         ids = rt.tokenize("The quick brown fox jumps over the lazy dog. " * 4)
@@ -393,7 +393,7 @@ def test_a_busy_machine_skips_the_probe_and_starts_on_the_free_cores(tmp_path, m
     if cores < 2:
         pytest.skip("one core: nothing to choose")
     monkeypatch.setenv("FLYLOCAL_COSTS", str(tmp_path / "costs"))
-    monkeypatch.setattr("flylocal.decoding.costs.meter.CpuLoad.stop", lambda self: float(cores))
+    monkeypatch.setattr("flylocal.host.CpuLoad.stop", lambda self: float(cores))
     with Runtime(model_path(SMOL), RuntimeConfig(n_ctx=512)) as rt:
         ids = rt.tokenize("The quick brown fox jumps over the lazy dog. " * 4)
         rt.decode(ids[:-1])

@@ -1,7 +1,8 @@
 """The contracts of the decoding core (docs/design.md, "Contracts"): what the round loop
 (flylocal.decoding.engine) asks of the model it verifies on (`Target`), of where drafts come
 from (`Drafter`) and of what decides how much of a draft to keep (`Verifier`), and the records
-they pass: `Draft` and `Decision`.
+they pass: `Draft` and `Decision`; what a batch asks of a cache of several sequences
+(`Sequences`), and what text drafting and grammars read of a model's tokens (`Vocabulary`).
 
 A round, in these words:
 
@@ -82,34 +83,36 @@ class Target(Protocol):
     (flylocal.llama.runtime), the rpc-placed model (flylocal.llama.remote) and the tests'
     in-memory target satisfy it.
 
-    The cache holds the first `n_past` tokens of a sequence. A sequence is named by `seq`; the
-    targets here hold one (seq 0), and the id is in the contract so that a later change can
-    decode several sequences in one batch."""
+    The cache holds the first `n_past` tokens of one sequence. A cache of several
+    (`Sequences`) hands out each as a Target of its own (`Sequences.sequence(s)`), so a
+    Target's calls never name a sequence."""
 
     n_ctx: int                 # cells of the cache: prompt and output together
     n_batch: int               # most rows with logits one decode gives
     n_vocab: int
     eog_mask: np.ndarray       # [n_vocab] bool: the end-of-generation ids
-    n_past: int                # tokens the cache holds (of sequence 0)
+    n_past: int                # tokens the cache holds
     costs: CostCurve           # what a decode of n rows costs here (flylocal.decoding.costs), keyed
                                # by cost_key(); shared by everything that drafts for this model
+    decoded_on: int | None = None   # the CPU threads its last decode ran on, for the trace (None: not
+                                    # a CPU context, such as a model on rpc servers)
 
     def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> np.ndarray:
         """Token ids [n] int32 of `text`. Special-token text is plain text unless
         `parse_special`: text from a user never becomes control tokens."""
         ...
 
-    def decode(self, tokens, logits_from: int | None = None, *, seq: int = 0) -> np.ndarray | None:
+    def decode(self, tokens, logits_from: int | None = None) -> np.ndarray | None:
         """Append `tokens` [n] to the cache in one decode (chunked past n_batch); the logits of
         rows `logits_from:` as [rows, n_vocab] float32, valid until the next decode; None when
         `logits_from` is None. Only the requested rows are computed."""
         ...
 
-    def truncate(self, n_keep: int, *, seq: int = 0) -> None:
+    def truncate(self, n_keep: int) -> None:
         """Roll the cache back to its first `n_keep` tokens: the one way a round rolls back."""
         ...
 
-    def reuse_prefix(self, tokens: np.ndarray, *, seq: int = 0) -> int:
+    def reuse_prefix(self, tokens: np.ndarray) -> int:
         """Keep the longest cached prefix of `tokens` (`reusable_prefix`); return its length.
         tokens[kept:] still need decoding."""
         ...
@@ -123,6 +126,12 @@ class Target(Protocol):
         """Hold the decodes in the block to the conditions `cost_key` names (the thread count
         a calibration is keyed by)."""
         return contextlib.nullcontext()
+
+    def thread_report(self) -> dict | None:
+        """How its CPU threads were used (--threads auto: the count now, decodes at each count,
+        other processes' load, each move and its reason; a fixed count: just that). None: a
+        target with no threads of its own to report."""
+        return None
 
 
 class Sequences(Protocol):
@@ -153,6 +162,36 @@ class Sequences(Protocol):
     def split(self, rows: dict[int, int]) -> list[int]:
         """The row counts of the computations a decode of `rows` (sequence -> tokens) runs as:
         what it costs is the sum of the cost curve at each."""
+        ...
+
+
+# ----- a model's tokens as text -----
+
+class Vocabulary(Protocol):
+    """A model's tokens as text: what drafting through text reads of the target's and of the
+    draft's (flylocal.decoding.drafters.text), and what a grammar reads of the target's
+    (flylocal.decoding.grammar). A `Runtime`, its vocabulary and its sequences (flylocal.llama)
+    satisfy it, and so do the tests' literal vocabularies."""
+
+    n_vocab: int
+    eog_mask: np.ndarray       # [n_vocab] bool: the end-of-generation ids
+    bos: int | None            # the beginning-of-sequence id (-1 or None: none)
+    add_bos: bool              # tokenize(add_special=True) puts `bos` first
+
+    def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> np.ndarray:
+        """Token ids [n] int32 of `text` (Target.tokenize)."""
+        ...
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes of `token`'s text; a control token's text only with `special` (else b"")."""
+        ...
+
+    def is_control(self, token: int) -> bool:
+        """Whether `token` is a control token (end of generation, a template's markers)."""
+        ...
+
+    def control_ids(self) -> dict[bytes, int]:
+        """Every control token by its text."""
         ...
 
 

@@ -225,7 +225,7 @@ class Engine:
         """The decode of `rows` gave `logits` [k+1, n_vocab] in `seconds`."""
         r.logits, r.score_s = logits, seconds
         r.n_past += r.head
-        r.threads = getattr(self.target, "decoded_on", None)     # a CPU context's thread count, for the trace
+        r.threads = self.target.decoded_on     # a CPU context's thread count, for the trace
         if not r.index:                # the prompt is in: the first round's tokens are its answer
             req.stats.prefill_s = self.clock() - req.started
             req.head = req.head[:0]

@@ -26,6 +26,7 @@ import weakref
 
 import numpy as np
 
+from flylocal.decoding.contracts import Vocabulary
 from flylocal.errors import FlylocalError, GrammarError
 
 # JSON as people write it: ", " and ": " between items, no other whitespace. Fixed separators
@@ -56,13 +57,13 @@ class _Vocabulary:
     leading 0xff byte, so that no text ever matches them), the end-of-generation ids, and the
     model's own tokenizer for text the grammar forces."""
 
-    def __init__(self, model):
+    def __init__(self, model: Vocabulary):
         self.tokens = [(b"\xff" if model.is_control(t) else b"") + model.piece(t, special=True)
                        for t in range(model.n_vocab)]
         self.special_token_ids = [t for t in range(model.n_vocab) if model.is_control(t)]
         eog = np.flatnonzero(model.eog_mask)
         self.eos_token_id = int(eog[0]) if eog.size else 0
-        self.bos_token_id = getattr(model, "bos", None)
+        self.bos_token_id = model.bos
         self._model = weakref.ref(model)    # the cache below must not keep a closed model alive
 
     def __call__(self, data: bytes | str) -> list[int]:
@@ -72,10 +73,10 @@ class _Vocabulary:
         return [int(t) for t in model.tokenize(data.encode() if isinstance(data, str) else data, add_special=False)]
 
 
-def tokenizer(model):
-    """The llguidance tokenizer of a model's vocabulary (the target Runtime, or anything with
-    n_vocab, eog_mask, piece, is_control, bos and tokenize), built once per model: reading a
-    vocabulary of 262,144 tokens takes a few seconds."""
+def tokenizer(model: Vocabulary):
+    """The llguidance tokenizer of a model's vocabulary (contracts.Vocabulary: the target Runtime,
+    or the tests' literal ones), built once per model: reading a vocabulary of 262,144 tokens
+    takes a few seconds."""
     llg = _llg()
     found = _tokenizers.get(model)
     if found is None:
@@ -237,7 +238,7 @@ def _line(message: str) -> str:
 class Grammar:
     """A grammar checked against one vocabulary; `start()` gives a fresh Constraint."""
 
-    def __init__(self, model, grammar: str, name: str = "the grammar"):
+    def __init__(self, model: Vocabulary, grammar: str, name: str = "the grammar"):
         llg = _llg()
         self.name = name
         self.tokenizer = tokenizer(model)

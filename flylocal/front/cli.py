@@ -75,8 +75,7 @@ def generate(prompt, prompt_file, raw, special, json_schema_file, json_object, g
             stats, tokens = generation.stats, generation.tokens
             answer = TextStream(models.target).feed(tokens)      # an incomplete last character held back
             threads = models.target.n_threads
-            report = getattr(models.target, "thread_report", None)
-            thread_use = report() if report is not None else None
+            thread_use = models.target.thread_report()
         finally:
             models.close()
     finally:

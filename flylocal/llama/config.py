@@ -11,8 +11,8 @@ class RuntimeConfig:
     n_batch: int = 512
     n_threads: int | None = None   # None: auto (flylocal.llama.threads); 0: all cores; N: N threads
     n_gpu_layers: int = 0
-    n_seq: int = 1                 # sequences, each with up to n_ctx cells (a server's --parallel slots)
-    auto_seq: int = 4              # n_seq 0 (--parallel auto): as many as memory holds, at most this many
+    n_seq: int = 1                 # sequences, each with up to n_ctx cells (a server's --parallel slots;
+                                   # --parallel auto is resolved by the loader, flylocal.loader)
     # Several sequences in one cache: False, a stream of cells per sequence (bit-exact beside
     # others in the exact build; uneven decodes run as several computations); True, llama.cpp's
     # unified KV cache (one computation per decode; every row attends over every sequence's cells).

@@ -27,6 +27,7 @@ import ctypes
 import hashlib
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -36,12 +37,12 @@ from flylocal.llama import kernels
 from flylocal.llama.binding import KERNELS, interrupts_deferred, last_error, llama_cpp, logits_address
 from flylocal.llama.config import RuntimeConfig
 from flylocal.llama.devices import gpu_offload, system_info
-from flylocal.llama.model import Model
-from flylocal.host import usable_cores
-from flylocal.decoding.costs.meter import MIN_WALL, CpuLoad
+from flylocal.llama.model import Model, memory_problem
+from flylocal.gguf_info import read_layout
+from flylocal.llama import placement
+from flylocal.host import MIN_WALL, CpuLoad, usable_cores
 from flylocal.llama.threads import ThreadControl, candidates, keep_count, known_count
 
-AUTO_SEQ = 4          # --parallel auto: at most this many sequences
 CONTROL_ROWS = 32     # decodes up to this many rows steer --threads auto (a round, a draft step)
 LOAD_PERIOD = 1.0     # seconds over which --threads auto reads how busy other processes keep the cores
 
@@ -54,6 +55,20 @@ def flash_attn_type(mode: str, remote: bool = False) -> int:
     if mode == "off" or remote or KERNELS == kernels.EXACT:
         return llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     return llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
+
+
+def sequences_that_fit(path, config: RuntimeConfig, most: int) -> int:
+    """`--parallel auto`, as the loader resolves it (flylocal.loader): the most sequences of
+    `config.n_ctx` cells each, up to `most`, that this machine has memory for (Model.check_memory's
+    rule, on the shape the model's header gives, before it loads); 1 when no more fit. On rpc
+    servers, `most`: their memory is theirs to judge."""
+    if most <= 1:
+        return 1
+    if config.rpc:
+        return most
+    flash = flash_attn_type(config.flash_attn) != llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    shape = placement.shape(read_layout(Path(path)))
+    return next((n for n in range(most, 1, -1) if not memory_problem(shape, config, flash, Path(path).name, n)), 1)
 
 
 def cost_key(model: Model, config: RuntimeConfig, threads: int, n_batch: int) -> dict:
@@ -87,11 +102,9 @@ class Context:
         cparams = llama_cpp.llama_context_default_params()
         cparams.flash_attn_type = flash_attn_type(config.flash_attn, remote=bool(config.rpc))
         flash = cparams.flash_attn_type != llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        n_seq = config.n_seq
-        if n_seq == 0:                      # auto: as many sequences as memory holds, up to auto_seq
-            n_seq = next((n for n in range(min(AUTO_SEQ, config.auto_seq), 1, -1) if config.rpc or
-                          not model.memory_problem(flash, n_vocab, n)), 1)
-        n_seq = self.n_seq = max(n_seq, 1)
+        n_seq = self.n_seq = config.n_seq
+        if n_seq < 1:
+            raise ValueError(f"a context of {n_seq} sequences")
         cparams.n_ctx = config.n_ctx * n_seq
         cparams.n_batch = config.n_batch
         cparams.n_ubatch = config.n_batch

@@ -107,15 +107,20 @@ class Model:
 
     def memory_problem(self, flash: bool, n_vocab: int, slots: int = 1) -> str | None:
         """The one line saying why `slots` contexts of --ctx cells do not fit here, or None."""
-        shape = self.shape(n_vocab)
-        share, free = 0.0, None
-        if self.config.n_gpu_layers and gpu_offload():
-            gpus = [d for d in local_devices() if d.name != "CPU"]
-            if gpus:
-                share = min(self.config.n_gpu_layers, shape.n_layer) / max(shape.n_layer, 1)
-                free = sum(d.free for d in gpus)
-        return memory.check(shape, self.config.n_ctx, self.config.n_batch, flash, self.name, gpu_share=share,
-                            gpu_free=free, slots=slots)
+        return memory_problem(self.shape(n_vocab), self.config, flash, self.name, slots)
+
+
+def memory_problem(shape: memory.Shape, config: RuntimeConfig, flash: bool, name: str, slots: int = 1) -> str | None:
+    """The one line saying why `slots` contexts of `config`'s --ctx cells do not fit for a
+    model of `shape`, with `config`'s layers offloaded, or None (flylocal.llama.memory)."""
+    share, free = 0.0, None
+    if config.n_gpu_layers and gpu_offload():
+        gpus = [d for d in local_devices() if d.name != "CPU"]
+        if gpus:
+            share = min(config.n_gpu_layers, shape.n_layer) / max(shape.n_layer, 1)
+            free = sum(d.free for d in gpus)
+    return memory.check(shape, config.n_ctx, config.n_batch, flash, name, gpu_share=share, gpu_free=free,
+                        slots=slots)
 
 
 def quantize(src: Path, dst: Path, qtype: str, threads: int = 0) -> None:

@@ -40,9 +40,11 @@ class Placement:
 
 
 def shape(layout: Layout) -> memory.Shape:
+    """What of the model at `layout` decides its context's size: what the loaded model's
+    `Model.shape` reads, read from its header."""
     return memory.Shape(n_layer=layout.n_layer, n_head=layout.n_head, n_head_kv=layout.n_head_kv,
                         key_width=layout.key_width, value_width=layout.value_width, n_vocab=layout.n_vocab,
-                        model_bytes=sum(layout.layer_bytes) + layout.output_bytes)
+                        model_bytes=layout.model_bytes)
 
 
 def fit(layout: Layout, n_ctx: int, n_batch: int, budget: int, flash: bool = True) -> Fit:

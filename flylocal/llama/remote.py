@@ -204,6 +204,7 @@ class RemoteContext:
 
     # ----- one sequence, as the decoding core's Sequences (a server's one slot) -----
     n_seq = 1
+    decoded_on = None           # the servers decode on their own threads (contracts.Target.decoded_on)
 
     @property
     def past(self) -> list[int]:

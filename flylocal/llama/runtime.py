@@ -19,6 +19,7 @@ import os
 
 import numpy as np
 
+from flylocal.decoding import contracts
 from flylocal.decoding.contracts import Target
 from flylocal.llama.config import RuntimeConfig
 from flylocal.llama.context import Context
@@ -26,8 +27,9 @@ from flylocal.llama.model import Model
 from flylocal.llama.vocab import Vocabulary
 
 
-class Runtime(Target):
-    """A loaded model with one context (sequence 0): its text, its decodes, its rollback."""
+class Runtime(Target, contracts.Vocabulary):
+    """A loaded model with one context: its text, its decodes, its rollback. As a Target it is
+    sequence 0 of the context; `sequence(s)` is any one of them."""
 
     def __init__(self, path: str | os.PathLike, config: RuntimeConfig = RuntimeConfig(), *, remote: bool = False):
         self.model = self.context = None
@@ -38,7 +40,7 @@ class Runtime(Target):
             rpc.check_servers(config.rpc)   # one line naming a server that does not answer, in seconds
         load = None
         if not remote and config.n_threads is None:    # --threads auto reads the load from here on
-            from flylocal.decoding.costs.meter import CpuLoad
+            from flylocal.host import CpuLoad
 
             load = CpuLoad()
             load.start()
@@ -82,7 +84,7 @@ class Runtime(Target):
     @property
     def decoded_on(self) -> int | None:
         """The thread count of the last decode (None: on rpc servers)."""
-        return getattr(self.context, "decoded_on", None)
+        return self.context.decoded_on
 
     def thread_report(self) -> dict:
         """--threads auto: the count now, decodes at each count, other processes' load and each
@@ -93,14 +95,14 @@ class Runtime(Target):
                     "moves": [{"at_s": 0.0, "count": self.n_threads, "why": "as given"}]}
         return control.report()
 
-    def decode(self, tokens, logits_from: int | None = None, *, seq: int = 0) -> np.ndarray | None:
-        return self.context.decode(tokens, logits_from, seq=seq)
+    def decode(self, tokens, logits_from: int | None = None) -> np.ndarray | None:
+        return self.context.decode(tokens, logits_from)
 
-    def truncate(self, n_keep: int, *, seq: int = 0) -> None:
-        self.context.truncate(n_keep, seq=seq)
+    def truncate(self, n_keep: int) -> None:
+        self.context.truncate(n_keep)
 
-    def reuse_prefix(self, tokens: np.ndarray, *, seq: int = 0) -> int:
-        return self.context.reuse_prefix(tokens, seq=seq)
+    def reuse_prefix(self, tokens: np.ndarray) -> int:
+        return self.context.reuse_prefix(tokens)
 
     def reset(self) -> None:
         self.context.reset()
@@ -208,7 +210,7 @@ class Runtime(Target):
         self.close()
 
 
-class Sequence(Target):
+class Sequence(Target, contracts.Vocabulary):
     """Sequence `seq` of a Runtime's context as a Target of its own: its cells, its n_past, its
     rollback and prefix reuse; the model, vocabulary and cost curve are the Runtime's."""
 
@@ -216,9 +218,7 @@ class Sequence(Target):
         self.runtime, self.seq = runtime, seq
         self.n_ctx, self.n_batch, self.n_vocab = runtime.n_ctx, runtime.n_batch, runtime.n_vocab
         self.name = runtime.name
-
-    def __getattr__(self, name):           # text, the vocabulary, the curve: the Runtime's
-        return getattr(self.runtime, name)
+        self.bos, self.add_bos = runtime.bos, runtime.add_bos
 
     @property
     def n_past(self) -> int:
@@ -236,20 +236,37 @@ class Sequence(Target):
     def eog_mask(self) -> np.ndarray:
         return self.runtime.eog_mask
 
-    def decode(self, tokens, logits_from: int | None = None, *, seq: int = 0) -> np.ndarray | None:
+    @property
+    def decoded_on(self) -> int | None:
+        return self.runtime.decoded_on
+
+    def decode(self, tokens, logits_from: int | None = None) -> np.ndarray | None:
         return self.runtime.context.decode(tokens, logits_from, seq=self.seq)
 
-    def truncate(self, n_keep: int, *, seq: int = 0) -> None:
+    def truncate(self, n_keep: int) -> None:
         self.runtime.context.truncate(n_keep, seq=self.seq)
 
-    def reuse_prefix(self, tokens: np.ndarray, *, seq: int = 0) -> int:
+    def reuse_prefix(self, tokens: np.ndarray) -> int:
         return self.runtime.context.reuse_prefix(tokens, seq=self.seq)
-
-    def tokenize(self, text, add_special: bool = True, parse_special: bool = False) -> np.ndarray:
-        return self.runtime.tokenize(text, add_special, parse_special)
 
     def cost_key(self) -> dict:
         return self.runtime.cost_key()
 
     def steady(self):
         return self.runtime.steady()
+
+    def thread_report(self) -> dict:
+        return self.runtime.thread_report()
+
+    # ----- text (the Runtime's) -----
+    def tokenize(self, text, add_special: bool = True, parse_special: bool = False) -> np.ndarray:
+        return self.runtime.tokenize(text, add_special, parse_special)
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        return self.runtime.piece(token, special)
+
+    def is_control(self, token: int) -> bool:
+        return self.runtime.is_control(token)
+
+    def control_ids(self) -> dict[bytes, int]:
+        return self.runtime.control_ids()

@@ -17,7 +17,7 @@ way the draft-length controller measures acceptance:
   measured slow during a passing load is tried again within a generation, and probing costs
   next to nothing on a machine whose load stays as it is;
 - counts above the cores other work leaves free are never used nor tried (`load`): the cores
-  other processes kept busy (/proc/stat, flylocal.decoding.costs.meter) over the last second or
+  other processes kept busy (/proc/stat, flylocal.host.CpuLoad) over the last second or
   so of decoding, rounded, are taken off. On a core another runnable process shares, a thread
   that waits for its peers at each of a decode's hundreds of barriers waits a scheduler slice
   there: measured with two unpinned busy loops on 2 cores, a single-token decode on 2 threads

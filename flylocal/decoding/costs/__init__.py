@@ -1,6 +1,6 @@
 """The cost model (docs/design.md, "Cost model"): what a decode of n rows costs on one loaded
 model, as decisions see it (curve), how it is calibrated (calibration), what a curve can be
-(shape), how busy other work kept the cores (meter), and the disk cache (store)."""
+(shape), and the disk cache (store). How busy other work kept the cores is flylocal.host's `CpuLoad`."""
 
 from flylocal.decoding.costs.calibration import BUDGET, CALIBRATION_SIZES
 from flylocal.decoding.costs.curve import EXPLORE, STALE, SWITCH_PRIOR, CostCurve, Source, State

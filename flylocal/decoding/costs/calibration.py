@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flylocal.decoding.costs import meter as meters
+from flylocal import host
 from flylocal.decoding.costs.shape import SWITCH_MAX, distortion, median
 from flylocal.host import usable_cores
 
@@ -46,7 +46,7 @@ def calibrate(timed_decode, max_rows: int, limit: int | None = None, meter=None,
     other starts (but for the two sizes a curve needs): what was measured is kept, provisional
     unless its passes agreed. None when fewer than two sizes could be timed."""
     sizes = sorted(s for s in set(CALIBRATION_SIZES) | {max_rows} if limit is None or s <= limit)
-    meter = meter if meter is not None else meters.CpuLoad()
+    meter = meter if meter is not None else host.CpuLoad()
     samples: dict[int, list[float]] = {rows: [] for rows in sizes}
     back: list[float] = []                  # single steps right after a larger decode
     steady: list[float] = []                # single steps right after a single step
@@ -93,7 +93,7 @@ def calibrate(timed_decode, max_rows: int, limit: int | None = None, meter=None,
                                   f"{budget:g} s)" + (f"; {disagree}" if disagree else ""))
         else:
             problem = problem or disagree or "a size was measured fewer than twice"
-    if busy is not None and busy > meters.QUIET:
+    if busy is not None and busy > host.QUIET:
         problem = problem or f"{busy:.2f} cores were busy with other work"
     if anchor is not None and best[sizes[0]] > SLOWER * anchor:
         problem = problem or f"a single step took {best[sizes[0]] / anchor:.1f}x the rounds' just before"

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flylocal.decoding.costs import meter as meters
+from flylocal import host
 from flylocal.decoding.costs import store
 from flylocal.decoding.costs.calibration import BUDGET, CALIBRATION_SIZES, calibrate
 from flylocal.decoding.costs.shape import PHYSICS, SWITCH_MAX, distortion, interpolate, median, plausible, prior_shape
@@ -118,7 +118,7 @@ class CostCurve:
         # kept by the runtime), in a period other work left the cores alone (`_period`).
         self.on_key = True
         self.keep: dict[int, list[float]] = {}
-        self._period: meters.CpuLoad | None = None
+        self._period: host.CpuLoad | None = None
         self.rejected = 0                                    # round times dropped as stalls
         self.explored = 0                                    # rounds run at a stale size
         self.spent = 0.0                                     # seconds those rounds lost
@@ -261,7 +261,7 @@ class CostCurve:
         self.decoded_s += seconds
         self._speed = None
         if self._period is None and self.key is not None:
-            self._period = meters.CpuLoad()
+            self._period = host.CpuLoad()
             self._period.start()
         if rows == 1:
             self.anchors = (self.anchors + [(self.decoded_s, seconds)])[-ANCHORS:]
@@ -411,7 +411,7 @@ class CostCurve:
         out = np.full(max(len(self.base), max(self.keep, default=0)), np.nan)
         busy = self._period.stop() if self._period is not None else None
         self._period = None
-        if busy is not None and busy > meters.QUIET:
+        if busy is not None and busy > host.QUIET:
             self.keep.clear()
             return out
         for n, values in self.keep.items():

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flylocal.decoding.contracts import EMPTY, NO_DRAFT, Draft, Drafter
+from flylocal.decoding.contracts import EMPTY, NO_DRAFT, Draft, Drafter, Vocabulary
 
 BACK = 4          # draft ids behind the end of the text that may still change
 MAX_SPAN = 64     # draft ids between checkpoints before one is forced at a target token boundary
@@ -52,7 +52,7 @@ class Tokenizer:
 
     LEAD = b"\n"
 
-    def __init__(self, vocab):
+    def __init__(self, vocab: Vocabulary):
         self.vocab = vocab
         self.lead = 0          # bytes of pieces before the text: 0, or the space and LEAD
         if self._text(self._raw(b"a")) == b" a":
@@ -106,11 +106,10 @@ class TextBridge:
     """The draft's token sequence for the target's committed tokens, kept up to date
     incrementally, and the way back from draft tokens to target tokens.
 
-    `target` and `draft` are vocabularies: Runtimes, or anything with `piece(t, special)`,
-    `tokenize(bytes, add_special, parse_special)`, `is_control(t)`, `control_ids()`,
-    `bos`, `add_bos` and `eog_mask`."""
+    `target` and `draft` are vocabularies (contracts.Vocabulary): Runtimes, or the tests'
+    literal tables."""
 
-    def __init__(self, target, draft):
+    def __init__(self, target: Vocabulary, draft: Vocabulary):
         self.target, self.draft = target, draft
         self.t_ids = EMPTY                 # [n] int32 the target tokens translated so far
         self.d_ids: list[int] = []         # their draft ids

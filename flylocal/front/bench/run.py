@@ -189,7 +189,7 @@ def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, human
     """`flylocal bench`: check everything that can be checked before a model loads, load the
     models through the loader like every command, run, and write the results. Returns the
     report's text."""
-    from flylocal.decoding.costs.meter import CpuLoad
+    from flylocal.host import CpuLoad
     from flylocal.loader import load, runtime_config
 
     if execute and not humaneval:
