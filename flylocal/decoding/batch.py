@@ -25,7 +25,6 @@ from typing import Callable
 
 import numpy as np
 
-from flylocal.decoding.adaptive import timed_decode
 from flylocal.decoding.contracts import Sequences, reusable_prefix
 from flylocal.decoding.engine import Engine, Generation, Request, RoundEvent
 from flylocal.decoding.round import Round
@@ -150,11 +149,15 @@ class Batch:
         # A seeded request's output must not follow what else runs (a loose verifier's follows its
         # drafts): its drafter cuts its own drafts as alone, and they are verified whole.
         shared = not engine.config.pin_costs
-        gen = engine.generate(prompt, on_end=on_end, grammar=grammar)
-        req = engine.start(np.asarray(prompt, dtype=np.int32), gen)
+        prompt = engine.checked(prompt)
+        gen = Generation(prompt, on_end, grammar)
+        req = engine.start(prompt, gen)
         try:
             engine.prefill(req)
-            self._calibrate(engine, req)
+            # the target's cost curve known up to the decodes a full batch makes (measured once
+            # per curve, on this member's sequence)
+            target = self.target
+            engine.calibrate(req, target.costs, min(target.n_batch, target.n_seq * (engine.config.k + 1)))
         except BaseException:
             engine.stop(req, "error")
             engine.drafter.share(False)
@@ -162,20 +165,6 @@ class Batch:
             raise
         self.members[seq] = Member(seq, engine, gen, req, self.clock(), shared)
         return gen
-
-    def _calibrate(self, engine: Engine, req: Request) -> None:
-        """The target's cost curve known up to the decodes a full batch makes (measured once per
-        curve, on this member's sequence, its prompt in first; cached on disk like any)."""
-        target, seq = self.target, engine.target
-        rows = min(target.n_batch, target.n_seq * (engine.config.k + 1))
-
-        def probe(n: int) -> float:
-            if len(req.head):
-                seq.decode(req.head)
-                req.head = req.head[:0]
-            return timed_decode(seq, int(req.prompt[-1]), n, self.clock)
-
-        target.costs.ensure(probe, max_rows=rows, limit=target.n_batch, recalibrate=engine.config.recalibrate)
 
     def leave(self, gen: Generation, why: str = "interrupted") -> None:
         """Stop a member now (its client went away): its sequence is free from the next round."""

@@ -33,6 +33,7 @@ from flylocal.decoding.verifiers.base import emitted_tokens
 from flylocal.errors import FlylocalError
 
 if TYPE_CHECKING:
+    from flylocal.decoding.costs import CostCurve
     from flylocal.decoding.grammar import Constraint, Grammar
 
 # How each committed token came to be, and the letter a stream marks it with (docs/design.md, "Server").
@@ -101,27 +102,30 @@ class Generation:
     final once iteration ends or `close()` is called, whether the request ran to its end, was
     interrupted (Ctrl-C, a closed client) or failed. `on_end(generation)` is called once then."""
 
-    def __init__(self, engine: Engine, prompt: np.ndarray, on_end: Callable[[Generation], None] | None = None,
-                 grammar: Grammar | None = None):
+    def __init__(self, prompt: np.ndarray, on_end: Callable[[Generation], None] | None = None,
+                 grammar: Grammar | None = None, engine: Engine | None = None):
+        """With `engine`, iterating runs its rounds (`Engine.generate`); without, the rounds are
+        run elsewhere (flylocal.decoding.batch) and this only collects what they give."""
         self.stats = Stats(prompt_tokens=len(prompt))
         self.tokens: list[int] = []
         self._on_end = on_end
         self._ended = False
         self.constraint = grammar.start() if grammar is not None else None   # the grammar's state
-        self._rounds = engine._rounds(prompt, self)
+        self._rounds = engine._rounds(prompt, self) if engine is not None else None
 
     def __iter__(self) -> Iterator[RoundEvent]:
-        return self._rounds
+        return self._rounds if self._rounds is not None else iter(())
 
     def run(self) -> Generation:
         """Run to the end (or until an error, which is raised)."""
-        for _ in self._rounds:
+        for _ in self:
             pass
         return self
 
     def close(self) -> None:
         """Stop here; the caches stay consistent with what was yielded."""
-        self._rounds.close()
+        if self._rounds is not None:
+            self._rounds.close()
         if not self.stats.stop:        # closed before it started
             self.stats.stop = "interrupted"
         self._end()
@@ -159,13 +163,18 @@ class Engine:
         """Generate after `prompt` [n] int32, every committed token allowed by `grammar` when
         one is given. Checks the prompt at once (FlylocalError); the work happens as the
         Generation is iterated."""
+        prompt = self.checked(prompt)
+        return Generation(prompt, on_end, grammar, engine=self)
+
+    def checked(self, prompt) -> np.ndarray:
+        """`prompt` as int32 ids [n], or FlylocalError when it is empty or the context cannot hold it."""
         prompt = np.asarray(prompt, dtype=np.int32)
         if len(prompt) == 0:
             raise FlylocalError("the prompt is empty")
         if len(prompt) >= self.target.n_ctx:
             raise FlylocalError(
                 f"the prompt is {len(prompt)} tokens, longer than the context (--ctx {self.target.n_ctx})")
-        return Generation(self, prompt, on_end, grammar)
+        return prompt
 
     def _rounds(self, prompt: np.ndarray, gen: Generation) -> Iterator[RoundEvent]:
         req = self.start(prompt, gen)
@@ -268,6 +277,15 @@ class Engine:
         req.head = prompt[reused:-1]
         if self.costs is None:
             return None
+        known = self.costs.source != Source.NONE
+        self.calibrate(req, self.costs, self.config.k + 1)
+        return "reused" if known else self.costs.source.value
+
+    def calibrate(self, req: Request, curve: CostCurve, max_rows: int) -> None:
+        """`curve`, the target's, known up to decodes of `max_rows` rows: read from the disk
+        cache, or measured now on this request's target (its sequence, in a batch) after its
+        prompt, which a probe needs in the cache (docs/design.md, "Cost model")."""
+        target, prompt = self.target, req.prompt
 
         def probe(rows: int) -> float:
             if len(req.head):
@@ -275,9 +293,7 @@ class Engine:
                 req.head = req.head[:0]
             return timed_decode(target, int(prompt[-1]), rows, self.clock)
 
-        known = self.costs.source != Source.NONE
-        self.costs.ensure(probe, max_rows=self.config.k + 1, limit=target.n_batch, recalibrate=self.config.recalibrate)
-        return "reused" if known else self.costs.source.value
+        curve.ensure(probe, max_rows=max_rows, limit=target.n_batch, recalibrate=self.config.recalibrate)
 
     def _finished(self, req: Request) -> bool:
         """Whether the request has stopped; the output's length and the context's end are
