@@ -315,6 +315,28 @@ def test_an_integer_has_at_most_16_digits_unless_its_schema_bounds_it():
         assert accepts(g, ok) and not accepts(g, long), ok
 
 
+def test_an_object_that_names_its_keys_allows_no_others_unless_it_says_so():
+    # Clients send pydantic's and zod's schemas without additionalProperties; as llama.cpp reads
+    # them, the keys they name are all there is (docs/design.md, "Grammars").
+    def g(**schema):
+        return G.Grammar(VOCAB, G.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, **schema}), "s")
+
+    closed, opened, typed = g(), g(additionalProperties=True), g(additionalProperties={"type": "integer"})
+    for grammar, extra in [(closed, False), (opened, True), (typed, True)]:
+        assert accepts(grammar, '{"a": 1}') and accepts(grammar, "{}")
+        assert accepts(grammar, '{"a": 1, "b": 2}') == extra and accepts(grammar, '{"b": 2}') == extra
+        assert not accepts(grammar, '{"a": 1, "a": 2}')          # a key it names never appears twice
+    assert not accepts(typed, '{"b": "x"}') and accepts(opened, '{"b": "x"}')
+    # At any depth, in a tool's arguments as in a response format: pydantic's nested models.
+    nested = G.Grammar(VOCAB, G.json_schema({"type": "object", "properties": {"a": {"$ref": "#/$defs/B"}},
+                                             "$defs": {"B": {"type": "object", "properties": {"b": {"type": "integer"}}}}}), "s")
+    assert accepts(nested, '{"a": {"b": 1}}') and not accepts(nested, '{"a": {"b": 1, "c": 2}}')
+    assert not accepts(nested, '{"a": {"b": 1}, "c": 2}')
+    # An object that names no keys is any object, as {"type": "object"} has always meant.
+    for anything in (G.Grammar(VOCAB, G.json_schema({"type": "object"}), "s"), G.Grammar(VOCAB, G.json_object(), "s")):
+        assert accepts(anything, '{"b": 2, "c": [1]}')
+
+
 def test_a_grammar_that_allows_nothing_the_vocabulary_can_write_says_where():
     # No token spells "q": after "ab" nothing can be written (llguidance says "NoExtensionBias").
     grammar = G.Grammar(VOCAB, G.grammar_text('start: "ab" "q"'), "the grammar")

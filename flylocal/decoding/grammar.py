@@ -135,6 +135,9 @@ _SCHEMAS = ("items", "additionalProperties", "additionalItems", "then", "else")
 # intersection, or says nothing): the schemas within it are.
 _COMPOSED = ("$ref", "anyOf", "oneOf", "allOf", "const", "enum")
 _ANY = "flylocal_any"                     # the bounded "any value", in the root's $defs
+# An object schema that names its keys with one of these and says nothing of others allows no
+# others (docs/design.md, "Grammars"): llama.cpp's rule, for clients that leave the key out.
+_NAMING = ("properties", "patternProperties")
 
 
 def bounded(schema: dict) -> dict:
@@ -142,7 +145,12 @@ def bounded(schema: dict) -> dict:
     integral digits where it leaves them open: a side the schema bounds itself keeps its own
     bound, a side it leaves open lies at ±10**16 (unless the other side's bound lies past
     it), and any value it allows ({}, true, an object's other properties, an array's items
-    when not given) is one whose numbers, at any depth, are bounded likewise."""
+    when not given) is one whose numbers, at any depth, are bounded likewise.
+
+    Objects are closed unless they say otherwise: one that names its keys (`properties`,
+    `patternProperties`) and gives no `additionalProperties` allows no other keys; one that
+    names none (`{"type": "object"}`) is any object, and so is a branch of an `allOf`, whose
+    keys the other branches name."""
     limit = 10**DIGITS
     ref = {"$ref": f"#/$defs/{_ANY}"}
     used = []
@@ -150,7 +158,7 @@ def bounded(schema: dict) -> dict:
     def number(v) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-    def walk(node):
+    def walk(node, branch: bool = False):
         if node is True:
             used.append(True)
             return ref
@@ -162,7 +170,7 @@ def bounded(schema: dict) -> dict:
                 out[key] = {name: walk(v) for name, v in out[key].items()}
         for key in _SCHEMA_LISTS:
             if isinstance(out.get(key), list):
-                out[key] = [walk(v) for v in out[key]]
+                out[key] = [walk(v, key == "allOf") for v in out[key]]
         for key in _SCHEMAS:
             if isinstance(out.get(key), (dict, bool)):
                 out[key] = walk(out[key])
@@ -178,8 +186,11 @@ def bounded(schema: dict) -> dict:
             if high is None and (low is None or number(low) and low < limit):
                 out["exclusiveMaximum"] = limit
         if "object" in types and "additionalProperties" not in out:
-            used.append(True)
-            out["additionalProperties"] = ref
+            if branch or not any(key in out for key in _NAMING):
+                used.append(True)
+                out["additionalProperties"] = ref
+            else:
+                out["additionalProperties"] = False
         if "array" in types and "items" not in out:
             used.append(True)
             out["items"] = ref
