@@ -373,8 +373,9 @@ OPTIONS = {o.name: o for o in [
     Option("min_p", ("--min-p",), "Drop tokens below this fraction of the top probability (0: off).",
            type=Number(min=0.0, max=1.0), to="sampling"),
     Option("repeat_penalty", ("--repeat-penalty",),
-           "Penalty on the last 64 committed tokens (1: off); rejected drafts never count.",
-           type=Number(min=0.0, min_open=True), to="sampling"),
+           "Penalty on the last 64 committed tokens (1: off; 0.01 to 100, past which a logit is scaled "
+           "to nothing or past float range); rejected drafts never count.",
+           type=Number(min=0.01, max=100.0), to="sampling"),
     Option("frequency_penalty", ("--frequency-penalty",),
            "Subtracted from a token's logit once per time it occurs in the last 64 committed tokens "
            "(0: off; OpenAI's and llama.cpp's frequency penalty).", type=Number(min=-2.0, max=2.0), to="sampling"),

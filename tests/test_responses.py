@@ -124,9 +124,13 @@ def test_built_in_tools_and_reasoning_are_refused_by_name(client, server):
     with pytest.raises(BadRequestError) as e:
         client.responses.create(model=SMOL, input="hi", tools=[{"type": "web_search"}], max_output_tokens=4)
     assert "tools[0].type" in e.value.message
+    with pytest.raises(BadRequestError) as e:     # no reasoning to summarize
+        client.responses.create(model=SMOL, input="hi", reasoning={"effort": "high", "summary": "auto"},
+                                max_output_tokens=4)
+    assert "reasoning.summary" in e.value.message
     with pytest.raises(BadRequestError) as e:
-        client.responses.create(model=SMOL, input="hi", reasoning={"effort": "high"}, max_output_tokens=4)
-    assert "reasoning" in e.value.message
+        client.responses.create(model=SMOL, input="hi", include=["file_search_call.results"], max_output_tokens=4)
+    assert "include[0]" in e.value.message
     with pytest.raises(BadRequestError) as e:
         client.responses.create(model=SMOL, input=[{"type": "input_image", "image_url": "x"}], max_output_tokens=4)
     assert "input[0]" in e.value.message
@@ -139,9 +143,67 @@ def test_built_in_tools_and_reasoning_are_refused_by_name(client, server):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"   # store: false
 
 
+def test_an_effort_is_honoured_by_no_reasoning_and_logprobs_are_included(client):
+    question = prompt("qa-capital")
+    made = client.responses.create(model=SMOL, input=question, max_output_tokens=12, temperature=0,
+                                   reasoning={"effort": "low"}, include=["message.output_text.logprobs"],
+                                   top_logprobs=2, extra_body=STRICT)
+    assert made.reasoning.effort == "low" and made.usage.output_tokens_details.reasoning_tokens == 0
+    chat = client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": question}], max_tokens=12,
+                                          temperature=0, logprobs=True, top_logprobs=2, reasoning_effort="low",
+                                          extra_body=STRICT)
+    assert chat.usage.completion_tokens_details.reasoning_tokens == 0
+    logprobs = made.output[0].content[0].logprobs
+    assert [(p.token, p.logprob) for p in logprobs] == [(c.token, c.logprob) for c in chat.choices[0].logprobs.content]
+    assert all(len(p.top_logprobs) == 2 and p.top_logprobs[0].logprob >= p.logprob for p in logprobs)
+    events = list(client.responses.create(model=SMOL, input=question, max_output_tokens=12, temperature=0, stream=True,
+                                          include=["message.output_text.logprobs"], extra_body=STRICT))
+    streamed = [p.token for e in events if e.type == "response.output_text.delta" for p in e.logprobs]
+    assert streamed == [p.token for p in logprobs]
+    plain = client.responses.create(model=SMOL, input=question, max_output_tokens=4)
+    assert plain.output[0].content[0].logprobs == []
+
+
+def test_truncation_auto_drops_the_oldest_items_to_fit(client):
+    from openai import BadRequestError
+
+    items = [{"role": "user" if i % 2 == 0 else "assistant",
+              "content": f"Note {i}: " + "the river runs past the old mill and the bridge. " * 6} for i in range(30)]
+    items.append({"role": "user", "content": "Say hi."})
+    with pytest.raises(BadRequestError) as e:
+        client.responses.create(model=SMOL, input=items, max_output_tokens=8)
+    assert e.value.code == "context_length_exceeded"
+    made = client.responses.create(model=SMOL, input=items, max_output_tokens=8, truncation="auto")
+    assert made.truncation == "auto" and made.usage.input_tokens <= 1024 - 8
+    assert made.usage.input_tokens > 1024 // 2        # the oldest went; as many as fit stayed
+
+
+def test_input_items_are_listed_in_pages(client, server):
+    from openai import NotFoundError
+
+    items = [{"role": "user", "content": f"Item {i}."} for i in range(5)]
+    made = client.responses.create(model=SMOL, input=items, max_output_tokens=2)
+    listed = client.responses.input_items.list(made.id)
+    assert [i.content[0].text for i in listed.data] == [f"Item {i}." for i in reversed(range(5))]   # desc
+    assert listed.data[0].type == "message" and listed.data[0].role == "user" and listed.data[0].id
+    ascending = client.responses.input_items.list(made.id, order="asc", limit=2)
+    assert [i.content[0].text for i in ascending.data] == ["Item 0.", "Item 1."] and ascending.has_more
+    texts = [i.content[0].text for i in client.responses.input_items.list(made.id, order="asc", limit=2)]   # pages on
+    assert texts == [f"Item {i}." for i in range(5)]
+    after = client.responses.input_items.list(made.id, order="asc", after=ascending.last_id)
+    assert [i.content[0].text for i in after.data] == ["Item 2.", "Item 3.", "Item 4."] and not after.has_more
+    one = client.responses.create(model=SMOL, input="Just this.", max_output_tokens=2)
+    assert [i.content[0].text for i in client.responses.input_items.list(one.id)] == ["Just this."]
+    with pytest.raises(NotFoundError):
+        client.responses.input_items.list("resp_unknown")
+    bad = httpx.get(server + f"/v1/responses/{made.id}/input_items?limit=500", headers={"Authorization": f"Bearer {KEY}"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+
+
 def test_the_agents_sdk_runs_on_its_default_model_path(server):
     from openai import AsyncOpenAI
     from agents import Agent, ModelSettings, Runner, function_tool, set_default_openai_client, set_tracing_disabled
+    from openai.types.shared import Reasoning
 
     set_tracing_disabled(True)
     calls = []
@@ -156,7 +218,7 @@ def test_the_agents_sdk_runs_on_its_default_model_path(server):
         set_default_openai_client(AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0),
                                   use_for_tracing=False)
         plain = Agent(name="plain", instructions="Answer briefly.", model=SMOL,
-                      model_settings=ModelSettings(max_tokens=24))
+                      model_settings=ModelSettings(max_tokens=24, reasoning=Reasoning(effort="low")))
         said = await Runner.run(plain, prompt("qa-capital"))
         tooled = Agent(name="tooled", instructions="Use the tools.", model=SMOL, tools=[get_weather],
                        tool_use_behavior="stop_on_first_tool",

@@ -73,6 +73,15 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ({"service_tier": "flex"}, "service_tier", "flex"), ({"functions": []}, "functions", "functions"),
     ({"stream_options": {"include_usage": True}}, None, "stream: true"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", ""),
+    ({"repeat_penalty": 1e-320}, "repeat_penalty", ""),          # was accepted: garbage, and logprob null
+    ({"repeat_penalty": 1e9}, "repeat_penalty", ""),
+    ({"metadata": {"k" * 65: "v"}}, "metadata", "64 characters"),
+    ({"metadata": {"k": "v" * 513}}, "metadata", "at most 512"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16"),
+    ({"user": "u" * 100_000}, "user", "at most 512"),
+    ({"reasoning_effort": "maximal"}, "reasoning_effort", ""),
+    ({"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {}}}}, "response_format",
+     "type json_object takes none"),
 ])
 def test_fields_flylocal_cannot_honour_are_400_naming_the_field_and_value(fields, param, words):
     with pytest.raises(ApiError) as e:
@@ -427,11 +436,39 @@ def ollama_request(raw: bytes, n_ctx: int = 1024):
     (b'{"template": "{{ .Prompt }}"}', "template: "),                      # was ignored
     (b'{"context": [1, "x"]}', "context.1"),
     (b'{"context": [1, true]}', "context.1"),
+    (b'{"optoins": {"temperature": 0}}', "flylocal does not support the field 'optoins'"),    # were ignored
+    (b'{"temperature": 0}', "temperature: an option; ollama takes it in \"options\""),
+    (b'{"seed": 3}', "seed: an option"),
+    (b'{"k": 3}', "k: an option"),
+    (b'{"width": 512}', "flylocal does not support the field 'width'"),
+    (b'{"top_logprobs": 21, "logprobs": true}', "top_logprobs: 21"),
 ])
 def test_ollama_fields_flylocal_cannot_honour_are_400_naming_them(raw, field):
     with pytest.raises(ApiError) as e:
         ollama_request(raw)
     assert e.value.status == 400 and e.value.message.startswith(field), e.value.message
+
+
+@pytest.mark.parametrize("message,field", [
+    ({"role": "user", "content": "hi", "nmae": "x"}, "messages.0.nmae"),
+    ({"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {}}, "extra": 1}]},
+     "messages.0.tool_calls.0.extra"),
+])
+def test_an_ollama_message_with_a_key_it_does_not_know_is_refused_by_name(message, field):
+    import json
+
+    from flylocal.front.serve.app import parse_request
+    from flylocal.front.serve.ollama import ChatRequest as OllamaChat
+
+    with pytest.raises(ApiError) as e:
+        parse_request(OllamaChat, json.dumps({"messages": [message]}).encode())
+    assert e.value.status == 400 and e.value.param == field, e.value.message
+    # What ollama's and LangChain's clients send in a conversation is taken.
+    sent = [{"role": "assistant", "content": "", "thinking": "", "images": [],
+             "tool_calls": [{"type": "function", "id": "c1", "function": {"name": "f", "arguments": {}, "index": 0}}]},
+            {"role": "tool", "content": "4", "tool_name": "f", "tool_call_id": "c1"}]
+    turns = [m.turn() for m in parse_request(OllamaChat, json.dumps({"messages": sent}).encode()).messages]
+    assert turns[1]["tool_call_id"] == "c1" and turns[0]["tool_calls"][0]["function"]["name"] == "f"
 
 
 def test_ollama_values_clients_send_are_honoured():
@@ -462,3 +499,42 @@ def test_serve_refuses_its_own_k_past_a_slots_share_before_loading():
                             "gives each 128: give --k at most 127, or a larger --batch-size")
     check(Settings(k=200, parallel=0))          # auto: fitted when loading
     check(Settings(k=127, parallel=4))
+
+
+# ----- the Responses API's fields -----
+
+@pytest.mark.parametrize("fields,words", [
+    ({"text": {"format": {"type": "json_object", "schema": {"type": "object"}}}}, "text.format: schema: type json_object takes none"),
+    ({"text": {"format": {"type": "text", "schema": {"type": "object"}}}}, "text.format: schema: type text takes none"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format: type json_schema needs schema"),
+    ({"metadata": {f"k{i}": "v" * 250_000 for i in range(15)}}, "metadata: the value of \"k0\" has 250000 characters"),
+    ({"user": "u" * 100_000}, "user: 100000 characters; at most 512"),
+    ({"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning.summary"),
+    ({"top_logprobs": 21}, "top_logprobs: 21"),
+])
+def test_responses_fields_that_would_be_ignored_or_kept_unbounded_are_refused_by_name(fields, words):
+    import json
+
+    from flylocal.front.serve.app import parse_request
+    from flylocal.front.serve.responses import ResponsesRequest
+
+    with pytest.raises(ApiError) as e:
+        parse_request(ResponsesRequest, json.dumps({"input": "hi", **fields}).encode())
+    assert e.value.status == 400 and e.value.message.startswith(words), e.value.message
+
+
+@pytest.mark.parametrize("item,words", [
+    ({"role": "user", "content": [{"type": "input_text"}]}, "input[0].content[0].text: a input_text part's text must be a string"),
+    ({"role": "user", "content": [{"type": "input_text", "text": 3}]}, "input[0].content[0].text"),
+    ({"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}, "input[0].content[0]: flylocal takes text"),
+    ({"role": "user", "content": [{"type": "input_text", "text": "a", "cache": 1}]}, "input[0].content[0].cache"),
+    ({"type": "function_call_output", "call_id": "c", "output": {"a": 1}}, "input[0].output: a string or a list"),
+    ({"role": "user", "content": "hi", "nmae": "x"}, "input[0].nmae"),
+])
+def test_an_input_item_refusal_names_what_is_wrong_where_it_is(item, words):
+    from flylocal.errors import FlylocalError
+    from flylocal.front.serve.responses import turns_of
+
+    with pytest.raises(FlylocalError) as e:
+        turns_of([item])
+    assert str(e.value).startswith(words), str(e.value)

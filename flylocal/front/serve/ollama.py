@@ -28,7 +28,7 @@ from typing import Any, Literal
 import click
 import numpy as np
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from flylocal.front.serve.answer import Whole, stats_report
 from flylocal.front.serve.app import ApiError, Ask, Endpoint, Exchange, Server, check_fields, checked_option, checked_stops
@@ -88,23 +88,28 @@ def sampling_option(name: str, value):
 
 
 class Function(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     name: str
     arguments: dict[str, Any] | str | None = None
+    index: int | None = None            # its place among an answer's calls, as ollama numbers them
 
 
 class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     function: Function
+    id: str | None = None               # OpenAI-shaped calls (LangChain sends them)
+    type: Literal["function"] | None = None
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = None
     images: list | None = None
     tool_calls: list[ToolCall] | None = None
     tool_name: str | None = None
+    tool_call_id: str | None = None     # the call a tool's result answers
+    thinking: str | None = None         # an earlier answer's thinking: these models have none to render
 
     @field_validator("images")
     @classmethod
@@ -120,20 +125,49 @@ class Message(BaseModel):
             out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
         if self.tool_name:
             out["name"] = self.tool_name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
 class Generation(BaseModel):
-    """What /api/chat and /api/generate share."""
-    model_config = ConfigDict(extra="ignore", strict=True)
+    """What /api/chat and /api/generate share. A field it does not know is refused by name (a
+    misspelt `optoins` would otherwise change nothing unseen)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     options: dict[str, Any] | None = None
     stream: bool = True
     format: str | dict[str, Any] | None = None
     think: bool | str | None = None
     keep_alive: Any = None          # how long ollama keeps a model loaded: flylocal keeps it for good
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
     verifier: str | None = None     # flylocal's own, beside ollama's fields
     drafter: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def options_inside(cls, data):
+        """An option given beside the fields (`"temperature": 0`) is one ollama reads in
+        `options` only: refused, saying where it goes."""
+        if isinstance(data, dict):
+            misplaced = sorted(set(data) & (set(SAMPLING_OPTIONS) | {"num_predict", "num_ctx", "stop", "k"}))
+            if misplaced:
+                raise ValueError(f"{misplaced[0]}: an option; ollama takes it in \"options\"")
+        return data
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def top_range(cls, v):
+        if v is not None and not 0 <= v <= 20:
+            raise ValueError(f"{v}; between 0 and 20")
+        return v
+
+    def logprobs_wanted(self) -> int | None:
+        """How many most likely tokens each output token carries (None: no logprobs)."""
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("keep_alive")
     @classmethod
@@ -292,6 +326,15 @@ def generate_ids(session, req: GenerateRequest) -> np.ndarray:
 
 # ----- answers -----
 
+def logprobs(tokens) -> list[dict]:
+    """Ollama's logprobs of output tokens (flylocal.front.serve.events.OutToken): each with its
+    most likely alternatives."""
+    def entry(piece: bytes, logprob: float) -> dict:
+        return {"token": piece.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(piece)}
+
+    return [entry(t.piece, t.logprob) | {"top_logprobs": [entry(p, v) for _, p, v in t.top]} for t in tokens]
+
+
 def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
@@ -422,22 +465,26 @@ class Generate(Ollama):
             # the answer's tokens too: its `context` holds them
             ask = Ask(server.settings, generate_ids(session, req), grammar=grammar, tokens=True)
         server.check_fits(ask.ids, session, "prompt")
-        return dataclasses.replace(ask, settings=run, stops=stops)
+        top = req.logprobs_wanted()
+        if top is not None:
+            run = dataclasses.replace(run, logprobs=top)
+        return dataclasses.replace(ask, settings=run, stops=stops, tokens=ask.tokens or top is not None)
 
     def load_only(self) -> JSONResponse:
         head = {"model": self.server.settings.target, "created_at": now(), "done": True, "done_reason": "load"}
         return JSONResponse(head | ({"message": {"role": "assistant", "content": ""}} if self.chat
                                     else {"response": ""}))
 
-    def piece(self, x: Exchange, text: str) -> dict:
+    def piece(self, x: Exchange, text: str, tokens=()) -> dict:
         head = {"model": x.body.model, "created_at": now()}
-        if self.chat:
-            return head | {"message": {"role": "assistant", "content": text}, "done": False}
-        return head | {"response": text, "done": False}
+        out = head | ({"message": {"role": "assistant", "content": text}} if self.chat else {"response": text})
+        if x.ask.settings.logprobs is not None:
+            out["logprobs"] = logprobs(tokens)
+        return out | {"done": False}
 
-    def final(self, x: Exchange, done: Done, text: str = "", made: list[int] = ()) -> dict:
+    def final(self, x: Exchange, done: Done, text: str = "", made: list[int] = (), tokens=()) -> dict:
         stats = done.stats
-        last = self.piece(x, text) | {
+        last = self.piece(x, text, tokens) | {
             "done": True, "done_reason": "stop" if done.call is not None else done.finish,
             "total_duration": int((time.perf_counter() - x.started) * 1e9), "load_duration": 0,
             "prompt_eval_count": stats.prompt_evaluated, "prompt_eval_duration": int(stats.prefill_s * 1e9),
@@ -451,14 +498,14 @@ class Generate(Ollama):
         return last
 
     def whole(self, x: Exchange, whole: Whole) -> dict:
-        return self.final(x, whole.end, whole.text, [t.id for t in whole.tokens])
+        return self.final(x, whole.end, whole.text, [t.id for t in whole.tokens], whole.tokens)
 
     async def chunks(self, x: Exchange, events):
         made: list[int] = []
         async for event in events:
             if isinstance(event, Text):
                 made += [t.id for t in event.tokens]
-                yield json.dumps(self.piece(x, event.text)) + "\n"
+                yield json.dumps(self.piece(x, event.text, event.tokens)) + "\n"
             elif isinstance(event, Done):
                 yield json.dumps(self.final(x, event, made=made)) + "\n"
             else:

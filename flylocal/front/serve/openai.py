@@ -32,6 +32,7 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict[str, int]
+    completion_tokens_details: dict[str, int]
     flylocal: dict[str, Any]                  # verifier, drafter, rounds, drafted, accepted, loose, ...
 
 
@@ -101,6 +102,7 @@ def usage(prompt_tokens: int, done: Done, settings: Settings) -> Usage:
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=done.n_tokens,
                  total_tokens=prompt_tokens + done.n_tokens,
                  prompt_tokens_details={"cached_tokens": done.stats.prompt_reused},
+                 completion_tokens_details={"reasoning_tokens": 0},
                  flylocal=stats_report(done, settings))
 
 

@@ -95,6 +95,8 @@ class ResponseFormat(BaseModel):
     def schema_given(self):
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("type json_schema needs json_schema: {\"name\", \"schema\"}")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema: type {self.type} takes none (a schema goes with type json_schema)")
         return self
 
     def grammar(self) -> tuple[str, str] | None:
@@ -109,7 +111,32 @@ class ResponseFormat(BaseModel):
 
 
 def refuse(value, why: str):
-    raise ValueError(f"{json.dumps(value)}; {why}")
+    raise ValueError(f"{json.dumps(value)[:80]}; {why}")
+
+
+# OpenAI's bounds on metadata, and on an identifier (`user`) held as one of its values.
+METADATA_KEYS, KEY_CHARS, VALUE_CHARS = 16, 64, 512
+
+
+def checked_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
+    """`metadata` within OpenAI's bounds (16 keys, 64-character keys, 512-character values):
+    a server that keeps responses keeps it with them; ValueError otherwise."""
+    if v is None:
+        return v
+    if len(v) > METADATA_KEYS:
+        raise ValueError(f"{len(v)} keys; at most {METADATA_KEYS}")
+    for key, value in v.items():
+        if len(key) > KEY_CHARS:
+            refuse(key, f"a metadata key has at most {KEY_CHARS} characters")
+        if len(value) > VALUE_CHARS:
+            raise ValueError(f"the value of {json.dumps(key)} has {len(value)} characters; at most {VALUE_CHARS}")
+    return v
+
+
+def checked_identifier(v: str | None) -> str | None:
+    if v is not None and len(v) > VALUE_CHARS:
+        raise ValueError(f"{len(v)} characters; at most {VALUE_CHARS}")
+    return v
 
 
 class Own(BaseModel):
@@ -148,6 +175,16 @@ class Common(Own):
     service_tier: str | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None    # tags for stored completions: nothing is stored
+
+    @field_validator("metadata")
+    @classmethod
+    def bounded_metadata(cls, v):
+        return checked_metadata(v)
+
+    @field_validator("user")
+    @classmethod
+    def bounded_user(cls, v):
+        return checked_identifier(v)
 
     @field_validator("n")
     @classmethod
@@ -203,6 +240,8 @@ class ChatRequest(Common):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # flylocal's models run no reasoning mode: any effort is honoured by none (0 reasoning tokens)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
     @field_validator("messages")
     @classmethod

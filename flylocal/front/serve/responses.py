@@ -24,13 +24,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flylocal.errors import FlylocalError
 from flylocal.front.serve.answer import Whole, stats_report
 from flylocal.front.serve.app import ApiError, Ask, Endpoint, Exchange, Server
 from flylocal.front.serve.events import Done, Text
-from flylocal.front.serve.openai_requests import CHECKED, Own, request_settings
+from flylocal.front.serve.openai_requests import CHECKED, Own, checked_identifier, checked_metadata, request_settings
 
 MAX_STORED = 256           # responses kept for previous_response_id, the newest
 
@@ -45,6 +45,21 @@ class Format(BaseModel):
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None                # flylocal's output always follows the schema
 
+    @model_validator(mode="after")
+    def fields_of_its_type(self):
+        """A schema, its name and description belong to json_schema, which needs a name and a
+        schema; given to another type they would be ignored, so they are refused."""
+        if self.type == "json_schema":
+            missing = [f for f, v in (("name", self.name), ("schema", self.schema_)) if v is None]
+            if missing:
+                raise ValueError(f"type json_schema needs {' and '.join(missing)}")
+        else:
+            given = [f for f, v in (("schema", self.schema_), ("name", self.name), ("description", self.description),
+                                    ("strict", self.strict)) if v is not None]
+            if given:
+                raise ValueError(f"{given[0]}: type {self.type} takes none (a schema goes with type json_schema)")
+        return self
+
 
 class TextConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -52,12 +67,24 @@ class TextConfig(BaseModel):
     verbosity: Literal["medium"] | None = None
 
 
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# What `include` may ask for: no reasoning to include; the answer's logprobs.
+INCLUDABLE = ("reasoning.encrypted_content", "message.output_text.logprobs")
+
+
 class Reasoning(BaseModel):
-    """Reasoning settings: flylocal's models run no reasoning mode, so only do-nothing values."""
+    """Reasoning settings. flylocal's models run no reasoning mode: any effort is honoured by
+    reasoning not at all (0 reasoning tokens), and there is no reasoning to summarize."""
     model_config = ConfigDict(extra="forbid", strict=True)
-    effort: Literal["none"] | None = None
+    effort: Literal[EFFORTS] | None = None
     summary: None = None
     generate_summary: None = None
+
+
+def check_include(item: str, where: str) -> None:
+    if item not in INCLUDABLE:
+        raise ApiError(400, f"{where}: {json.dumps(item)}; flylocal can include {' and '.join(INCLUDABLE)}",
+                       param="include")
 
 
 class StreamOptions(BaseModel):
@@ -87,7 +114,7 @@ class ResponsesRequest(Own):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None       # the cache is reused by prefix, whatever the key
     service_tier: str | None = None
-    truncation: Literal["disabled"] | None = None
+    truncation: Literal["disabled", "auto"] | None = None
     include: list[str] | None = None
     reasoning: Reasoning | None = None
     background: Literal[False] | None = None
@@ -101,16 +128,19 @@ class ResponsesRequest(Own):
 
     @field_validator("metadata")
     @classmethod
-    def sixteen(cls, v):
-        if v is not None and len(v) > 16:
-            raise ValueError(f"{len(v)} keys; at most 16")
-        return v
+    def bounded_metadata(cls, v):
+        return checked_metadata(v)
+
+    @field_validator("user", "safety_identifier", "prompt_cache_key")
+    @classmethod
+    def bounded_identifier(cls, v):
+        return checked_identifier(v)
 
     @field_validator("top_logprobs")
     @classmethod
-    def no_logprobs(cls, v):
-        if v:
-            raise ValueError(f"{v}; the Responses API here gives no logprobs (chat completions does)")
+    def top_range(cls, v):
+        if v is not None and not 0 <= v <= 20:
+            raise ValueError(f"{v}; top_logprobs lies between 0 and 20")
         return v
 
     @field_validator("max_tool_calls")
@@ -127,13 +157,11 @@ class ResponsesRequest(Own):
             raise ValueError(f"{json.dumps(v)}; flylocal has one service tier (auto, default)")
         return v
 
-    @field_validator("include")
-    @classmethod
-    def nothing_to_include(cls, v):
-        for item in v or ():
-            if item != "reasoning.encrypted_content":        # there is no reasoning to include
-                raise ValueError(f"{json.dumps(item)}; flylocal includes nothing more in a response")
-        return v
+    def logprobs(self) -> int | None:
+        """How many most likely tokens each output token carries (None: no logprobs)."""
+        if "message.output_text.logprobs" in (self.include or ()) or self.top_logprobs:
+            return self.top_logprobs or 0
+        return None
 
 
 # ----- input items -> a conversation -----
@@ -143,18 +171,27 @@ BUILT_IN = {"web_search", "web_search_preview", "file_search", "computer_use_pre
             "code_interpreter", "image_generation", "mcp", "local_shell", "shell", "apply_patch"}
 
 
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
 def _text(content, where: str) -> str:
-    """A message's content: a string, or text parts (input_text, output_text)."""
+    """A message's content (or a function's output, `where` naming it): a string, or text parts
+    (input_text, output_text)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise FlylocalError(f"{where}.content: a string or a list of text parts")
+        raise FlylocalError(f"{where}: a string or a list of text parts, not {type(content).__name__}")
     out = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise FlylocalError(f"{where}.content[{j}]: flylocal takes text parts only "
+        if kind not in TEXT_PARTS:
+            raise FlylocalError(f"{where}[{j}]: flylocal takes text parts only "
                                 f"(input_text, output_text), not {json.dumps(kind)}")
+        extra = sorted(set(part) - {"type", "text", "annotations", "logprobs"})
+        if extra:
+            raise FlylocalError(f"{where}[{j}].{extra[0]}: flylocal does not support this field")
+        if not isinstance(part.get("text"), str):
+            raise FlylocalError(f"{where}[{j}].text: a {kind} part's text must be a string")
         out.append(part["text"])
     return "".join(out)
 
@@ -180,7 +217,7 @@ def turns_of(items: str | list, where: str = "input") -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise FlylocalError(f"{at}.role: {json.dumps(role)}; user, system, developer or assistant")
             out.append({"role": "system" if role == "developer" else role,
-                        "content": _text(item.get("content", ""), at)})
+                        "content": _text(item.get("content", ""), f"{at}.content")})
         elif kind == "function_call":
             _fields(item, at, {"call_id", "name", "arguments", "caller", "namespace"})
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
@@ -196,7 +233,7 @@ def turns_of(items: str | list, where: str = "input") -> list[dict]:
             if not isinstance(item.get("call_id"), str):
                 raise FlylocalError(f"{at}.call_id: the call this output answers")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
-                        "content": _text(item.get("output", ""), at)})
+                        "content": _text(item.get("output", ""), f"{at}.output")})
         else:
             raise FlylocalError(f"{at}.type: flylocal takes message, function_call and function_call_output "
                                 f"items, not {json.dumps(kind)}")
@@ -244,10 +281,20 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def message_item(item_id: str, text: str, status: str = "completed") -> dict:
+def message_item(item_id: str, text: str, status: str = "completed", logprobs: list | None = None) -> dict:
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress"
-            else []}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]
+            if status != "in_progress" else []}
+
+
+def output_logprobs(tokens) -> list[dict]:
+    """The Responses API's logprobs of output tokens (flylocal.front.serve.events.OutToken),
+    each with its most likely alternatives and flylocal's word for how it came."""
+    def entry(piece: bytes, logprob: float) -> dict:
+        return {"token": piece.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(piece)}
+
+    return [entry(t.piece, t.logprob) | {"top_logprobs": [entry(p, v) for _, p, v in t.top],
+                                         "flylocal": {"kind": t.kind}} for t in tokens]
 
 
 def call_item(item_id: str, call: dict, status: str = "completed") -> dict:
@@ -261,19 +308,46 @@ def output_turns(output: list[dict]) -> list[dict]:
     return turns_of(items, "output")
 
 
+def input_items(given: str | list[dict]) -> list[dict]:
+    """A request's `input` as the items GET /v1/responses/{id}/input_items lists: each with an
+    id (its own, or a new one) and a status, a message's content as parts."""
+    if isinstance(given, str):
+        given = [{"type": "message", "role": "user", "content": given}]
+    out = []
+    for item in given:
+        kind = item.get("type", "message")
+        item = {"type": kind} | {k: v for k, v in item.items() if k != "type"}
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}
+                               | ({"annotations": []} if part == "output_text" else {})]
+        prefix = {"message": "msg", "function_call": "fc"}.get(kind, "fco")
+        out.append({"id": item.get("id") or new_id(prefix)} | item | {"status": item.get("status") or "completed"})
+    return out
+
+
+@dataclass
+class Stored:
+    """A kept response: its body, the conversation it ends (for previous_response_id) and
+    its request's input items."""
+    body: dict
+    turns: list[dict]
+    inputs: list[dict]
+
+
 class Responses:
-    """The responses kept for previous_response_id: id -> (its body, its conversation)."""
+    """The responses kept for previous_response_id, by id."""
 
     def __init__(self, limit: int = MAX_STORED):
         self.limit = limit
-        self.kept: collections.OrderedDict[str, tuple[dict, list[dict]]] = collections.OrderedDict()
+        self.kept: collections.OrderedDict[str, Stored] = collections.OrderedDict()
 
-    def keep(self, body: dict, turns: list[dict]) -> None:
-        self.kept[body["id"]] = (body, turns)
+    def keep(self, stored: Stored) -> None:
+        self.kept[stored.body["id"]] = stored
         while len(self.kept) > self.limit:
             self.kept.popitem(last=False)
 
-    def find(self, rid: str, param: str | None = None) -> tuple[dict, list[dict]]:
+    def find(self, rid: str, param: str | None = None) -> Stored:
         if rid not in self.kept:
             raise ApiError(404, f"no response with id {rid!r} is kept here (responses are kept in memory, the last "
                                 f"{self.limit}, for the server's life)", param=param, code="not_found")
@@ -282,11 +356,13 @@ class Responses:
 
 @dataclass
 class Kept:
-    """What a request's job keeps for its renderer: the response's id and time, and the
-    conversation the request makes (without instructions)."""
+    """What a request's job keeps for its renderer: the response's id and time, the
+    conversation the request makes (without instructions) and its input items (those left
+    after truncation)."""
     id: str
     created: float
     turns: list[dict]
+    inputs: list[dict]
 
 
 class Create(Endpoint):
@@ -306,27 +382,59 @@ class Create(Endpoint):
         if offered and choice != "none" and fmt is not None and fmt.type != "text":
             raise ApiError(400, "text.format and tools: flylocal constrains an answer to one of them",
                            param="text.format")
+        for i, item in enumerate(req.include or ()):
+            check_include(item, f"include[{i}]")
         try:
-            history = self.kept.find(req.previous_response_id, "previous_response_id")[1] \
+            history = self.kept.find(req.previous_response_id, "previous_response_id").turns \
                 if req.previous_response_id is not None else []
-            turns = history + turns_of(req.input)
+            items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
             system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+            turns = history + turns_of(items)
             ask = server.chat_prompt(session, system + turns, offered, choice)
+            n_ctx = session.target.n_ctx
+            room = n_ctx - min(run_settings.max_tokens, n_ctx // 2)
+            if req.truncation == "auto" and len(ask.ids) > room:
+                history, items, turns, ask = self.truncated(session, system, history, items, offered, choice, room)
             if ask.grammar is None and fmt is not None and fmt.type != "text":
                 from flylocal.decoding.grammar import json_output
 
-                if fmt.type == "json_object":
-                    grammar = json_output()
-                else:
-                    if fmt.name is None:
-                        raise FlylocalError("text.format: type json_schema needs a name and a schema")
-                    grammar = json_output(fmt.schema_ or {}, f"text.format {fmt.name!r}")
+                grammar = json_output() if fmt.type == "json_object" else \
+                    json_output(fmt.schema_, f"text.format {fmt.name!r}")
                 ask = dataclasses.replace(ask, grammar=grammar)
         except FlylocalError as e:
             raise ApiError(400, str(e), param=param_of(str(e))) from None
         server.check_fits(ask.ids, session, "input")
-        x.kept = Kept(new_id("resp"), time.time(), turns)
-        return dataclasses.replace(ask, settings=run_settings)
+        x.kept = Kept(new_id("resp"), time.time(), turns, input_items(items))
+        top = req.logprobs()
+        if top is not None:
+            run_settings = dataclasses.replace(run_settings, logprobs=top)
+        return dataclasses.replace(ask, settings=run_settings, tokens=top is not None)
+
+    def truncated(self, session, system: list[dict], history: list[dict], items: list[dict], offered, choice,
+                  room: int) -> tuple[list[dict], list[dict], list[dict], Ask]:
+        """`truncation: "auto"`: the conversation without its oldest turns (the earlier
+        responses' first, then the input's items), as few as leave `room` tokens to answer (as
+        `flylocal chat` drops them; a binary search). The instructions and the last item stay;
+        a function's output whose call went goes with it. (history, items, turns, its Ask)."""
+        def without(n: int):
+            h, i = history[n:], items[max(0, n - len(history)):]
+            while h and h[0]["role"] == "tool":
+                h = h[1:]
+            while not h and len(i) > 1 and i[0].get("type") == "function_call_output":
+                i = i[1:]
+            turns = h + turns_of(i)
+            return h, i, turns, self.server.chat_prompt(session, system + turns, offered, choice)
+
+        low, high = 1, len(history) + len(items) - 1       # the fewest that may fit; the most that may go
+        best = without(high)
+        while low < high:
+            mid = (low + high) // 2
+            found = without(mid)
+            if len(found[3].ids) <= room:
+                high, best = mid, found
+            else:
+                low = mid + 1
+        return best
 
     def body_of(self, x: Exchange, status: str, output: list[dict], done: Done | None = None,
                 error: dict | None = None) -> dict:
@@ -336,11 +444,13 @@ class Create(Endpoint):
                "incomplete_details": None, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
                "model": req.model or self.server.settings.target, "output": output,
                "parallel_tool_calls": bool(req.parallel_tool_calls if req.parallel_tool_calls is not None else True),
-               "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+               "previous_response_id": req.previous_response_id,
+               "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
                "store": req.store is not False, "temperature": ask.settings.sampling.temperature,
                "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
                "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-               "tools": req.tools or [], "top_p": ask.settings.sampling.top_p, "truncation": "disabled",
+               "tools": req.tools or [], "top_p": ask.settings.sampling.top_p, "truncation": req.truncation or "disabled",
+               "top_logprobs": req.top_logprobs,
                "usage": None, "user": req.user, "metadata": req.metadata or {}}
         if done is not None:
             if done.finish == "length":
@@ -355,15 +465,18 @@ class Create(Endpoint):
     def finish(self, x: Exchange, done: Done, output: list[dict]) -> dict:
         whole = self.body_of(x, "completed", output, done)
         if x.body.store is not False:
-            self.kept.keep(whole, x.kept.turns + output_turns(output))
+            self.kept.keep(Stored(whole, x.kept.turns + output_turns(output), x.kept.inputs))
         return whole
 
     def whole(self, x: Exchange, whole: Whole) -> dict:
         done = whole.end
         status = "incomplete" if done.finish == "length" else "completed"
         item = call_item(new_id("fc"), done.call) if done.call is not None \
-            else message_item(new_id("msg"), whole.text, status)
+            else message_item(new_id("msg"), whole.text, status, self.logprobs(x, whole.tokens))
         return self.finish(x, done, [item])
+
+    def logprobs(self, x: Exchange, tokens) -> list[dict]:
+        return output_logprobs(tokens) if x.ask.settings.logprobs is not None else []
 
     async def chunks(self, x: Exchange, events):
         sequence = 0
@@ -374,7 +487,7 @@ class Create(Endpoint):
             sequence += 1
             return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
-        msg_id, text, opened = new_id("msg"), [], False
+        msg_id, text, lps, opened = new_id("msg"), [], [], False
 
         def open_message():
             yield event("response.output_item.added", output_index=0, item=message_item(msg_id, "", "in_progress"))
@@ -390,8 +503,10 @@ class Create(Endpoint):
                     for line in open_message():
                         yield line
                 text.append(ev.text)
+                lp = self.logprobs(x, ev.tokens)
+                lps += lp
                 yield event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0,
-                            delta=ev.text, logprobs=[])
+                            delta=ev.text, logprobs=lp)
             elif isinstance(ev, Done):
                 if ev.call is not None:
                     item = call_item(new_id("fc"), ev.call)
@@ -408,10 +523,10 @@ class Create(Endpoint):
                         for line in open_message():
                             yield line
                     status = "incomplete" if ev.finish == "length" else "completed"
-                    item = message_item(msg_id, "".join(text), status)
+                    item = message_item(msg_id, "".join(text), status, lps)
                     part = item["content"][0]
                     yield event("response.output_text.done", item_id=msg_id, output_index=0, content_index=0,
-                                text=part["text"], logprobs=[])
+                                text=part["text"], logprobs=lps)
                     yield event("response.content_part.done", item_id=msg_id, output_index=0,
                                 content_index=0, part=part)
                     yield event("response.output_item.done", output_index=0, item=item)
@@ -431,7 +546,37 @@ class Retrieve(Endpoint):
         self.kept = kept
 
     def job(self, x: Exchange) -> dict:
-        return self.kept.find(x.path["rid"])[0]
+        return self.kept.find(x.path["rid"]).body
+
+
+class InputItems(Retrieve):
+    """GET /v1/responses/{id}/input_items: the request's input items, in OpenAI's list shape,
+    paged by `order` (desc by default), `after` (an item's id) and `limit` (1 to 100, 20)."""
+    QUERY = {"order", "after", "limit", "include"}
+
+    def job(self, x: Exchange) -> dict:
+        items, query = self.kept.find(x.path["rid"]).inputs, x.request.query_params
+        unknown = sorted(set(query) - self.QUERY)
+        if unknown:
+            raise ApiError(400, f"{unknown[0]}: flylocal does not support this parameter", param=unknown[0])
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, f"order: {order!r}; asc or desc", param="order")
+        limit = query.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise ApiError(400, f"limit: {limit!r}; a whole number from 1 to 100", param="limit")
+        for value in query.getlist("include"):
+            check_include(value, "include")
+        items = items if order == "asc" else items[::-1]
+        if "after" in query:
+            at = next((i for i, item in enumerate(items) if item["id"] == query["after"]), None)
+            if at is None:
+                raise ApiError(400, f"after: no input item of this response has the id {query['after']!r}",
+                               param="after")
+            items = items[at + 1:]
+        page = items[:int(limit)]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
 
 
 class Delete(Retrieve):
@@ -447,3 +592,4 @@ def routes(app, server: Server) -> None:
     server.route(app, ["POST"], "/v1/responses", Create(server, kept))
     server.route(app, ["GET"], "/v1/responses/{rid}", Retrieve(server, kept))
     server.route(app, ["DELETE"], "/v1/responses/{rid}", Delete(server, kept))
+    server.route(app, ["GET"], "/v1/responses/{rid}/input_items", InputItems(server, kept))
