@@ -43,19 +43,17 @@ def test_vectors_are_unit_length_and_similar_texts_score_closer(embedder):
     assert v[0] @ v[1] > v[0] @ v[2] and v[0] @ v[1] > v[1] @ v[2]
 
 
-def test_inputs_packed_in_one_decode_see_only_themselves(embedder):
+def test_an_input_embeds_the_same_whatever_shares_its_request(embedder):
     _, e = embedder
     first = [e.tokenize(t) for t in NEAR]
-    # Beside inputs of the same lengths but other text, an input's vector is the same: the
-    # decode's shape is the same, and what the others say does not reach it.
-    beside_x = e.embed([*first, e.tokenize("x " * 40)])
-    beside_y = e.embed([*first, e.tokenize("y " * 40)])
-    assert len(e.tokenize("x " * 40)) == len(e.tokenize("y " * 40))
-    assert np.abs(beside_x[:2] - beside_y[:2]).max() < 1e-6
-    # Alone, it differs only by the rounding of a decode of another size.
+    long = e.tokenize("The committee met on Tuesday to discuss the budget for the coming year. " * 8)
+    assert len(long) > 90
     alone = np.stack([e.embed([ids])[0] for ids in first])
-    assert (np.sum(beside_x[:2] * alone, axis=1) > 0.999).all()
-    assert np.array_equal(e.embed(first[:1]), e.embed(first[:1]))
+    # Bit for bit: beside a long input (packed into one decode, the cosine was 0.9995), beside
+    # others of the same lengths, and in the other order.
+    assert np.array_equal(e.embed([*first, long])[:2], alone)
+    assert np.array_equal(e.embed([long, *first])[1:], alone)
+    assert np.array_equal(e.embed([*first, e.tokenize("x " * 40)])[:2], e.embed([*first, e.tokenize("y " * 40)])[:2])
 
 
 def test_embeddings_leave_the_generation_context_as_it_was(embedder):
@@ -116,6 +114,9 @@ def test_openai_embeddings_refusals_name_the_field(server):
     with pytest.raises(BadRequestError) as e:
         client.embeddings.create(model=SMOL, input=[[1, 2, 10 ** 9]])
     assert "vocabulary" in e.value.message
+    huge = httpx.post(server + "/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"input": [[99999999999999999999]]})          # was a 500: OverflowError
+    assert huge.status_code == 400 and "99999999999999999999" in huge.json()["error"]["message"]
     with pytest.raises(NotFoundError):
         client.embeddings.create(model="text-embedding-3-small", input="hi")
 
@@ -167,7 +168,23 @@ def test_embedding_model_names_another_model(tmp_path):
     try:
         wait_ready(proc, url)
         client = OpenAI(base_url=url + "/v1", api_key="none", timeout=120, max_retries=0)
-        assert [m.id for m in client.models.list()] == [SMOL, GEMMA]
+        models = client.models.list().data
+        assert [(m.id, m.model_extra["flylocal"]["role"]) for m in models] == [(SMOL, "target"), (GEMMA, "embedding")]
+        assert client.models.retrieve(GEMMA).model_extra["flylocal"]["role"] == "embedding"
+        # Ollama's lists say the same, and show either model.
+        import ollama
+
+        local = ollama.Client(host=url, timeout=120)
+        assert [m.model for m in local.list().models] == [SMOL, GEMMA]
+        tags = httpx.get(url + "/api/tags").json()["models"]
+        assert [(m["name"], m["flylocal"]["role"]) for m in tags] == [(SMOL, "target"), (GEMMA, "embedding")]
+        assert [m.model for m in local.ps().models] == [SMOL, GEMMA]
+        shown = local.show(GEMMA)
+        assert shown.capabilities == ["embedding"] and shown.modelinfo["general.architecture"].startswith("gemma")
+        assert local.show(f"{SMOL}:latest").capabilities == ["completion", "tools"]
+        with pytest.raises(ollama.ResponseError) as e:
+            local.chat(model=GEMMA, messages=[{"role": "user", "content": "hi"}])
+        assert e.value.status_code == 400 and "computes embeddings" in e.value.error
         made = client.embeddings.create(model=GEMMA, input=list(NEAR))
         assert len(made.data[0].embedding) == 640                    # Gemma-3-270M's width, not SmolLM2's 576
         with pytest.raises(NotFoundError):

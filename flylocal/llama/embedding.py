@@ -3,8 +3,10 @@
 A context of its own, in llama.cpp's embedding mode: the model's hidden states at every
 position of an input, averaged (mean pooling) and scaled to unit length (L2), so that a dot
 product of two vectors is their cosine similarity. Generation's context, its cache and its
-cost curve are never touched. Several inputs go in one decode, each a sequence of its own;
-the cache is cleared before each decode, so no input sees another.
+cost curve are never touched. Each input is a decode of its own, on a cleared cache: an
+input's vector is the same whatever else a request or its neighbours embed (inputs packed
+into one decode came out differently, by a cosine of 0.9995, beside an input of about 100
+tokens, and packing gained only about 13% on short inputs: docs/design.md, "Embeddings").
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ from flylocal.llama.binding import interrupts_deferred, last_error, llama_cpp
 from flylocal.llama.config import RuntimeConfig
 from flylocal.llama.model import Model
 from flylocal.llama.vocab import Vocabulary
-
-MAX_SEQS = 16        # inputs per decode
 
 
 class TooLong(FlylocalError):
@@ -43,8 +43,7 @@ class Embedder:
         cparams.n_ctx = n_ctx
         cparams.n_batch = n_ctx          # one input is one ubatch: pooling sees all of it at once
         cparams.n_ubatch = n_ctx
-        cparams.n_seq_max = MAX_SEQS
-        cparams.kv_unified = True        # the inputs of a decode share the n_ctx cells
+        cparams.n_seq_max = 1
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.embeddings = True
         cparams.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_MEAN
@@ -58,7 +57,7 @@ class Embedder:
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self.n_ctx = min(n_ctx, llama_cpp.llama_n_ctx(self._ctx))
         self.n_embd = int(llama_cpp.llama_model_n_embd(model.handle))
-        self._batch = llama_cpp.llama_batch_init(self.n_ctx, 0, MAX_SEQS)
+        self._batch = llama_cpp.llama_batch_init(self.n_ctx, 0, 1)
         n = self.n_ctx
         self._b_token = np.ctypeslib.as_array(self._batch.token, shape=(n,))     # [n_ctx] int32
         self._b_pos = np.ctypeslib.as_array(self._batch.pos, shape=(n,))         # [n_ctx] int32
@@ -90,8 +89,8 @@ class Embedder:
                 raise TooLong(i, len(ids), self.n_ctx)
 
     def embed(self, inputs: list[np.ndarray]) -> np.ndarray:
-        """[len(inputs), n_embd] float32 unit vectors of token-id inputs, packed several to a
-        decode (`steps`, run to its end)."""
+        """[len(inputs), n_embd] float32 unit vectors of token-id inputs, a decode each (`steps`,
+        run to its end)."""
         steps = self.steps(inputs)
         try:
             next(steps)
@@ -102,47 +101,35 @@ class Embedder:
 
     def steps(self, inputs: list[np.ndarray]):
         """`embed` as a generator of decodes, for a server to run other work between two: each
-        `yield` takes the token budget of the next decode (None: as many as the context holds;
-        an input longer than the budget goes alone, since pooling needs an input whole), and
-        it returns the vectors. Primed with next() (nothing is decoded), then driven by send()."""
+        `yield` takes the token budget of the next decode (None: as many as the context holds),
+        which an input takes whole however small (pooling needs all of it at once), and it
+        returns the vectors. Primed with next() (nothing is decoded), then driven by send()."""
         self.check(inputs)
         if self._ctx is None:
             raise FlylocalError(f"{self.name} was already closed")
         out = np.empty((len(inputs), self.n_embd), dtype=np.float32)
-        i = 0
-        budget = yield
-        while i < len(inputs):
-            limit = self.n_ctx if budget is None else max(1, min(budget, self.n_ctx))
-            group, used = [], 0
-            while i < len(inputs) and len(group) < MAX_SEQS and (not group or used + len(inputs[i]) <= limit):
-                group.append(i)
-                used += len(inputs[i])
-                i += 1
-            self._decode([inputs[j] for j in group])
-            for seq, j in enumerate(group):
-                pointer = llama_cpp.llama_get_embeddings_seq(self._ctx, seq)
-                if not pointer:
-                    raise FlylocalError(f"llama.cpp gave no pooled embedding for input {j}")
-                vector = np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)),
-                                               shape=(self.n_embd,))
-                norm = float(np.linalg.norm(vector))
-                out[j] = vector / norm if norm > 0 else vector
-            if i < len(inputs):
-                budget = yield
+        yield
+        for j, ids in enumerate(inputs):
+            self._decode(ids)
+            pointer = llama_cpp.llama_get_embeddings_seq(self._ctx, 0)
+            if not pointer:
+                raise FlylocalError(f"llama.cpp gave no pooled embedding for input {j}")
+            vector = np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(self.n_embd,))
+            norm = float(np.linalg.norm(vector))
+            out[j] = vector / norm if norm > 0 else vector
+            if j + 1 < len(inputs):
+                yield
         return out
 
-    def _decode(self, group: list[np.ndarray]) -> None:
-        at = 0
-        for seq, ids in enumerate(group):
-            n = len(ids)
-            self._b_token[at:at + n] = ids
-            self._b_pos[at:at + n] = np.arange(n, dtype=np.int32)
-            for row in range(at, at + n):
-                self._batch.seq_id[row][0] = seq
-            at += n
-        self._b_nseq[:at] = 1
-        self._b_out[:at] = 1
-        self._batch.n_tokens = at
+    def _decode(self, ids: np.ndarray) -> None:
+        n = len(ids)
+        self._b_token[:n] = ids
+        self._b_pos[:n] = np.arange(n, dtype=np.int32)
+        for row in range(n):
+            self._batch.seq_id[row][0] = 0
+        self._b_nseq[:n] = 1
+        self._b_out[:n] = 1
+        self._batch.n_tokens = n
         with interrupts_deferred():
             llama_cpp.llama_memory_clear(self._mem, True)
             rc = llama_cpp.llama_decode(self._ctx, self._batch)

@@ -161,7 +161,8 @@ class Endpoint:
     - `name`: its label in the metrics; `body`: the pydantic model of its request (None: no body
       is read), refused fields worded by `forbidden`; `checked`: request field -> the declared
       option whose type and range it must satisfy;
-    - `role`: the model a request may name ("target", "embedding"; None: names none), required
+    - `role`: the model a request may name ("target", "embedding", a tuple of both; None:
+      names none), required
       when `model_required`, looked up without ollama's ":latest" when `latest`, and `listed`
       where the models are listed;
     - `job(x)`: the request as an Ask, a Compute, or the reply itself (a dict, a pydantic model, a
@@ -175,7 +176,7 @@ class Endpoint:
     body: type[BaseModel] | None = None
     forbidden = "flylocal does not support the field {param!r}"
     checked: dict[str, str] = {}
-    role: str | None = None
+    role: str | tuple[str, ...] | None = None
     model_required = False
     latest = False
     listed = "/v1/models"
@@ -295,7 +296,8 @@ class Server:
             raise ApiError(404, f"model {name!r} not found: this server runs {self.settings.target}"
                                 + (f" and {self.embedding_name} (embeddings)" if self.embedding_name else "")
                                 + f"; GET {endpoint.listed} lists its models", param="model", code="model_not_found")
-        if endpoint.role not in roles:
+        wanted = endpoint.role if isinstance(endpoint.role, tuple) else (endpoint.role,)
+        if not roles & set(wanted):
             does = "computes embeddings" if "embedding" in roles else "generates text"
             raise ApiError(400 if "embedding" in roles else 404,
                            f"the model {name!r} {does} here, not what {x.request.url.path} asks for; "

@@ -107,10 +107,12 @@ def vectors(server: Server, texts: list, truncate_to: int | None, param: str) ->
         started = time.perf_counter()
         inputs = []
         for i, t in enumerate(texts):
+            if not isinstance(t, str):          # checked as Python ints: one past int64 is no OverflowError
+                bad = next((v for v in t if not 0 <= v < e.n_vocab), None)
+                if bad is not None:
+                    raise ApiError(400, f"{param}[{i}]: the token id {bad} is outside the vocabulary "
+                                        f"(0..{e.n_vocab - 1})", param=param)
             ids = e.tokenize(t) if isinstance(t, str) else np.asarray(t, dtype=np.int64)
-            if not isinstance(t, str) and len(ids) and not (0 <= ids.min() and ids.max() < e.n_vocab):
-                raise ApiError(400, f"{param}[{i}]: a token id outside the vocabulary (0..{e.n_vocab - 1})",
-                               param=param)
             if truncate_to is not None:
                 ids = ids[:min(truncate_to, e.n_ctx)]
             inputs.append(ids.astype(np.int32))

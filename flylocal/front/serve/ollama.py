@@ -368,14 +368,22 @@ class Ollama(Endpoint):
     def error(self, e: ApiError) -> JSONResponse:
         return error(e.status, e.message, e.headers)
 
-    def info(self, session) -> Any:
-        return model_info(session.target.path)
+    def models(self, session) -> list[tuple[str, Any, str]]:
+        """The served models as (name, file, role): the target, and the model --embedding-model
+        names (the roles GET /v1/models gives them)."""
+        out = [(self.server.settings.target, session.target.path, "target")]
+        if self.server.embedding_model is not None:
+            out.append((self.server.embedding_name, self.server.embedding_model, "embedding"))
+        return out
 
-    def entry(self, session) -> dict:
-        info, name = self.info(session), self.server.settings.target
+    def entry(self, name: str, path, role: str) -> dict:
+        info = model_info(path)
         return {"name": name, "model": name,
-                "modified_at": datetime.fromtimestamp(session.target.path.stat().st_mtime, timezone.utc).isoformat(),
-                "size": info.file_size, "digest": "", "details": details(info)}
+                "modified_at": datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).isoformat(),
+                "size": info.file_size, "digest": "", "details": details(info), "flylocal": {"role": role}}
+
+    def entries(self, session) -> list[dict]:
+        return [self.entry(*model) for model in self.models(session)]
 
 
 class Version(Ollama):
@@ -389,7 +397,7 @@ class Tags(Ollama):
     name = "ollama_tags"
 
     def job(self, x: Exchange) -> dict:
-        return {"models": [self.entry(self.server.session())]}
+        return {"models": self.entries(self.server.session())}
 
 
 class Ps(Ollama):
@@ -398,9 +406,10 @@ class Ps(Ollama):
     def job(self, x: Exchange) -> dict:
         session = self.server.session()
         expires = (datetime.now(timezone.utc) + KEPT_LOADED).isoformat().replace("+00:00", "Z")
-        return {"models": [self.entry(session) | {"expires_at": expires, "size_vram": 0,
-                                                  "context_length": session.target.n_ctx,
-                                                  "flylocal": self.server.worker.state()}]}
+        target, *others = self.entries(session)
+        return {"models": [target | {"expires_at": expires, "size_vram": 0, "context_length": session.target.n_ctx,
+                                     "flylocal": target["flylocal"] | self.server.worker.state()}]
+                + [entry | {"expires_at": expires, "size_vram": 0} for entry in others]}
 
 
 class ShowRequest(BaseModel):
@@ -411,20 +420,30 @@ class ShowRequest(BaseModel):
 
 
 class Show(Ollama):
-    name, body, role, model_required = "ollama_show", ShowRequest, "target", True
+    """/api/show of any served model: the target (completion, tools; embedding too where it
+    computes them) or the embedding model (embedding)."""
+    name, body, role, model_required = "ollama_show", ShowRequest, ("target", "embedding"), True
 
     def model(self, body: ShowRequest) -> str | None:
         return body.model if body.model is not None else body.name
 
     def job(self, x: Exchange) -> dict:
-        session = x.session
-        info = self.info(session)
+        session, server = x.session, self.server
+        named = self.model(x.body)
+        roles = server.roles(session)[named.removesuffix(":latest")]
+        name, path, role = self.models(session)[0 if "target" in roles else 1]
+        info = model_info(path)
         arch = info.architecture or "unknown"
-        return {"modelfile": "", "parameters": "", "template": session.target.chat_template() or "",
-                "details": details(info),
+        if role == "target":
+            template, n_ctx = session.target.chat_template() or "", session.target.n_ctx
+            capabilities = ["completion", "tools"] + (["embedding"] if "embedding" in roles else [])
+        else:
+            template, n_ctx, capabilities = "", None, ["embedding"]
+        return {"modelfile": "", "parameters": "", "template": template, "details": details(info),
                 "model_info": {"general.architecture": arch, "general.parameter_count": info.parameters,
-                               f"{arch}.context_length": info.context_length or session.target.n_ctx},
-                "capabilities": ["completion", "tools"], "modified_at": self.entry(session)["modified_at"]}
+                               f"{arch}.context_length": info.context_length or n_ctx},
+                "capabilities": capabilities, "modified_at": self.entry(name, path, role)["modified_at"],
+                "flylocal": {"role": role}}
 
 
 class Unmanaged(Ollama):

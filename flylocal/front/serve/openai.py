@@ -149,7 +149,7 @@ def e_param(message: str, chat: bool) -> str:
 
 def model_entries(server: Server) -> list[dict]:
     """The models a request may name: the target (with the draft that speeds it up), and the
-    model that computes embeddings when it is another."""
+    model that computes embeddings when it is another (the roles /api/tags gives them)."""
     settings, created = server.settings, int(time.time())
     target = {"id": settings.target, "object": "model", "created": created, "owned_by": "flylocal",
               "flylocal": {"role": "target"} | ({"draft": settings.draft} if settings.draft else {})}
