@@ -315,6 +315,43 @@ def test_an_integer_has_at_most_16_digits_unless_its_schema_bounds_it():
         assert accepts(g, ok) and not accepts(g, long), ok
 
 
+def test_a_fraction_has_at_most_16_digits_whatever_the_drafts_and_the_verifier():
+    # A drafter that drafts "1" after "1." and a verifier that accepts anything write digits
+    # until the token limit; the constraint ends the fraction at 16 (no schema can say so).
+    # "12" (two digits in one token) may not cross the bound either; a string's digits are text.
+    number = G.Grammar(VOCAB, G.json_schema({"type": "object", "properties": {"a": {"type": "number"}},
+                                             "required": ["a"]}), "s")
+    head = OPEN + [11, 27]                                  # '{"a": 1.'
+
+    class Ones(Drafter):
+        name = "ones"
+
+        def __init__(self, digit: int):
+            self.digit = digit
+
+        def propose(self, context, k):
+            written = len(context) - len(PROMPT)
+            return Draft(np.array((head[written:] + [self.digit] * k)[:k], dtype=np.int32))
+
+    loose = Asd(AsdParams(gate=1e9, cap=32, budget=1e9))
+    for digit in (11, 23):                                  # "1", "12": one round drafts past the bound
+        gen = Engine(FakeTarget(LM, n_ctx=96), Ones(digit), loose,
+                     EngineConfig(k=32, max_tokens=40, forced=False)).generate(PROMPT, grammar=number).run()
+        written = text(gen.tokens)
+        fraction = written[len('{"a": 1.'):].rstrip("}")
+        assert written.startswith('{"a": 1.') and fraction.isdigit() and len(fraction) <= 16, written
+        assert len(fraction) >= 15, written                  # the drafts ran to the bound
+    # The grammar alone (a fresh matcher) would take more: the bound is the constraint's.
+    assert accepts(number, '{"a": 1.' + "1" * 20 + "}")
+    words = G.Grammar(VOCAB, G.json_schema({"type": "object", "properties": {"a": {"type": "string"}},
+                                            "required": ["a"]}), "s")
+    state = words.start()
+    state.commit(VOCAB.tokenize(b'{"a": "1.' + b"1" * 20))
+    logits = np.zeros((1, VOCAB.n_vocab), dtype=np.float32)
+    state.restrict(logits, np.zeros(0, dtype=np.int32))
+    assert logits[0][11] == 0                               # in a string, another digit is still text
+
+
 def test_an_object_that_names_its_keys_allows_no_others_unless_it_says_so():
     # Clients send pydantic's and zod's schemas without additionalProperties; as llama.cpp reads
     # them, the keys they name are all there is (docs/design.md, "Grammars").

@@ -196,6 +196,72 @@ def test_a_streamed_tool_call_arrives_as_openai_deltas(client):
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
 
 
+class Country(BaseModel):
+    """A plain pydantic model: its schema says nothing of other keys, as clients send it."""
+    name: str
+    population: int
+    area_km2: float
+
+
+def test_a_schema_that_omits_additional_properties_gets_its_keys_alone(client, server):
+    # Read openly, 9 answers in 10 added keys until the token limit; read as llama.cpp reads it,
+    # each answer has the schema's keys alone and ends (its number's fraction bounded too).
+    import ollama
+
+    schema = Country.model_json_schema()
+    assert "additionalProperties" not in schema
+    for seed in range(10):
+        r = client.chat.completions.create(
+            model=SMOL, messages=[{"role": "user", "content": "Describe France as JSON."}], max_tokens=96,
+            temperature=0.8, seed=seed, response_format={"type": "json_schema", "json_schema": {"name": "country",
+                                                                                                "schema": schema}})
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        assert set(json.loads(r.choices[0].message.content)) == set(Country.model_fields)
+    parsed = client.chat.completions.parse(model=SMOL, messages=[{"role": "user", "content": "Describe France."}],
+                                           response_format=Country, max_tokens=96, temperature=0.8, seed=1)
+    assert isinstance(parsed.choices[0].message.parsed, Country)
+    said = ollama.Client(host=server).chat(model=SMOL, messages=[{"role": "user", "content": "Describe France."}],
+                                           format=schema, options={"num_predict": 96, "temperature": 0.8, "seed": 2})
+    assert set(json.loads(said.message.content)) == set(Country.model_fields) and said.done_reason == "stop"
+
+
+def test_instructor_gets_its_model_by_its_schema_and_tool_modes(server):
+    import instructor
+    from openai import OpenAI
+
+    for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):      # its default; a schema as the format
+        extract = instructor.from_openai(OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120),
+                                         mode=mode)
+        got = extract.chat.completions.create(
+            model=SMOL, response_model=Country, max_tokens=96, max_retries=0,
+            messages=[{"role": "user", "content": "Extract: France has 68 million people and 551695 km2."}])
+        assert isinstance(got, Country), mode
+
+
+def test_a_smolagents_tool_calling_agent_calls_its_tool(server):
+    from smolagents import OpenAIServerModel, ToolCallingAgent, tool
+
+    calls = []
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather now in a city.
+
+        Args:
+            city: the city's name
+        """
+        calls.append(city)
+        return f"Sunny in {city}"
+
+    model = OpenAIServerModel(model_id=SMOL, api_base=server + "/v1", api_key="none", max_tokens=96, temperature=0)
+    agent = ToolCallingAgent(tools=[get_weather], model=model, max_steps=2, verbosity_level=0)
+    agent.run("What is the weather in Paris?")
+    steps = [step for step in agent.memory.steps if getattr(step, "tool_calls", None) is not None]
+    assert steps and steps[0].error is None                # its answer parsed as a call ("no JSON blob" before)
+    assert calls and all(isinstance(city, str) and city for city in calls)
+    assert steps[0].tool_calls[0].name in ("get_weather", "final_answer")
+
+
 def test_the_ollama_client_with_a_format_schema_and_tools(server):
     import ollama
 
