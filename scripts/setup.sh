@@ -165,6 +165,11 @@ fi
 wait_deps
 say "installing flylocal"
 "${PIP[@]}" install -e ".[test,plot,humaneval,serve]"
+# instructor, a client the server is tested with, caps jiter below what today's openai needs, and
+# pip would take openai back to a release pydantic-ai cannot import: it goes in without its pins,
+# after what it uses (jiter's API is the same in the newer release).
+"${PIP[@]}" install docstring-parser tenacity typer rich aiohttp regex
+"${PIP[@]}" install --no-deps "instructor>=1.10"
 .venv/bin/python -c "import flylocal.llama.runtime, llama_cpp" \
   || { say "llama-cpp-python does not load; rebuild with another CMAKE_ARGS"; exit 1; }
 if [ "$fetch_models" = 1 ]; then
