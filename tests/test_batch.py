@@ -442,3 +442,29 @@ def test_a_request_alone_in_a_batch_drafts_as_outside_one(seed):
     assert [d.tolist() for d in mine.drafts] == [d.tolist() for d in own.drafts]
     assert gen.tokens == tokens and gen.stats.rounds == stats.rounds and gen.stats.drafted == stats.drafted
     assert stats.drafted > 0
+
+
+def test_each_requests_counts_are_its_own():
+    """In company, a request's rounds, drafted, accepted, loose and emitted are those of its run
+    alone on the drafts it was verified on, and its mean accepted length is each of its rounds'
+    L + 1 over its rounds: at least 1, whatever FLy's windows took back (the answer's length,
+    `emitted`, may then be lower)."""
+    retracted = 0
+    for seed in range(N_BATCHES):
+        done, _ = run_batch(seed)
+        for gen, case, rec, cancelled, _ in done:
+            if cancelled:
+                continue
+            where = f"batch seed {seed}: {case}"
+            target = FakeTarget(LMS[case.lm], case.n_ctx, costs=fixed_costs(case.row_cost))
+            engine = Engine(target, Replay(rec.drafts), make_verifier(case),
+                            EngineConfig(max_tokens=case.max_tokens, k=case.k))
+            _, own, _ = generate_all(engine, np.asarray(case.prompt, dtype=np.int32))
+            s = gen.stats
+            counts = ("rounds", "drafted", "accepted", "loose", "emitted", "emitted_in_rounds", "retractions")
+            assert [getattr(s, c) for c in counts] == [getattr(own, c) for c in counts], where
+            if s.rounds:
+                assert s.mean_accepted_length == s.emitted_in_rounds / s.rounds >= 1, where
+                assert s.emitted_in_rounds >= s.emitted + s.retracted - s.retractions, where
+            retracted += s.retractions
+    assert retracted > 0          # windows were taken back: the case the old count got below 1

@@ -14,7 +14,8 @@ def row(method: str, speeds: dict, rounds_per_token: float = 1.0, outputs=None) 
     """A method's Row: per prompt, 100 tokens at `speeds[prompt]` tokens/s, decode and end to end."""
     r = b.Row(method)
     for pid, tps in speeds.items():
-        r.per_prompt[pid] = {**dict.fromkeys(b.report.COUNTS, 0), "tokens": 100, "decode_tokens": 100,
+        r.per_prompt[pid] = {**dict.fromkeys(b.report.COUNTS, 0), "tokens": 100, "emitted_in_rounds": 100,
+                             "decode_tokens": 100,
                              "wall_s": 100 / tps, "decode_s": 100 / tps, "rounds": round(100 * rounds_per_token)}
         r.outputs[pid] = (outputs or {}).get(pid, ([1, 2, 3, 4, 5, 6], "text"))
     return r

@@ -28,6 +28,9 @@ class Stats:
     retracted: int = 0           # tokens taken back with them (each provisional one and what followed it)
     emitted: int = 0             # committed tokens: accepted + one correction/bonus per round, less
                                  # those taken back, plus each retracted token's replacement
+    emitted_in_rounds: int = 0   # each round's emitted tokens where it emitted them: its committed
+                                 # ones and a retracted token's replacement, whatever a later round
+                                 # took back (at least 1 a round: tau's numerator)
     first_tokens: int = 0        # of those, the first round's: its decode also evaluated the prompt's tail
     forced: int = 0              # under a grammar: accepted draft tokens the grammar forced
     budget_spent: float | None = None   # ASD: the ledger s after this request
@@ -59,6 +62,7 @@ class Stats:
         self.retractions += r.retracted > 0
         self.retracted += r.retracted
         self.emitted += r.net
+        self.emitted_in_rounds += r.committed + (r.retracted > 0)
         if self.rounds == 1:
             self.first_tokens = r.net
         self.draft_s += r.draft_s
@@ -68,8 +72,10 @@ class Stats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """tau: emitted tokens per round, correction/bonus included."""
-        return self.emitted / self.rounds if self.rounds else 0.0
+        """tau: emitted tokens per round, correction/bonus included, each round's counted as it
+        emitted them: at least 1. (A window FLy takes back later takes tokens from the answer,
+        `emitted`, not from the rounds that emitted them.)"""
+        return self.emitted_in_rounds / self.rounds if self.rounds else 0.0
 
     @property
     def decode_s(self) -> float:

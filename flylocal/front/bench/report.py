@@ -15,7 +15,7 @@ from flylocal.errors import FlylocalError
 from flylocal.front.bench.prompts import GROUP_ORDER, Prompt
 
 
-COUNTS = ("tokens", "decode_tokens", "decode_s", "wall_s", "rounds", "loose", "verify_s", "drafted", "accepted", "forced", "mask_s")    # summed per prompt over turns, repeats
+COUNTS = ("tokens", "emitted_in_rounds", "decode_tokens", "decode_s", "wall_s", "rounds", "loose", "verify_s", "drafted", "accepted", "forced", "mask_s")    # summed per prompt over turns, repeats
 
 
 @dataclass
@@ -133,13 +133,13 @@ def metrics(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
             cis = ({"speedup_ci": interval(row, ref, ref_ids, e2e=False),
                     "e2e_speedup_ci": interval(row, ref, ref_ids, e2e=True)} if ref_ids and row is not ref else {})
             categories[group] = {**_ratios(_speed(row, ref_ids), _speed(ref, ref_ids) if ref_ids else None), **cis,
-                                 "mean_accepted_length": round(g["tokens"] / g["rounds"], 3) if g["rounds"] else None,
+                                 "mean_accepted_length": round(g["emitted_in_rounds"] / g["rounds"], 3) if g["rounds"] else None,
                                  "prompts": len(ids)}
         nll = _mean(row.nll.values())
         out.append({
             "method": m,
             **speed,
-            "mean_accepted_length": round(mine["tokens"] / mine["rounds"], 3) if mine["rounds"] else None,
+            "mean_accepted_length": round(mine["emitted_in_rounds"] / mine["rounds"], 3) if mine["rounds"] else None,
             "acceptance": round(mine["accepted"] / mine["drafted"], 3) if mine["drafted"] else None,
             "loose_rate": round(mine["loose"] / mine["tokens"], 4) if mine["rounds"] and mine["tokens"] else None,
             "agreement": agreement,
@@ -201,7 +201,7 @@ def per_prompt(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
             r = ref.per_prompt.get(p.id) if ref is not None and p.id in ref.outputs else None
             out.append({"prompt": p.id, "category": p.category, "method": m, "tokens": mine["tokens"],
                         **_ratios(mine, r),
-                        "mean_accepted_length": round(mine["tokens"] / mine["rounds"], 3) if mine["rounds"] else None,
+                        "mean_accepted_length": round(mine["emitted_in_rounds"] / mine["rounds"], 3) if mine["rounds"] else None,
                         "wall_s": round(mine["wall_s"], 4), "answer": row.outputs[p.id][1]})
     return out
 

@@ -103,7 +103,7 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
         if method.baseline:
             text, n, _, decode_s = baselines[m].generate(ids, settings.max_tokens, settings.sampling, reuse=not fresh)
             tokens = list(target.tokenize(text, add_special=False, parse_special=False)) if text else []
-            return tokens, text, dict(tokens=n, decode_tokens=max(n - 1, 0), decode_s=decode_s, rounds=0, loose=0, verify_s=0.0,
+            return tokens, text, dict(tokens=n, emitted_in_rounds=n, decode_tokens=max(n - 1, 0), decode_s=decode_s, rounds=0, loose=0, verify_s=0.0,
                                       drafted=0, accepted=0, forced=0, mask_s=0.0), None
         s = dataclasses.replace(settings, verifier=method.verifier, drafter=method.drafter)
         if method.within_round:
@@ -115,7 +115,7 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
                 draft.reset()
         # Each run searches the --lookup-corpus file alone, never what other runs generated.
         tokens, stats, _ = generate_all(models.engine(s, private=True), ids, grammar)
-        counts = dict(tokens=stats.emitted, decode_tokens=stats.decode_tokens, decode_s=stats.decode_s, rounds=stats.rounds, loose=stats.loose,
+        counts = dict(tokens=stats.emitted, emitted_in_rounds=stats.emitted_in_rounds, decode_tokens=stats.decode_tokens, decode_s=stats.decode_s, rounds=stats.rounds, loose=stats.loose,
                       verify_s=stats.verify_s, drafted=stats.drafted, accepted=stats.accepted, forced=stats.forced,
                       mask_s=stats.mask_s)
         return tokens, target.detokenize(tokens), counts, stats.budget_spent

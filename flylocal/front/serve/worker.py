@@ -492,7 +492,7 @@ class Metrics:
         self.accepted.inc(stats.accepted)
         self.loose.inc(stats.loose)
         self.rounds.inc(stats.rounds)
-        self._emitted += stats.emitted
+        self._emitted += stats.emitted_in_rounds
         self._rounds += stats.rounds
         if self._rounds:
             self.mean_accepted.set(self._emitted / self._rounds)
