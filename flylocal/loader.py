@@ -276,6 +276,7 @@ def build_engine(settings: Settings, target: Runtime, draft: Runtime | None, cor
         # With a seed, draft lengths must not follow this run's timings: a loose verifier's
         # output follows the drafts, and with the fast kernels so can strict's at a near-tie.
         pin_costs=settings.sampling.seed is not None,
+        calibration_wait=settings.calibration_wait,
     )
     return Engine(target, drafter, verifier or make_verifier(settings.verifier, settings.verifiers), config)
 

@@ -61,6 +61,8 @@ class Settings:
     pld_tokens: int | None = None
     draft_p_min: float | None = None  # None: 0.5 when the draft length adapts, 0 with an explicit --k
     recalibrate: bool = False         # measure the cost curves again instead of reading the cache
+    calibration_wait: float | None = None   # seconds of the target curve's calibration a request waits
+                                            # for; the rest in slices before the next (serve, chat: WAIT)
     exact: bool = False               # the batch-invariant build (flylocal.llama.kernels)
     lookup_corpus: str | None = None  # a text file prompt lookup also searches
     verifiers: VerifierConfig = field(default_factory=VerifierConfig)

@@ -416,3 +416,22 @@ def test_doctor_says_what_the_last_process_settled_on_and_when(tmp_path, monkeyp
     assert "measures before its first prompt" in kept_threads_line(clock=lambda: 1_000_000.0 + threads.KEEP + 1)
     report = cache_report()
     assert report[0].startswith("--threads auto: the last process") and "not a cost curve" not in "\n".join(report)
+
+
+@pytest.mark.slow
+def test_doctor_says_which_cached_curves_are_provisional_and_why(tmp_path, monkeypatch):
+    from flylocal.decoding.costs import CostCurve
+    from flylocal.front.doctor import cache_report
+
+    monkeypatch.setenv("FLYLOCAL_COSTS", str(tmp_path))
+    calls: dict = {}                                       # each size's passes never agree
+
+    def noisy(rows):
+        calls[rows] = calls.get(rows, 0) + 1
+        return 0.01 * (1 + 0.4 * (rows - 1)) * (1 + calls[rows])
+
+    curve = CostCurve(key={"model": "/m/loaded.gguf", "kernels": "fast", "threads": 1, "batch": 512})
+    curve.ensure(noisy, max_rows=9)
+    assert curve.state == "provisional"
+    line = next(x for x in cache_report() if "loaded.gguf" in x)
+    assert "PROVISIONAL" in line and "disagree" in line, line

@@ -49,6 +49,7 @@ class EngineConfig:
     trace: bool = False        # attach trace rows (docs/design.md) to round events
     sampling: SamplingParams = field(default_factory=SamplingParams)   # temperature 0: greedy
     pin_costs: bool = False    # decide draft lengths on calibrated costs only, never this run's timings
+    calibration_wait: float | None = None   # seconds of a calibration a request waits for (None: all of it)
     logprobs: int | None = None   # give each output token its log-probability and this many of the most
                                   # likely ones at its position (None: none are computed)
     forced: bool = True        # under a grammar, draft the tokens it forces (docs/design.md, "Grammars")
@@ -283,8 +284,9 @@ class Engine:
 
     def calibrate(self, req: Request, curve: CostCurve, max_rows: int) -> None:
         """`curve`, the target's, known up to decodes of `max_rows` rows: read from the disk
-        cache, or measured now on this request's target (its sequence, in a batch) after its
-        prompt, which a probe needs in the cache (docs/design.md, "Cost model")."""
+        cache, or measured on this request's target (its sequence, in a batch) after its prompt,
+        which a probe needs in the cache: whole, or a slice of at most `calibration_wait`
+        seconds before each request until it settles (docs/design.md, "Cost model")."""
         target, prompt = self.target, req.prompt
 
         def probe(rows: int) -> float:
@@ -293,7 +295,11 @@ class Engine:
                 req.head = req.head[:0]
             return timed_decode(target, int(prompt[-1]), rows, self.clock)
 
-        curve.ensure(probe, max_rows=max_rows, limit=target.n_batch, recalibrate=self.config.recalibrate)
+        # With `calibration_wait` (serve, chat), a request waits for a slice of a calibration at
+        # most, and the rest follows in slices before the next ones; a seeded run, whose
+        # decisions a curve must not move, waits for all of it.
+        wait = None if self.config.pin_costs else self.config.calibration_wait
+        curve.ensure(probe, max_rows=max_rows, limit=target.n_batch, recalibrate=self.config.recalibrate, wait=wait)
 
     def _finished(self, req: Request) -> bool:
         """Whether the request has stopped; the output's length and the context's end are

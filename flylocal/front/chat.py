@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
 import click
 
+from flylocal.decoding.costs import WAIT
 from flylocal.decoding.drafters import DRAFTERS
 from flylocal.decoding.verifiers import VERIFIERS
 from flylocal.errors import FlylocalError
@@ -98,7 +100,8 @@ def chat(system, color, json_schema_file, json_object, grammar_file, **opts):
     if tty:
         import readline  # noqa: F401 - line editing and history for input()
     colored = use_color(color)
-    settings = settings_from(opts)
+    # Each turn waits for a slice of a calibration at most; the rest follows before the next ones.
+    settings = dataclasses.replace(settings_from(opts), calibration_wait=WAIT)
     check(settings)
     models = load(settings, log=note)
     try:

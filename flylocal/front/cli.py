@@ -15,6 +15,7 @@ import time
 import click
 
 from flylocal import __version__
+from flylocal.decoding.costs import WAIT
 from flylocal.errors import FlylocalError
 from flylocal.front.chat import chat
 from flylocal.front.model_commands import models
@@ -251,7 +252,9 @@ def serve(host, port, api_key, max_queue, cors_origins, allowed_hosts, parallel,
     except ImportError as e:
         raise FlylocalError(f"flylocal serve needs its extra ({e.name} is missing): "
                             "pip install -e '.[serve]' (scripts/setup.sh installs it)") from None
-    settings = dataclasses.replace(settings_from(opts), parallel=parallel, kv_unified=kv_unified)
+    # A request waits for a slice of a calibration at most; the rest follows before the next ones.
+    settings = dataclasses.replace(settings_from(opts), parallel=parallel, kv_unified=kv_unified,
+                                   calibration_wait=WAIT)
     check(settings)
     for name in (settings.target, settings.draft):     # a bad model is one line before anything listens
         if name:

@@ -115,7 +115,7 @@ def curve_line(curve: CostCurve) -> str:
     line = (f"decode cost curve ({where}, {report['state']}): t(n)/t(1) by rows {shape}; a single step "
             f"{report['calibrated_step_ms']:.1f} ms; {calibration_words(curve.meta)}")
     if report["state"] == "provisional":
-        line += f"; not saved, measured again later: {report['problem']}"
+        line += f"; cached as provisional and measured again later: {report['problem']}"
     elif report.get("problem"):
         line += f"; the cached curve was distorted and is repaired: {report['problem']}"
     return line
@@ -161,6 +161,9 @@ def cache_report() -> list[str]:
         shape = ", ".join(f"{n}: {base[n - 1] / base[0]:.1f}" for n in CALIBRATION_SIZES
                           if n <= len(base) and not np.isnan(base[n - 1]))
         line = f"  {what}: t(n)/t(1) {shape}; {calibration_words(record['meta'])}"
+        if record["meta"].get("provisional"):
+            line += (f"; PROVISIONAL ({record['meta']['provisional']}): a start for the next process, "
+                     "which measures it again")
         if record["problem"]:
             line += f"; DISTORTED refinement, dropped when next used: {record['problem']}"
         lines.append(line)

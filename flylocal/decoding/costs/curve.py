@@ -35,7 +35,7 @@ import numpy as np
 
 from flylocal import host
 from flylocal.decoding.costs import store
-from flylocal.decoding.costs.calibration import BUDGET, CALIBRATION_SIZES, calibrate
+from flylocal.decoding.costs.calibration import BUDGET, CALIBRATION_SIZES, Measuring, calibrate
 from flylocal.decoding.costs.shape import PHYSICS, SWITCH_MAX, distortion, interpolate, median, plausible, prior_shape
 
 SWITCH_PRIOR = 0.07      # single steps the round after a draft pays to go back to one row, where
@@ -43,6 +43,8 @@ SWITCH_PRIOR = 0.07      # single steps the round after a draft pays to go back 
                          # when a decode's row count changes (0.6 ms of a 9.1 ms step, 2 cores)
 RETRY = 30.0             # wall seconds before a calibration taken under load is tried again (doubling),
 RETRIES = 3              # at most 3 times per process: each costs a request ~1-2 s of waiting
+WAIT = 0.1               # seconds of measuring a request waits for before its first token, where no
+                         # curve is cached: the rest is measured in slices before the next ones
 
 # Refinement from rounds.
 RECENT = 7               # speed: the median of the last 7 rounds, each in single steps
@@ -109,6 +111,7 @@ class CostCurve:
         self._retry_at = 0.0
         self._retry_wait = RETRY
         self._retries = 0
+        self.measuring: Measuring | None = None              # a calibration going on in slices
         # This process's observations, timed by `decoded_s`: the seconds of rounds observed.
         self.decoded_s = 0.0
         self.recent: list[float] = []                        # the last rounds, in single steps
@@ -307,7 +310,10 @@ class CostCurve:
         """Measure the curve now (flylocal.decoding.costs.calibration), spending at most `budget`
         seconds decoding: settled, or provisional when it was taken under load, disagreed, ran
         out of time or broke physics."""
-        done = calibrate(timed_decode, max_rows, limit, meter, anchor=self._anchor(), budget=self.budget)
+        self._apply(calibrate(timed_decode, max_rows, limit, meter, anchor=self._anchor(), budget=self.budget))
+
+    def _apply(self, done) -> None:
+        """A calibration's result (None: nothing usable measured) becomes the curve."""
         if done is None:
             return
         self.base = np.full(len(done.seconds), np.nan)
@@ -320,28 +326,52 @@ class CostCurve:
         self.dirty = self.state == State.SETTLED
 
     def ensure(self, timed_decode, max_rows: int, limit: int | None = None, recalibrate: bool = False,
-               meter=None) -> None:
+               meter=None, wait: float | None = None) -> None:
         """Make the curve usable up to `max_rows`: from the disk cache when it holds this key
-        (unless `recalibrate`), else measured now and cached once settled. Within a process a
-        curve is measured at most once for each larger `max_rows` asked for. A provisional one
-        is replaced by one another process has cached meanwhile, or else measured again once
-        RETRY seconds have passed (then twice as long), at most RETRIES times."""
+        (unless `recalibrate`), else measured and cached. Within a process a curve is measured
+        at most once for each larger `max_rows` asked for. A provisional one is replaced by one
+        another process has cached meanwhile, or else measured again once RETRY seconds have
+        passed (then twice as long), at most RETRIES times.
+
+        `wait`: the most seconds of measuring this call may spend (a request before its first
+        token). A curve measured then goes on in slices, one each call, and is used meanwhile,
+        provisional, from what its first decodes measured (the sizes between and past them on
+        the slope they give); None: measured whole now."""
         if self.fixed:
             return
+        if self.measuring is not None:
+            if wait is None or self.measuring.sizes[-1] < min(max_rows, limit or max_rows):
+                self.measuring = None                  # measured whole now, or for larger sizes
+            else:
+                self._measure(timed_decode, wait)
+                return
         retry = (self.state == State.PROVISIONAL and self._retries < RETRIES
                  and time.monotonic() >= self._retry_at)
         if max_rows <= self._ensured and not retry:
             return
         if (self.source == Source.NONE or retry) and not recalibrate:
             before = self.state, self.problem
-            if self.load() and self.largest() >= min(max_rows, limit or max_rows):
+            loaded = self.load()
+            if loaded and self.state != State.PROVISIONAL and self.largest() >= min(max_rows, limit or max_rows):
                 self._ensured = max(max_rows, self._ensured)
                 return
-            if retry and self.state != State.SETTLED:       # nothing usable cached: still provisional
+            if loaded and self.state == State.PROVISIONAL:   # a start, not an answer: measured again
+                retry = True
+            elif retry and self.state != State.SETTLED:      # nothing usable cached: still provisional
                 self.state, self.problem = before
             retry = retry and self.state == State.PROVISIONAL
         if retry or not (self.calibrated and self.largest() >= min(max_rows, limit or max_rows)):
             keep = self.calibrated and not recalibrate and self.state != State.PROVISIONAL
+            if wait is not None and not keep:
+                if self.say is not None and self._unusable is not None and not retry:
+                    self.say(f"measuring the decode cost of {self.name()} on this machine ({self._unusable}): "
+                             f"at most {wait:g} s before each request until it settles")
+                self._unusable = None
+                self._retries += retry
+                self.measuring = Measuring(max_rows, limit, meter, self.budget)
+                self._measure(timed_decode, wait)
+                self._ensured = max(max_rows, self._ensured)
+                return
             kept, kept_meta = self.base.copy(), self.meta
             repaired = self.problem if self.state == State.REPAIRED else None
             if self.say is not None and self._unusable is not None and not (retry or keep):
@@ -362,10 +392,42 @@ class CostCurve:
                     self.state, self.problem = State.REPAIRED, repaired
                 self.save()
             else:
-                self._retries += retry
-                self._retry_at = time.monotonic() + self._retry_wait
-                self._retry_wait *= 2
+                self._settle_later(retry)
         self._ensured = max(max_rows, self._ensured)
+
+    def _settle_later(self, retry: bool) -> None:
+        """A measurement ended provisional: cached as such (so that the next process starts
+        from it), measured again later."""
+        self.save_provisional()
+        self._retries += retry
+        self._retry_at = time.monotonic() + self._retry_wait
+        self._retry_wait *= 2
+
+    def _measure(self, timed_decode, wait: float) -> None:
+        """A slice of the calibration going on: at most `wait` seconds of decodes (and the two
+        sizes a curve needs). Done, its result is the curve's, as `calibrate` leaves it; not
+        yet, the curve is what it has measured so far, provisional."""
+        measuring = self.measuring
+        if measuring.run(timed_decode, wait):
+            self.measuring = None
+            self._apply(measuring.result(anchor=self._anchor()))
+            if self.state == State.SETTLED:
+                self.save()
+            else:
+                self._settle_later(False)
+            return
+        values = measuring.seconds()
+        if values is None or distortion(values) is not None:
+            return
+        if self.state != State.SETTLED or self.source != Source.CACHE:
+            self.base = np.full(len(values), np.nan)
+            self._set_base(values)
+            self.refined = np.full(len(self.base), np.nan)
+            self.meta = {"measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "passes": measuring.passes}
+            self.source = Source.MEASURED
+            self.state = State.PROVISIONAL
+            self.problem = (f"being measured, {measuring.spent:.2f} s of decodes so far, at most {WAIT:g} s before "
+                            "each request")
 
     def name(self) -> str:
         """The model's file name, without .gguf: what the curve is of, in a line to the user."""
@@ -398,6 +460,8 @@ class CostCurve:
         self.meta = record["meta"]
         self.source = Source.CACHE
         self.state, self.problem = (State.REPAIRED, problem) if problem else (State.SETTLED, None)
+        if self.meta.get("provisional"):      # the load kept it from settling: a start, measured again
+            self.state, self.problem = State.PROVISIONAL, f"cached provisional: {self.meta['provisional']}"
         self.dirty = False
         if problem or record["format"] != store.COST_FORMAT:
             self._write()
@@ -436,6 +500,19 @@ class CostCurve:
         self.refined[: len(new)] = np.where(np.isnan(new), self.refined[: len(new)], new)
         self._changed()
         self._write()
+
+    def save_provisional(self) -> None:
+        """Cache a curve the load kept from settling, marked so (`meta["provisional"]`: why),
+        unless the cache holds a settled one already (another process's, measured quietly)."""
+        if self.key is None or not self.calibrated or self.fixed or self.state != State.PROVISIONAL \
+                or distortion(self.base) is not None:        # nothing past physics is a start
+            return
+        record, _ = store.read(self.key)
+        if record is not None and not record["meta"].get("provisional") and record["calibration_problem"] is None:
+            return
+        why = (self.problem or "unsettled").removeprefix("cached provisional: ")
+        store.write(self.key, self.meta | {"provisional": why[:200]}, self.base,
+                    np.full(len(self.base), np.nan))
 
     def _write(self) -> None:
         if store.write(self.key, self.meta, self.base, self.refined):

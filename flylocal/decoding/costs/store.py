@@ -3,7 +3,8 @@ flylocal.host.costs_dir(), written whole and renamed, so that concurrent process
 leave a torn file.
 
     {"format": 2, "key": {...}, "calibration": {"seconds": [t(1..m), null where not
-     measured], "measured", "passes", "spread", "busy_cores", "cores", "switch"},
+     measured], "measured", "passes", "spread", "busy_cores", "cores", "switch", and for a
+     curve the load kept from settling, "provisional": why},
      "refined": [shape at 1..m, null where none]}
 
 Format 1 (before shape and speed were apart) kept the calibration as "base" and a refined curve
@@ -34,7 +35,7 @@ COST_FORMAT = 2
 MAX_BYTES = 1 << 20      # a curve of MAX_ROWS sizes, calibrated and refined, takes about 200 KB
 MAX_ROWS = 4096          # sizes a curve can hold: no round verifies a longer draft
 META = {"measured": str, "extended": str, "passes": int, "cores": int, "spread": float, "busy_cores": float,
-        "switch": float}  # what a calibration's record may say beside its times, and of which type
+        "switch": float, "provisional": str}  # what a calibration's record may say beside its times, and of which type
 
 
 def path_for(key: dict) -> Path:
@@ -128,7 +129,7 @@ def _meta(raw: dict, step: float) -> tuple[dict, str | None]:
     for name, kind in META.items():
         v = raw.get(name)
         if kind is str:
-            ok = isinstance(v, str) and len(v) <= 32
+            ok = isinstance(v, str) and len(v) <= (200 if name == "provisional" else 32)
         else:
             ok = (isinstance(v, int if kind is int else (int, float)) and not isinstance(v, bool)
                   and 0 <= v <= 1e6) or (name == "busy_cores" and name in raw and v is None)   # NaN fails too
