@@ -176,8 +176,7 @@ def test_infinite_entropy_gate_is_strict():
     strict = json.loads(flylocal(*args, "--verifier", "strict").stdout)
     fly = json.loads(flylocal(*args, "--fly-entropy", "inf").stdout)
     assert fly["tokens"] == strict["tokens"] and fly["stats"]["loose"] == 0 and fly["stats"]["drafted"] > 0
-    gated = json.loads(flylocal(*args, "--fly-entropy", "0").stdout)    # no gate: the window alone decides
-    assert gated["stats"]["loose"] > 0
+    # (that an open gate keeps loose tokens is built, not hoped for: test_fly_models.py, FourthBest)
 
 
 def test_invalid_utf8_gets_one_line(tmp_path):

@@ -307,6 +307,7 @@ def test_a_request_waits_a_slice_of_the_calibration_and_the_rest_follows_in_slic
         return t
 
     curve = CostCurve(key=KEY)
+    curve.clock = lambda: clock[0]
     slices = []
     while curve.state != "settled" and len(slices) < 200:
         before = clock[0]

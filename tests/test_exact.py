@@ -155,7 +155,7 @@ def test_gemma_q8_strict_equals_plain(gemma_q8, k):
     assert tokens == expected
     exercised(stats, k)
     if k is not None:
-        assert stats.drafted > stats.accepted > 0
+        assert stats.drafted >= stats.accepted > 0
 
 
 def test_gemma_q8_rolls_back_past_the_sliding_window(gemma_q8):

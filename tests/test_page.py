@@ -184,7 +184,7 @@ def test_a_message_streams_coloured_tokens_then_its_stats(site):
     assert seen_streaming > 0                      # coloured spans while the answer streams
     [answer] = finished(driver)
     stats = answer.find_element("css selector", ".stats").text
-    for part in ("64 tokens", "tok/s", "mean accepted length", "loose", "cached prompt tokens", "fly + model"):
+    for part in (" tokens", "tok/s", "mean accepted length", "loose", "cached prompt tokens", "fly + model"):
         assert part in stats, stats
     spans = answer.find_elements("css selector", ".body .tok")
     kinds = {s.get_attribute("class").split()[-1] for s in spans}
@@ -195,10 +195,11 @@ def test_a_message_streams_coloured_tokens_then_its_stats(site):
     for span in loose_spans:                          # hovering shows the target's own choice
         assert "the target's own choice here was" in span.get_attribute("title")
     # the page kept the answer the API gives for the same request (exact build: one answer),
-    # a token of it for each of the 64
+    # a token of it for each the stats line counts (64, unless the model ended first)
     kept = stored(driver)[0]["messages"][1]["answer"]
     assert kept["text"] == api_answer(url, FOCUS, max_tokens=64, drafter="model", k=10)
-    assert len(kept["tokens"]) == 64 and sum(t[1] for t in kept["tokens"]) == len(kept["text"])
+    assert f"{len(kept['tokens'])} tokens" in stats and 0 < len(kept["tokens"]) <= 64
+    assert sum(t[1] for t in kept["tokens"]) == len(kept["text"])
 
 
 def stored(driver) -> list:
@@ -335,10 +336,15 @@ def test_compare_shows_both_answers_and_where_they_first_differ(site):
     heads = [v.find_element("css selector", ".head").text for v in (strict_view, fly_view)]
     assert heads[0].startswith("strict \u00b7 ") and heads[1].startswith("fly \u00b7 ") and heads[0].endswith(" s")
     note = driver.find_element("css selector", ".compare-turn .note").text
-    assert "first differ at token" in note, note
-    assert len(driver.find_elements("css selector", ".compare .diverge")) == 2
     strict = api_answer(url, FOCUS, max_tokens=64, drafter="model", k=10, verifier="strict")
-    assert stored(driver)[0]["messages"][1]["compare"][0]["text"] == strict
+    compared = stored(driver)[0]["messages"][1]["compare"]
+    assert compared[0]["text"] == strict
+    # Where the two part depends on this machine's numerics: the note says what the texts call for.
+    if compared[0]["text"] != compared[1]["text"]:
+        assert "first differ at token" in note, note
+        assert len(driver.find_elements("css selector", ".compare .diverge")) == 2
+    else:
+        assert "the same" in note and not driver.find_elements("css selector", ".compare .diverge"), note
     assert not strict_view.find_elements("css selector", ".tok-L")     # strict is never loose
     screenshots(driver)
 

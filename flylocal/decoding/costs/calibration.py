@@ -65,17 +65,16 @@ class Measuring:
     def out_of_time(self) -> bool:
         return self.spent >= self.budget and sum(1 for v in self.samples.values() if v) >= 2
 
-    def run(self, timed_decode, seconds: float = math.inf) -> bool:
+    def run(self, timed_decode, seconds: float = math.inf, clock=time.perf_counter) -> bool:
         """Go on measuring (`timed_decode(n)` decodes n rows, rolls them back and returns the
-        seconds taken) until done or until this slice's decodes took `seconds`, but never
-        before two sizes are measured (a curve needs them). Whether it is done."""
-        used = 0.0
+        seconds taken) until done or until this slice has taken `seconds` of wall time (its
+        decodes and what goes around them), but never before two sizes are measured (a curve
+        needs them). Whether it is done."""
+        began = clock()
 
         def timed(rows: int) -> float:
-            nonlocal used
             t = timed_decode(rows)
             if t > 0 and math.isfinite(t):
-                used += t
                 self.spent += t
                 return t
             return math.nan
@@ -85,7 +84,7 @@ class Measuring:
             timed(self.sizes[0])            # the first decode pays for pages and buffers
             self.meter.start()
         while not self.done:
-            if used >= seconds and sum(1 for v in self.samples.values() if v) >= 2:
+            if clock() - began >= seconds and sum(1 for v in self.samples.values() if v) >= 2:
                 return False
             if self.at == 0:
                 if self.passes >= MIN_PASSES and all(_agree(v) for v in self.samples.values()) \

@@ -112,6 +112,7 @@ class CostCurve:
         self._retry_wait = RETRY
         self._retries = 0
         self.measuring: Measuring | None = None              # a calibration going on in slices
+        self.clock = time.perf_counter                       # the wall clock a slice is timed by
         # This process's observations, timed by `decoded_s`: the seconds of rounds observed.
         self.decoded_s = 0.0
         self.recent: list[float] = []                        # the last rounds, in single steps
@@ -408,7 +409,7 @@ class CostCurve:
         sizes a curve needs). Done, its result is the curve's, as `calibrate` leaves it; not
         yet, the curve is what it has measured so far, provisional."""
         measuring = self.measuring
-        if measuring.run(timed_decode, wait):
+        if measuring.run(timed_decode, wait, self.clock):
             self.measuring = None
             self._apply(measuring.result(anchor=self._anchor()))
             if self.state == State.SETTLED:
