@@ -153,11 +153,10 @@ class Batch:
         gen = Generation(prompt, on_end, grammar)
         req = engine.start(prompt, gen)
         try:
-            engine.prefill(req)
             # the target's cost curve known up to the decodes a full batch makes (measured once
             # per curve, on this member's sequence)
             target = self.target
-            engine.calibrate(req, target.costs, min(target.n_batch, target.n_seq * (engine.config.k + 1)))
+            engine.prefill(req, rows=min(target.n_batch, target.n_seq * (engine.config.k + 1)))
         except BaseException:
             engine.stop(req, "error")
             engine.drafter.share(False)

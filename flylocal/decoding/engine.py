@@ -212,9 +212,11 @@ class Engine:
         self.verifier.begin()
         return req
 
-    def prefill(self, req: Request) -> None:
-        """Keep what the cache holds of the prompt (`_prefill`); the prompt's tail is `req.head`."""
-        req.source = self._prefill(req)
+    def prefill(self, req: Request, rows: int | None = None) -> None:
+        """Keep what the cache holds of the prompt (`_prefill`); the prompt's tail is `req.head`.
+        The target's cost curve is then known up to decodes of `rows` rows (a round's k + 1
+        unless given: a batch's decodes are larger)."""
+        req.source = self._prefill(req, rows)
 
     def plan(self, req: Request) -> Round | None:
         """The next round with its draft, or None when the request has stopped."""
@@ -267,7 +269,7 @@ class Engine:
         req.gen._end()
 
     # ----- before the first round -----
-    def _prefill(self, req: Request) -> str | None:
+    def _prefill(self, req: Request, rows: int | None = None) -> str | None:
         """Keep what the cache holds of the prompt; the rest but its last token goes in the first
         round's decode, ahead of the round's own rows, unless a calibration of the target's
         cost curve needs it in the cache first. Returns where that curve came from ("reused":
@@ -279,7 +281,7 @@ class Engine:
         if self.costs is None:
             return None
         known = self.costs.source != Source.NONE
-        self.calibrate(req, self.costs, self.config.k + 1)
+        self.calibrate(req, self.costs, rows or self.config.k + 1)
         return "reused" if known else self.costs.source.value
 
     def calibrate(self, req: Request, curve: CostCurve, max_rows: int) -> None:
