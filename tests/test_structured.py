@@ -240,6 +240,7 @@ def test_instructor_gets_its_model_by_its_schema_and_tool_modes(server):
 
 def test_a_smolagents_tool_calling_agent_calls_its_tool(server):
     from smolagents import OpenAIServerModel, ToolCallingAgent, tool
+    from smolagents.utils import AgentGenerationError, AgentParsingError, AgentToolCallError
 
     calls = []
 
@@ -257,10 +258,13 @@ def test_a_smolagents_tool_calling_agent_calls_its_tool(server):
     agent = ToolCallingAgent(tools=[get_weather], model=model, max_steps=2, verbosity_level=0)
     agent.run("What is the weather in Paris?")
     steps = [step for step in agent.memory.steps if hasattr(step, "tool_calls")]
-    # Every step's answer is a call of a tool it offered, with its arguments ("model output does
-    # not contain any JSON blob" before); which tool the model picks is the model's business.
-    assert steps and all(step.error is None and step.tool_calls for step in steps), [s.error for s in steps]
-    assert all(call.name in ("get_weather", "final_answer") for step in steps for call in step.tool_calls)
+    # Every answer is a call of a tool it offered, with its arguments ("model output does not
+    # contain any JSON blob" before); which tool the model picks, and whether it ends within two
+    # steps (smolagents then adds a step of its own), is the model's business.
+    broken = (AgentParsingError, AgentGenerationError, AgentToolCallError)
+    assert not any(isinstance(step.error, broken) for step in steps), [step.error for step in steps]
+    called = [call for step in steps for call in step.tool_calls or ()]
+    assert called and all(call.name in ("get_weather", "final_answer") for call in called)
     assert all(isinstance(city, str) and city for city in calls)
 
 
