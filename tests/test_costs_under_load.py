@@ -577,3 +577,29 @@ def test_a_switch_measured_beyond_physics_is_not_believed():
     curve = CostCurve(key=None)
     curve.calibrate(probe, max_rows=9, meter=Quiet())
     assert curve.switch() == costs_module.SWITCH_PRIOR
+
+
+def test_a_curve_being_measured_starts_from_the_same_models_curve_at_another_thread_count(cache):
+    """Before its slices reach a size, a curve takes the shape there from a settled curve of the
+    same model cached at another thread count, in this machine's single step now."""
+    other_shape = np.minimum(1 + 0.4 * np.arange(17), 2.0)     # flat past 4 rows: unlike any slope
+    sibling = CostCurve(key={**KEY, "threads": 4})
+    sibling.ensure(lambda rows: 0.02 * other_shape[rows - 1], max_rows=17)
+    assert sibling.state == "settled"
+    clock = [0.0]
+
+    def steady(rows):
+        t = 0.01 * TRUE_SHAPE[rows - 1]
+        clock[0] += t
+        return t
+
+    curve = CostCurve(key=KEY)
+    curve.clock = lambda: clock[0]
+    curve.ensure(steady, max_rows=17, wait=0.0)            # a slice of the fewest decodes
+    assert curve.state == "provisional" and "4 threads" in curve.problem, curve.problem
+    assert np.isclose(curve.calibrated_step(), 0.01)          # this machine's own step
+    assert np.isclose(curve.calibrated_shape(17)[-1], 2.0)    # the sibling's shape where not yet measured
+    alone = CostCurve(key={**KEY, "model": "/other.gguf"})    # no sibling: the slope of what it measured
+    alone.clock = lambda: clock[0]
+    alone.ensure(steady, max_rows=17, wait=0.0)
+    assert "threads" not in alone.problem and alone.calibrated_shape(17)[-1] > 5

@@ -113,6 +113,7 @@ class CostCurve:
         self._retries = 0
         self.measuring: Measuring | None = None              # a calibration going on in slices
         self.clock = time.perf_counter                       # the wall clock a slice is timed by
+        self._sibling: dict | None = None                    # a cached curve of the same model to start from
         # This process's observations, timed by `decoded_s`: the seconds of rounds observed.
         self.decoded_s = 0.0
         self.recent: list[float] = []                        # the last rounds, in single steps
@@ -421,14 +422,32 @@ class CostCurve:
         if values is None or distortion(values) is not None:
             return
         if self.state != State.SETTLED or self.source != Source.CACHE:
-            self.base = np.full(len(values), np.nan)
-            self._set_base(values)
+            # The sizes not measured yet: a settled curve of the same model at another thread
+            # count or batch size, in this machine's single step now, where the cache has one;
+            # else the slope of the sizes measured (interpolate).
+            start, whence = values, ""
+            if self._sibling is None and self.key is not None:
+                self._sibling = store.sibling(self.key) or {}
+            if self._sibling:
+                other = self._sibling["base"]
+                size = max(len(values), len(other))
+                shape = interpolate(other, size) / interpolate(other, 1)[0]
+                start = shape * values[0]
+                start[: len(values)] = np.where(np.isnan(values), start[: len(values)], values)
+                if distortion(start) is not None:
+                    start = values
+                else:
+                    key = self._sibling["key"]
+                    whence = f"; the sizes not yet measured from the curve at {key.get('threads')} threads, " \
+                             f"batch {key.get('batch')}"
+            self.base = np.full(len(start), np.nan)
+            self._set_base(start)
             self.refined = np.full(len(self.base), np.nan)
             self.meta = {"measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "passes": measuring.passes}
             self.source = Source.MEASURED
             self.state = State.PROVISIONAL
             self.problem = (f"being measured, {measuring.spent:.2f} s of decodes so far, at most {WAIT:g} s before "
-                            "each request")
+                            f"each request{whence}")
 
     def name(self) -> str:
         """The model's file name, without .gguf: what the curve is of, in a line to the user."""

@@ -52,6 +52,31 @@ def read(key: dict) -> tuple[dict | None, str | None]:
     return record, problem
 
 
+SIBLING_FILES = 64       # cache files read when looking for a curve of the same model (`sibling`)
+SIBLING_FIELDS = ("threads", "batch")    # what a sibling's key may differ in
+
+
+def sibling(key: dict) -> dict | None:
+    """A settled curve of the same model, build and device cached at another thread count or
+    batch size (the closest in threads), as a start for `key`'s: its record, or None."""
+    folder = costs_dir()
+    same = {k: v for k, v in key.items() if k not in SIBLING_FIELDS}
+    found = []
+    try:
+        paths = sorted(p for p in folder.glob("*.json") if p.name != "threads.json")[:SIBLING_FILES]
+    except OSError:
+        return None
+    for path in paths:
+        record, _ = read_file(path)
+        if record is None or record["calibration_problem"] is not None or record["meta"].get("provisional"):
+            continue
+        other = record["key"]
+        if other == key or {k: v for k, v in other.items() if k not in SIBLING_FIELDS} != same:
+            continue
+        found.append((abs(int(other.get("threads", 0) or 0) - int(key.get("threads", 0) or 0)), path.name, record))
+    return min(found, key=lambda f: f[:2])[2] if found else None
+
+
 def read_file(path: Path) -> tuple[dict | None, str | None]:
     """The checked record in the file at `path`, whatever its key, as read() reads it."""
     try:
