@@ -6,6 +6,7 @@ times a second request of 1 token; stops the server; `--repeat` servers in all. 
 
     .venv/bin/python scripts/bench/first_token.py --target gemma-3-270m-f32 --repeat 3
     .venv/bin/python scripts/bench/first_token.py --tree /tmp/before     # a worktree of another commit
+    .venv/bin/python scripts/bench/first_token.py --busy 1 --drafter none # beside a busy loop, plain
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_server(tree: Path, target: str, threads: int) -> tuple[float, float]:
+def one_server(tree: Path, target: str, threads: int, extra: list[str]) -> tuple[float, float]:
     """(seconds to the first token of the first request, seconds of the second request)."""
     port = free_port()
     with tempfile.TemporaryDirectory() as costs:
         env = dict(os.environ, FLYLOCAL_COSTS=costs, PYTHONPATH=str(tree))
         proc = subprocess.Popen([sys.executable, "-m", "flylocal", "serve", "--port", str(port), "--target", target,
-                                 "--threads", str(threads), "--quiet"], env=env, cwd=tree,
+                                 "--threads", str(threads), "--quiet", *extra], env=env, cwd=tree,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
         try:
@@ -71,12 +72,21 @@ def main() -> None:
     ap.add_argument("--tree", type=Path, default=ROOT, help="the source tree whose flylocal serves (default: this)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--drafter", default=None, help="the server's --drafter (default: its own default)")
+    ap.add_argument("--busy", type=int, default=0, help="busy loops (unpinned) running beside the server")
     args = ap.parse_args()
+    extra = ["--drafter", args.drafter] if args.drafter else []
+    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     runs = []
-    for _ in range(args.repeat):
-        first, second = one_server(args.tree, args.target, args.threads)
-        runs.append((first, second))
-        print(f"{args.target}: first token {first:.3f} s, second request {second:.3f} s", flush=True)
+    try:
+        for _ in range(args.repeat):
+            first, second = one_server(args.tree, args.target, args.threads, extra)
+            runs.append((first, second))
+            print(f"{args.target}: first token {first:.3f} s, second request {second:.3f} s", flush=True)
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
     firsts = [f for f, _ in runs]
     print(f"median first token {statistics.median(firsts):.3f} s (range {min(firsts):.3f}-{max(firsts):.3f}), "
           f"median second request {statistics.median(s for _, s in runs):.3f} s")
