@@ -295,24 +295,35 @@ def test_a_calibration_that_never_settles_is_cached_provisional_and_a_quiet_one_
     assert curve.state == "settled" and len(list(cache.glob("*.json"))) == 1
 
 
+class Steady:
+    """The machine at rest: a decode of n rows takes 10 ms x TRUE_SHAPE[n], on a clock of its own
+    (`now`) that only decodes move."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self, rows: int) -> float:
+        took = 0.01 * TRUE_SHAPE[rows - 1]
+        self.t += took
+        return took
+
+    def now(self) -> float:
+        return self.t
+
+
 def test_a_request_waits_a_slice_of_the_calibration_and_the_rest_follows_in_slices(cache):
     """With `wait`, no call measures for much more than it (the two sizes a curve needs
     aside): the curve is provisional from its first slice, used meanwhile, and settles and is
     saved once the slices add up to a whole calibration, as one measured at once would."""
-    clock = [0.0]
-
-    def steady(rows):
-        t = 0.01 * TRUE_SHAPE[rows - 1]
-        clock[0] += t
-        return t
-
+    steady = Steady()
+    clock = steady.now
     curve = CostCurve(key=KEY)
-    curve.clock = lambda: clock[0]
+    curve.clock = clock
     slices = []
     while curve.state != "settled" and len(slices) < 200:
-        before = clock[0]
+        before = clock()
         curve.ensure(steady, max_rows=9, wait=0.05)
-        slices.append(clock[0] - before)
+        slices.append(clock() - before)
         assert curve.calibrated, "usable from the first slice"
         if curve.state != "settled":
             assert curve.state == "provisional" and "being measured" in curve.problem
@@ -586,20 +597,15 @@ def test_a_curve_being_measured_starts_from_the_same_models_curve_at_another_thr
     sibling = CostCurve(key={**KEY, "threads": 4})
     sibling.ensure(lambda rows: 0.02 * other_shape[rows - 1], max_rows=17)
     assert sibling.state == "settled"
-    clock = [0.0]
-
-    def steady(rows):
-        t = 0.01 * TRUE_SHAPE[rows - 1]
-        clock[0] += t
-        return t
-
+    steady = Steady()
+    clock = steady.now
     curve = CostCurve(key=KEY)
-    curve.clock = lambda: clock[0]
+    curve.clock = clock
     curve.ensure(steady, max_rows=17, wait=0.0)            # a slice of the fewest decodes
     assert curve.state == "provisional" and "4 threads" in curve.problem, curve.problem
     assert np.isclose(curve.calibrated_step(), 0.01)          # this machine's own step
     assert np.isclose(curve.calibrated_shape(17)[-1], 2.0)    # the sibling's shape where not yet measured
     alone = CostCurve(key={**KEY, "model": "/other.gguf"})    # no sibling: the slope of what it measured
-    alone.clock = lambda: clock[0]
+    alone.clock = clock
     alone.ensure(steady, max_rows=17, wait=0.0)
     assert "threads" not in alone.problem and alone.calibrated_shape(17)[-1] > 5

@@ -439,7 +439,7 @@ def ollama_request(raw: bytes, n_ctx: int = 1024):
     (b'{"optoins": {"temperature": 0}}', "flylocal does not support the field 'optoins'"),    # were ignored
     (b'{"temperature": 0}', "temperature: an option; ollama takes it in \"options\""),
     (b'{"seed": 3}', "seed: an option"),
-    (b'{"k": 3}', "k: an option"),
+    (b'{"k": 3}', "flylocal does not support the field 'k'"),      # no option of ollama's: not pointed there
     (b'{"width": 512}', "flylocal does not support the field 'width'"),
     (b'{"top_logprobs": 21, "logprobs": true}', "top_logprobs: 21"),
 ])

@@ -88,6 +88,7 @@ def tokenizer(model: Vocabulary):
         found = llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=model.n_vocab,
                                 eos_token=[int(t) for t in np.flatnonzero(model.eog_mask)] or None)
         _tokenizers[model] = found
+        _digit_runs[model] = _runs(vocab.tokens)       # from the same bytes, read once
     return found
 
 
@@ -252,19 +253,21 @@ def _line(message: str) -> str:
 
 def digit_runs(model: Vocabulary) -> tuple[np.ndarray, np.ndarray]:
     """Per token of `model`'s vocabulary ([n_vocab] int32 each): how many ASCII digits its
-    bytes begin with, and how many follow a "." it begins with (0 where it begins otherwise)."""
-    found = _digit_runs.get(model)
-    if found is None:
-        lead = np.zeros(model.n_vocab, dtype=np.int32)
-        after_dot = np.zeros(model.n_vocab, dtype=np.int32)
-        for t in range(model.n_vocab):
-            piece = model.piece(t, special=True)
-            if piece[:1].isdigit():
-                lead[t] = len(piece) - len(piece.lstrip(b"0123456789"))
-            elif piece[:1] == b"." and piece[1:2].isdigit():
-                after_dot[t] = len(piece) - 1 - len(piece[1:].lstrip(b"0123456789"))
-        found = _digit_runs[model] = (lead, after_dot)
-    return found
+    bytes begin with, and how many follow a "." it begins with (0 where it begins otherwise).
+    Read with the vocabulary's tokenizer (`tokenizer`), once per model."""
+    tokenizer(model)
+    return _digit_runs[model]
+
+
+def _runs(pieces: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    lead = np.zeros(len(pieces), dtype=np.int32)
+    after_dot = np.zeros(len(pieces), dtype=np.int32)
+    for t, piece in enumerate(pieces):          # a control token's leading 0xff is no digit
+        if piece[:1].isdigit():
+            lead[t] = len(piece) - len(piece.lstrip(b"0123456789"))
+        elif piece[:1] == b"." and piece[1:2].isdigit():
+            after_dot[t] = len(piece) - 1 - len(piece[1:].lstrip(b"0123456789"))
+    return lead, after_dot
 
 
 def is_json(grammar: str) -> bool:
@@ -312,6 +315,12 @@ class Digits:
             else:
                 self.integral, self.fraction = c == 0x2D, -1     # "-" begins a number
                 self.in_string = c == 0x22
+
+    def refuses(self, token: int, lead: np.ndarray, after_dot: np.ndarray) -> bool:
+        """Whether `token` would give a fraction more than FRACTION_DIGITS digits here."""
+        if self.fraction >= 0:
+            return lead[token] > FRACTION_DIGITS - self.fraction
+        return self.integral and after_dot[token] > FRACTION_DIGITS
 
     def refused(self, lead: np.ndarray, after_dot: np.ndarray) -> np.ndarray | None:
         """[n_vocab] bool: the tokens that would give a fraction more than FRACTION_DIGITS
@@ -396,8 +405,7 @@ class Constraint:
             return n
         state = self._digits.copy()
         for j, t in enumerate(draft[:n].tolist()):
-            refused = state.refused(*self.grammar.digits)
-            if refused is not None and refused[t]:
+            if state.refuses(t, *self.grammar.digits):
                 return j
             state.feed(self.grammar.tokenizer.decode_bytes([t]))
         return n

@@ -5,8 +5,8 @@ position of an input, averaged (mean pooling) and scaled to unit length (L2), so
 product of two vectors is their cosine similarity. Generation's context, its cache and its
 cost curve are never touched. Each input is a decode of its own, on a cleared cache: an
 input's vector is the same whatever else a request or its neighbours embed (inputs packed
-into one decode came out differently, by a cosine of 0.9995, beside an input of about 100
-tokens, and packing gained only about 13% on short inputs: docs/design.md, "Embeddings").
+into one decode came out differently, by a cosine of up to 5e-4; packing was worth a quarter of short inputs' throughput at most: docs/design.md,
+"Embeddings").
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ class Embedder:
         self._b_pos = np.ctypeslib.as_array(self._batch.pos, shape=(n,))         # [n_ctx] int32
         self._b_out = np.ctypeslib.as_array(self._batch.logits, shape=(n,))      # [n_ctx] int8
         self._b_nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n,))   # [n_ctx] int32
+        for row in range(n):                                                      # every input: sequence 0
+            self._batch.seq_id[row][0] = 0
 
     @classmethod
     def open(cls, path, n_ctx: int, threads: int, n_gpu_layers: int = 0) -> Embedder:
@@ -100,10 +102,10 @@ class Embedder:
             return done.value
 
     def steps(self, inputs: list[np.ndarray]):
-        """`embed` as a generator of decodes, for a server to run other work between two: each
-        `yield` takes the token budget of the next decode (None: as many as the context holds),
-        which an input takes whole however small (pooling needs all of it at once), and it
-        returns the vectors. Primed with next() (nothing is decoded), then driven by send()."""
+        """`embed` as a generator of decodes, an input each, for a server to run other work between
+        two (a token budget sent to a step changes nothing: pooling needs an input whole, and an
+        input alone is what keeps its vector its own). It returns the vectors. Primed with next()
+        (nothing is decoded), then driven by send()."""
         self.check(inputs)
         if self._ctx is None:
             raise FlylocalError(f"{self.name} was already closed")
@@ -125,8 +127,6 @@ class Embedder:
         n = len(ids)
         self._b_token[:n] = ids
         self._b_pos[:n] = np.arange(n, dtype=np.int32)
-        for row in range(n):
-            self._batch.seq_id[row][0] = 0
         self._b_nseq[:n] = 1
         self._b_out[:n] = 1
         self._batch.n_tokens = n

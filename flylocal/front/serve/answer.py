@@ -94,6 +94,18 @@ class Answer:
         self.job.cancel.set()
 
 
+def logprob_entries(tokens) -> list[dict]:
+    """Output tokens' logprobs (flylocal.front.serve.events.OutToken) in the entry every dialect
+    uses: token, logprob, bytes and the most likely alternatives, and flylocal's word for how it
+    came (`kind`: a loose token is a draft token the verifier accepted where the target would have
+    chosen another)."""
+    def entry(piece: bytes, logprob: float) -> dict:
+        return {"token": piece.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(piece)}
+
+    return [entry(t.piece, t.logprob) | {"top_logprobs": [entry(p, v) for _, p, v in t.top],
+                                         "flylocal": {"kind": t.kind}} for t in tokens]
+
+
 def stats_report(done: Done, settings: Settings) -> dict:
     """flylocal's own report on an answer, the same under every dialect. Valid JSON whatever the
     run: a number that is not finite (an unbounded ASD budget) is null, as JSON has no infinity."""

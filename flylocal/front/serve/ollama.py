@@ -30,7 +30,7 @@ import numpy as np
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from flylocal.front.serve.answer import Whole, stats_report
+from flylocal.front.serve.answer import Whole, logprob_entries, stats_report
 from flylocal.front.serve.app import ApiError, Ask, Endpoint, Exchange, Server, check_fields, checked_option, checked_stops
 from flylocal.front.serve.events import Done, Text
 from flylocal.settings import OPTIONS, Settings, settings_from
@@ -151,7 +151,7 @@ class Generation(BaseModel):
         """An option given beside the fields (`"temperature": 0`) is one ollama reads in
         `options` only: refused, saying where it goes."""
         if isinstance(data, dict):
-            misplaced = sorted(set(data) & (set(SAMPLING_OPTIONS) | {"num_predict", "num_ctx", "stop", "k"}))
+            misplaced = sorted(set(data) & (set(SAMPLING_OPTIONS) | {"num_predict", "num_ctx", "stop"}))
             if misplaced:
                 raise ValueError(f"{misplaced[0]}: an option; ollama takes it in \"options\"")
         return data
@@ -326,15 +326,6 @@ def generate_ids(session, req: GenerateRequest) -> np.ndarray:
 
 # ----- answers -----
 
-def logprobs(tokens) -> list[dict]:
-    """Ollama's logprobs of output tokens (flylocal.front.serve.events.OutToken): each with its
-    most likely alternatives."""
-    def entry(piece: bytes, logprob: float) -> dict:
-        return {"token": piece.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(piece)}
-
-    return [entry(t.piece, t.logprob) | {"top_logprobs": [entry(p, v) for _, p, v in t.top]} for t in tokens]
-
-
 def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
@@ -498,7 +489,7 @@ class Generate(Ollama):
         head = {"model": x.body.model, "created_at": now()}
         out = head | ({"message": {"role": "assistant", "content": text}} if self.chat else {"response": text})
         if x.ask.settings.logprobs is not None:
-            out["logprobs"] = logprobs(tokens)
+            out["logprobs"] = logprob_entries(tokens)
         return out | {"done": False}
 
     def final(self, x: Exchange, done: Done, text: str = "", made: list[int] = (), tokens=()) -> dict:

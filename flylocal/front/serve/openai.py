@@ -18,7 +18,7 @@ from pydantic import BaseModel, field_serializer, model_serializer
 from flylocal.decoding.engine import KIND_LETTERS
 from flylocal.errors import FlylocalError
 from flylocal.front.serve import tools
-from flylocal.front.serve.answer import Whole, stats_report
+from flylocal.front.serve.answer import Whole, logprob_entries, stats_report
 from flylocal.front.serve.app import ApiError, Ask, Endpoint, Exchange, Server
 from flylocal.front.serve.events import Done, Text
 from flylocal.front.serve.openai_requests import (CHECKED, ChatRequest, CompletionRequest, logprobs_wanted,
@@ -107,15 +107,8 @@ def usage(prompt_tokens: int, done: Done, settings: Settings) -> Usage:
 
 
 def chat_logprobs(tokens) -> dict:
-    """OpenAI's chat logprobs of output tokens (flylocal.front.serve.events.OutToken): each with
-    its most likely alternatives, and flylocal's word for how it came (`kind`: a loose token is
-    a draft token the verifier accepted where the target would have chosen another)."""
-    def entry(piece: bytes, logprob: float) -> dict:
-        return {"token": piece.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(piece)}
-
-    return {"content": [entry(t.piece, t.logprob) | {"top_logprobs": [entry(p, v) for _, p, v in t.top],
-                                                    "flylocal": {"kind": t.kind}} for t in tokens],
-            "refusal": None}
+    """OpenAI's chat logprobs of output tokens (answer.logprob_entries)."""
+    return {"content": logprob_entries(tokens), "refusal": None}
 
 
 def completion_logprobs(tokens, offset: int) -> tuple[dict, int]:

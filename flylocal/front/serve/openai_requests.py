@@ -114,6 +114,8 @@ def refuse(value, why: str):
     raise ValueError(f"{json.dumps(value)[:80]}; {why}")
 
 
+# A reasoning effort, as OpenAI names them (Responses' `reasoning.effort`, chat's `reasoning_effort`).
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 # OpenAI's bounds on metadata, and on an identifier (`user`) held as one of its values.
 METADATA_KEYS, KEY_CHARS, VALUE_CHARS = 16, 64, 512
 
@@ -241,7 +243,7 @@ class ChatRequest(Common):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     # flylocal's models run no reasoning mode: any effort is honoured by none (0 reasoning tokens)
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: Literal[EFFORTS] | None = None
 
     @field_validator("messages")
     @classmethod

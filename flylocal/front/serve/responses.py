@@ -27,10 +27,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flylocal.errors import FlylocalError
-from flylocal.front.serve.answer import Whole, stats_report
+from flylocal.front.serve.answer import Whole, logprob_entries, stats_report
 from flylocal.front.serve.app import ApiError, Ask, Endpoint, Exchange, Server
 from flylocal.front.serve.events import Done, Text
-from flylocal.front.serve.openai_requests import CHECKED, Own, checked_identifier, checked_metadata, request_settings
+from flylocal.front.serve.openai_requests import (CHECKED, EFFORTS, Own, checked_identifier, checked_metadata,
+                                                  request_settings)
 
 MAX_STORED = 256           # responses kept for previous_response_id, the newest
 
@@ -67,7 +68,6 @@ class TextConfig(BaseModel):
     verbosity: Literal["medium"] | None = None
 
 
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 # What `include` may ask for: no reasoning to include; the answer's logprobs.
 INCLUDABLE = ("reasoning.encrypted_content", "message.output_text.logprobs")
 
@@ -287,16 +287,6 @@ def message_item(item_id: str, text: str, status: str = "completed", logprobs: l
             if status != "in_progress" else []}
 
 
-def output_logprobs(tokens) -> list[dict]:
-    """The Responses API's logprobs of output tokens (flylocal.front.serve.events.OutToken),
-    each with its most likely alternatives and flylocal's word for how it came."""
-    def entry(piece: bytes, logprob: float) -> dict:
-        return {"token": piece.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(piece)}
-
-    return [entry(t.piece, t.logprob) | {"top_logprobs": [entry(p, v) for _, p, v in t.top],
-                                         "flylocal": {"kind": t.kind}} for t in tokens]
-
-
 def call_item(item_id: str, call: dict, status: str = "completed") -> dict:
     return {"id": item_id, "type": "function_call", "call_id": "call_" + uuid.uuid4().hex[:24],
             "name": call["name"], "arguments": json.dumps(call["arguments"]), "status": status}
@@ -476,7 +466,7 @@ class Create(Endpoint):
         return self.finish(x, done, [item])
 
     def logprobs(self, x: Exchange, tokens) -> list[dict]:
-        return output_logprobs(tokens) if x.ask.settings.logprobs is not None else []
+        return logprob_entries(tokens) if x.ask.settings.logprobs is not None else []
 
     async def chunks(self, x: Exchange, events):
         sequence = 0
