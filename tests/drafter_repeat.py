@@ -22,7 +22,7 @@ class RepeatLast(Drafter):
     def propose(self, context: np.ndarray, k: int) -> Draft:
         return Draft(np.full(k, context[-1], dtype=np.int32))
 
-    def begin(self) -> None:
+    def begin(self, budget=None) -> None:
         self.requests += 1
 
     def observe(self, draft: Draft, accepted: int) -> None:

@@ -41,8 +41,8 @@ class Recording(Drafter):
     def share(self, shared):
         self.inner.share(shared)
 
-    def begin(self):
-        self.inner.begin()
+    def begin(self, budget=None):
+        self.inner.begin(budget)
 
     def end(self, output):
         self.inner.end(output)

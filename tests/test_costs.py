@@ -136,6 +136,33 @@ def test_a_cheap_draft_on_a_flat_curve_drafts_long():
     assert plan.best(8)[1] < 3
 
 
+def test_a_draft_models_prefill_must_be_paid_for_by_the_answer():
+    """`window`: how many context tokens a request's draft-model prefill may evaluate. What its
+    drafts are expected to save over plain steps across the answer pays for it twice over, at
+    the prior cost per token (a third of a draft step) until a prefill is measured."""
+    plan = ModelDraftLength(8, *gpu_like())
+    assert plan.prefill_s() == pytest.approx(0.3 * 0.0005)
+    rate, k = plan.best(8)
+    saved_per_token = 1 / 100 - 1 / rate                # a plain step is 0.01 s
+    short, long = plan.window(8, 4), plan.window(8, 64)
+    assert long == int(64 * saved_per_token / (2 * plan.prefill_s()))
+    assert 0 < short < long and abs(long / short - 16) < 0.5       # in proportion to the answer
+    assert ModelDraftLength(8, *cpu_like()).window(8, 10_000) == 0     # drafts that never pay: no prefill
+    for _ in range(5):                                  # answers end after 4 tokens: the budget does not count
+        plan.answered(4)
+    assert plan.window(8, 64) == short
+    # A measured prefill replaces the prior (curves that follow timings, not fixed ones).
+    target = CostCurve(seconds=np.full(17, 0.01))
+    draft = CostCurve(seconds=np.full(17, 0.0005))
+    measured = ModelDraftLength(8, target, draft)
+    before = measured.window(8, 64)
+    measured.prefilled(8, 1.0)                          # too few tokens to say anything
+    assert measured.window(8, 64) == before
+    measured.prefilled(100, 0.1)                        # 1 ms a token: a tenth of a target step
+    assert measured.prefill_s() == pytest.approx(0.001)
+    assert abs(measured.window(8, 64) - before * 0.3 * 0.0005 / 0.001) <= 1
+
+
 def test_p_min_ends_a_draft_and_keep_going_weighs_the_next_token():
     plan = ModelDraftLength(8, *gpu_like(), p_min=0.6)
     assert not plan.keep_going([], 0.59) and plan.keep_going([], 0.61)

@@ -224,3 +224,45 @@ def test_model_drafters_that_choose_their_length_stay_exact(smol, smol_draft, dr
                 assert smol_draft.n_past == 0
     finally:
         smol.costs, smol_draft.costs = saved
+
+
+@pytest.mark.parametrize("drafter", ["model", "mla"])
+def test_a_draft_model_reads_what_its_prefill_pays_for_and_stays_exact(smol, smol_draft, drafter):
+    """On a GPU-like machine a draft model's drafts pay, and its prefill is weighed against what
+    they save over the answer: a long prompt with a long budget gets the whole context, with a
+    short one a window of its last tokens (after its first), with a tiny one nothing (prompt
+    lookup alone, the draft model untouched). Every way strict equals plain decoding, and the
+    stats say what was chosen."""
+    import test_costs
+
+    text = "Summarize this text in one sentence. " + " ".join(
+        f"Item {i}: the {w} crate holds {i * 7 % 13} apples and {i * 5 % 11} pears." for i, w in
+        enumerate(["red", "blue", "green", "grey", "black", "white", "brown", "pink"] * 3))
+    ids, _ = encode_prompt(smol, text, raw=False)
+    assert len(ids) > 300
+    saved = smol.costs, smol_draft.costs
+    seen = {}
+    try:
+        smol.costs, smol_draft.costs = test_costs.gpu_like()
+        for max_tokens in (2, 8, 64):
+            smol_draft.reset()
+            engine = Engine(smol, make_drafter(drafter, smol, smol_draft, k_max=8, adaptive=True, p_min=0.3),
+                            Strict(), EngineConfig(max_tokens=max_tokens, k=8))
+            tokens, stats, _ = generate_all(engine, ids)
+            assert tokens == plain(smol, ids, max_tokens=max_tokens), max_tokens
+            given = stats.draft_context
+            seen[given["chosen"]] = max_tokens
+            held = smol_draft.tokens
+            if given["chosen"] == "full":
+                assert given["evaluated"] == len(ids) - 1 <= given["pays_for"]
+                assert held[: len(ids)].tolist() == ids.tolist()
+            elif given["chosen"] == "window":
+                w = given["pays_for"]
+                assert 32 <= w < len(ids) - 1 and given["tokens"] == w + 1
+                assert held[0] == ids[0] and held[1 : w + 1].tolist() == ids[-w:].tolist()
+                assert smol_draft.n_past > w + 1           # the draft model was asked, after its window
+            else:
+                assert given["pays_for"] < 32 and smol_draft.n_past == 0
+        assert seen == {"lookup": 2, "window": 8, "full": 64}
+    finally:
+        smol.costs, smol_draft.costs = saved

@@ -165,3 +165,28 @@ def test_engines_through_text_keep_what_the_last_measured(smol, gemma_q8, drafte
         assert inner_second.guess_length is inner_first.guess_length
     later, earlier = second.drafter.controllers(), first.drafter.controllers()
     assert later and all(c in earlier for c in later)
+
+
+def test_a_draft_through_text_reads_the_window_its_prefill_pays_for(smol, gemma_q8):
+    """On a GPU-like machine with a long prompt and a short answer, a draft model in another
+    vocabulary reads a window of the context too (its first token, then its last ones, in its
+    own tokens), and strict still equals plain decoding."""
+    import test_costs
+
+    text = "Summarize this text in one sentence. " + " ".join(
+        f"Item {i}: the {w} crate holds {i * 7 % 13} apples and {i * 5 % 11} pears." for i, w in
+        enumerate(["red", "blue", "green", "grey", "black", "white", "brown", "pink"] * 3))
+    ids = prompt_ids(smol, text)
+    saved = smol.costs, gemma_q8.costs
+    try:
+        smol.costs, gemma_q8.costs = test_costs.gpu_like()
+        smol.reset()
+        gemma_q8.reset()
+        tokens, stats, _ = run(smol, gemma_q8, ids, "mla", max_tokens=8)
+        expected, _, _ = generate_all(build_engine(Settings(drafter="none", max_tokens=8), smol, None), ids)
+        assert tokens == expected
+        given = stats.draft_context
+        assert given["chosen"] == "window" and 32 <= given["pays_for"] == given["tokens"] - 1
+        assert gemma_q8.n_past > given["tokens"]                 # it was asked after its window
+    finally:
+        smol.costs, gemma_q8.costs = saved

@@ -134,6 +134,15 @@ def timed_decode(runtime: Target, token: int, rows: int, clock=time.perf_counter
         return clock() - t0
 
 
+# A draft model's prefill (docs/design.md, "Cost model"): it must see the context before its
+# first draft, and that is paid before the target sees anything.
+PREFILL_PRIOR = 0.3      # seconds per context token evaluated in a batch, in the draft's single steps, before
+                         # one is measured (2 cores: 0.08-0.10 for Gemma-3-270M Q2_K, 0.28 for SmolLM2-135M)
+PAYBACK = 2.0            # the prefill must be expected to be paid back twice over by the answer's rounds
+ANSWERS = 5              # an answer's expected length: the median of the last 5 (at most the budget left)
+MIN_PREFILL = 16         # a catch-up of fewer tokens says little of the prefill's cost per token
+PREFILLS = 3             # the draft's prefill per token: the median of its last 3 (relative to the target's step)
+
 # Confidence levels of a draft model's token: buckets of its own top-1 probability.
 P_EDGES = np.array([0.3, 0.5, 0.7, 0.85, 0.95])                  # level = searchsorted(P_EDGES, p)
 P_PRIOR = np.array([0.15, 0.4, 0.6, 0.78, 0.9, 0.97])            # prior acceptance per level
@@ -172,6 +181,10 @@ class ModelDraftLength:
         # then). Load slows both models alike, so the ratio outlives the load it was measured
         # under; it is the median of the last few, and expires with the target's evidence.
         self._steps: list[tuple[float, float]] = []
+        # Measured prefills (seconds per token / the target's single step then), and the
+        # lengths of the last answers: what a request's prefill is weighed against (`window`).
+        self._prefills: list[float] = []
+        self.answers: list[int] = []
 
     @staticmethod
     def level(p: float) -> int:
@@ -209,6 +222,38 @@ class ModelDraftLength:
         rate = expected / (j * self.step_s() + self.target_costs.cost(k + 1))
         best = int(np.argmax(rate))
         return float(rate[best]), best
+
+    def prefill_s(self) -> float:
+        """Seconds the draft model spends per context token it evaluates in one decode: its
+        measured prefills' (the median of the last few, relative to the target's speed as
+        `step_s` is), else PREFILL_PRIOR of its single step. A fixed or pinned curve: the prior."""
+        if self._prefills and not (self.draft_costs.fixed or self.draft_costs.pinned):
+            return median(self._prefills) * self.target_costs.speed()
+        return PREFILL_PRIOR * float(self.draft_costs.cost(1)[0])
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        """Record a catch-up of the draft that evaluated `tokens` context tokens in `seconds`."""
+        if tokens >= MIN_PREFILL and seconds > 0:
+            ratio = seconds / tokens / self.target_costs.speed()
+            self._prefills = (self._prefills + [ratio])[-PREFILLS:]
+
+    def answered(self, tokens: int) -> None:
+        """A request ended with an answer of `tokens` tokens."""
+        self.answers = (self.answers + [tokens])[-ANSWERS:]
+
+    def window(self, k: int, remaining: int) -> int:
+        """How many context tokens the draft model's prefill may evaluate for a request that
+        may still emit `remaining` tokens: what drafting with it is expected to save over a plain
+        step, across the answer (the median of the last answers' lengths, at most `remaining`),
+        pays for PAYBACK times over at `prefill_s` a token. 0 when its drafts are not expected
+        to beat a plain step at all."""
+        rate, length = self.best(k)
+        plain = 1.0 / float(self.target_costs.cost(1)[0])
+        if length == 0 or not rate > plain:
+            return 0
+        answer = min(remaining, median(self.answers)) if self.answers else remaining
+        saved = max(answer, 0) * (1.0 / plain - 1.0 / rate)
+        return int(saved / (PAYBACK * self.prefill_s()))
 
     def reach(self, levels: list[int]) -> np.ndarray:
         """[k] float64: the chance that the first j+1 tokens of a model draft with these levels are accepted."""

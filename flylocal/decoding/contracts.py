@@ -221,8 +221,8 @@ class Drafter(Protocol):
     """Where a round's draft comes from (docs/design.md, "Adding a drafter"). `propose` is the
     one method a drafter must write; the hooks default to doing nothing.
 
-    The engine calls, per request: `begin()`; per round: `propose`, then `observe` once the
-    target has reached the drafter's tokens; at the end: `end(output)`."""
+    The engine calls, per request: `begin(budget)`; per round: `propose`, then `observe` once
+    the target has reached the drafter's tokens; at the end: `end(output)`, then `report()`."""
 
     name: str
     drafts: bool = True         # False: a drafter that never proposes (plain decoding)
@@ -236,10 +236,15 @@ class Drafter(Protocol):
         """Feedback after the round: `draft` as verified (its tokens cut to those the target
         scored; empty when nothing was proposed) and how many of them were committed."""
 
-    def begin(self) -> None:
-        """A new request: its first round follows no other."""
+    def begin(self, budget: int | None = None) -> None:
+        """A new request, which may emit up to `budget` tokens: its first round follows no other."""
         for controller in self.controllers():
             controller.begin()
+
+    def report(self) -> dict | None:
+        """What the drafter chose for the request that ended, for its stats (`draft_context`: what
+        a draft model was given of the context); None: nothing to say."""
+        return None
 
     def end(self, output: list[int]) -> None:
         """The request ended with these output ids (prompt lookup remembers them)."""

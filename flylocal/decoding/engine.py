@@ -208,7 +208,7 @@ class Engine:
         if self.config.pin_costs:
             for curve in self.curves:
                 curve.pin(True)
-        self.drafter.begin()
+        self.drafter.begin(self.config.max_tokens)
         self.verifier.begin()
         return req
 
@@ -266,6 +266,7 @@ class Engine:
             req.stats.cost_curve = self.costs.report() | {"source": req.source}
         req.stats.wall_s = self.clock() - req.started
         self.drafter.end(req.out)
+        req.stats.draft_context = self.drafter.report()
         req.gen._end()
 
     # ----- before the first round -----

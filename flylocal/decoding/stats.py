@@ -45,6 +45,9 @@ class Stats:
     cost_curve: dict | None = None   # the target's cost curve (CostCurve.report): its "source" ("cache",
                                      # read from disk; "measured" now; "reused", known in this process),
                                      # "state", shape, single step and exploration; None when not used
+    draft_context: dict | None = None   # what a draft model was given of the context (its prefill):
+                                        # "chosen" ("full", "window" or "lookup": prompt lookup alone),
+                                        # "tokens" it held, "evaluated", "pays_for", "seconds"; None: no model
 
     def add(self, r: Round) -> None:
         """Count a finished round."""
@@ -97,6 +100,8 @@ class Stats:
         d["tokens_per_s"] = round(self.tokens_per_s, 3)
         for key in ("prefill_s", "wall_s", "target_s", "draft_s", "verify_s", "mask_s"):
             d[key] = round(d[key], 6)
+        if self.draft_context is None:
+            del d["draft_context"]
         if self.budget_spent is None:
             del d["budget_spent"], d["budget_left"]
         else:

@@ -92,17 +92,18 @@ def flylocal_serve(*options: str) -> list[str]:
 
 
 def stream_chat(url: str, question: str, max_tokens: int, banned=(), model: str | None = None,
-                extra: dict | None = None) -> dict:
+                extra: dict | None = None, raw: bool = False) -> dict:
     """One streamed, greedy chat request of `max_tokens` tokens (the `banned` ids at logit_bias
     -100; `model` and the `extra` body fields when given): its completion tokens, the stream's
     usage object (None when it sent none) and the perf_counter times of its start, first and last
-    text and its end. A status other than 200 raises httpx.HTTPStatusError."""
+    text and its end. `raw`: the question is a completion's prompt, as is (/v1/completions, for
+    a base model). A status other than 200 raises httpx.HTTPStatusError."""
     import json
 
     import httpx
 
-    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
+    body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            **({"prompt": question} if raw else {"messages": [{"role": "user", "content": question}]}), **(extra or {})}
     if model is not None:
         body["model"] = model
     if banned:
@@ -110,7 +111,8 @@ def stream_chat(url: str, question: str, max_tokens: int, banned=(), model: str 
     start = time.perf_counter()
     first = last = None
     chunks, usage = 0, None
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=900) as r:
+    with httpx.stream("POST", url + ("/v1/completions" if raw else "/v1/chat/completions"), json=body,
+                      timeout=900) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -118,7 +120,8 @@ def stream_chat(url: str, question: str, max_tokens: int, banned=(), model: str 
             data = json.loads(line[6:])
             if data.get("usage"):
                 usage = data["usage"]
-            if data.get("choices") and data["choices"][0].get("delta", {}).get("content"):
+            choice = data["choices"][0] if data.get("choices") else {}
+            if choice.get("text") if raw else choice.get("delta", {}).get("content"):
                 last = time.perf_counter()
                 first = first or last
                 chunks += 1
@@ -141,9 +144,19 @@ def end_tokens(path: str) -> list[int]:
 
 def questions(per_category: int) -> list[str]:
     """The first turn of the first `per_category` Spec-Bench questions of each group."""
+    return [text for _, text in spec_bench_questions(per_category)]
+
+
+def spec_bench_questions(per_category: int, skip: int = 0, spec_bench: str | None = None) -> list[tuple[str, str]]:
+    """(group, first turn) of Spec-Bench questions, `per_category` of each group after its first
+    `skip` (those tuning has seen: held out with `skip`), from `spec_bench` (a folder with
+    question.jsonl) or the project's copy."""
     from flylocal.front.bench import load_prompts, per_group
 
-    return [p.text for p in per_group(load_prompts(str(ROOT / "data" / "spec_bench")), per_category)]
+    prompts = load_prompts(spec_bench or str(ROOT / "data" / "spec_bench"))
+    seen = {id(p) for p in per_group(prompts, skip)} if skip else set()
+    chosen = {id(p) for p in per_group(prompts, skip + per_category)} - seen
+    return [(p.group, p.text) for p in prompts if id(p) in chosen]
 
 
 def median(values) -> float:

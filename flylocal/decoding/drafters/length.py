@@ -44,9 +44,9 @@ class LengthControl(Drafter):
         self.length.update(draft.level, len(draft.tokens), accepted)
         self.drafter.observe(draft, accepted)
 
-    def begin(self) -> None:
+    def begin(self, budget: int | None = None) -> None:
         self.length.begin()
-        self.drafter.begin()
+        self.drafter.begin(budget)
 
     def end(self, output: list[int]) -> None:
         self.drafter.end(output)

@@ -7,7 +7,10 @@ bonus token of the last round, or a new chat turn).
 With draft-length control (the default; docs/design.md, "Cost model") each round weighs the
 draft model against prompt lookup alone and a plain step, from the measured costs of both
 models and the measured acceptance, and drafts with the one expected to commit the most
-tokens per second. A model draft then ends at a token the draft gives less than `p_min`, or
+tokens per second. Before a request's first draft the draft model's prefill is weighed too: it
+evaluates the whole context only where what its drafts are expected to save over the answer
+pays for that; else the context's last tokens (a window, after the context's first token), or
+nothing, and the request drafts with prompt lookup alone (`report` says which). A model draft then ends at a token the draft gives less than `p_min`, or
 where one more token is not expected to pay for itself. With an explicit --k the model drafts
 k tokens (ending early only at p_min).
 """
@@ -21,6 +24,8 @@ import numpy as np
 from flylocal.decoding.adaptive import DraftLength, Learned, ModelDraftLength, timed_decode, top_probability
 from flylocal.decoding.contracts import NO_DRAFT, Draft, Drafter, Target
 from flylocal.decoding.drafters.pld import PromptLookup, level_prior
+
+MIN_WINDOW = 32      # context tokens: a draft model given fewer than this is not asked (prompt lookup alone)
 
 
 class ModelBased(Drafter):
@@ -40,6 +45,12 @@ class ModelBased(Drafter):
         self.corpus = corpus
         self.recalibrate = recalibrate
         self._costs_ready = False
+        # The draft's cache holds the context's first token and the tokens from `offset` on (a
+        # window), or all of it (offset 0); `given` says what this request's prefill chose.
+        self.offset = 0
+        self.budget: int | None = None    # tokens the request may emit
+        self.given: dict | None = None
+        self.asked = True                 # whether this request drafts with the model at all
         learned = learned if learned is not None else Learned()
         if target_costs is not None:      # draft-length control
             self.plan = learned.keep("plan", ModelDraftLength(k_max, target_costs, model.costs, p_min))
@@ -49,31 +60,67 @@ class ModelBased(Drafter):
     def controllers(self) -> tuple:
         return tuple(c for c in (self.plan, self.lookup_length) if c is not None)
 
+    def begin(self, budget: int | None = None) -> None:
+        super().begin(budget)
+        self.budget, self.given, self.asked = budget, None, True
+
     def end(self, output: list[int]) -> None:
         if self.corpus is not None:
             self.corpus.add(output)
+        if self.plan is not None:
+            self.plan.answered(len(output))
+
+    def report(self) -> dict | None:
+        return self.given
+
+    def _view(self, context: np.ndarray) -> np.ndarray:
+        """What the draft model reads of `context`: all of it, or with a window its first token
+        (a BOS, where the model has one) and the tokens from `offset` on."""
+        return context if self.offset <= 1 else np.concatenate([context[:1], context[self.offset:]])
 
     def _catch_up(self, context: np.ndarray) -> np.ndarray:
-        """Roll the draft's cache back to what it shares with `context`; return the tokens it
-        has not seen (at least the last one)."""
-        return context[self.model.reuse_prefix(context):]
+        """Roll the draft's cache back to what it shares with `context` (its view of it); return
+        the tokens it has not seen (at least the last one)."""
+        view = self._view(context)
+        return view[self.model.reuse_prefix(view):]
 
     def _ensure_costs(self, context: np.ndarray) -> None:
-        """The draft model's own cost curve, from the disk cache or measured once, after the
-        draft has caught up with `context` (but its last token)."""
+        """The draft model's own cost curve, from the disk cache or measured once, on decodes
+        after what its cache holds (the prefill is decided after, on that curve)."""
         if self._costs_ready:
             return
-        token = []
-
-        def probe(rows):                  # the catch-up is paid only if the curve must be measured
-            if not token:
-                feed = self._catch_up(context)
-                self.model.decode(feed[:-1])
-                token.append(int(feed[-1]))
-            return timed_decode(self.model, token[0], rows)
-
-        self.model.costs.ensure(probe, max_rows=2, limit=self.model.n_batch, recalibrate=self.recalibrate)
+        token = int(context[-1])
+        self.model.costs.ensure(lambda rows: timed_decode(self.model, token, rows), max_rows=2,
+                                limit=self.model.n_batch, recalibrate=self.recalibrate)
         self._costs_ready = True
+
+    def _fit(self, context: np.ndarray, k: int) -> None:
+        """The request's first proposal: how much of the context the draft model evaluates
+        (`ModelDraftLength.window`): what it has not seen of it, where that pays; else a window
+        of the last tokens that pays, from MIN_WINDOW on; else nothing, and the request drafts
+        with prompt lookup alone. The catch-up is timed: what a prefill costs here."""
+        n = len(context)
+        pays = self.plan.window(k, self.budget if self.budget is not None else self.model.n_ctx)
+        if self.offset > 1 and (n <= pays or self.offset >= n):
+            self.offset = 0                           # the whole context pays, or is not the one held
+        view = self._view(context)
+        unseen = len(view) - self.model.reuse_prefix(view)
+        chosen = "full" if self.offset <= 1 else "window"
+        if pays <= 0 or (unseen > pays and pays < MIN_WINDOW):
+            self.asked = False
+            self.given = {"chosen": "lookup", "tokens": 0, "evaluated": 0, "pays_for": pays, "seconds": 0.0}
+            return
+        if unseen > pays:                             # the last `pays` tokens, after the first one
+            self.offset, chosen = n - pays, "window"
+            view = self._view(context)
+            unseen = len(view) - self.model.reuse_prefix(view)
+        t0 = time.perf_counter()
+        if unseen > 1:
+            self.model.decode(view[len(view) - unseen : -1])
+        seconds = time.perf_counter() - t0
+        self.plan.prefilled(unseen - 1, seconds)
+        self.given = {"chosen": chosen, "tokens": len(view), "evaluated": unseen - 1, "pays_for": pays,
+                      "seconds": round(seconds, 6)}
 
     def propose(self, context: np.ndarray, k: int) -> Draft:
         k = min(k, self.model.n_ctx - len(context))
@@ -82,7 +129,9 @@ class ModelBased(Drafter):
         if self.plan is None:           # an explicit --k: k tokens, ended early only by p_min
             return self._draft(context, k, (lambda levels, p: p >= self.p_min) if self.p_min > 0 else None)
         self._ensure_costs(context)
-        model_rate, model_k = self.plan.best(k)
+        if self.given is None:
+            self._fit(context, k)
+        model_rate, model_k = self.plan.best(k) if self.asked else (0.0, 0)
         guess = self.lookup.propose(context, k)
         rates = self.lookup_length.rates(guess.level, len(guess.tokens))
         j = int(np.argmax(rates))

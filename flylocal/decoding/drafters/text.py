@@ -294,8 +294,11 @@ class ThroughText(Drafter):
     def controllers(self) -> tuple:
         return self.drafter.controllers()
 
-    def begin(self) -> None:
-        self.drafter.begin()
+    def begin(self, budget: int | None = None) -> None:
+        self.drafter.begin(budget)
+
+    def report(self) -> dict | None:
+        return self.drafter.report()
 
     def propose(self, context: np.ndarray, k: int) -> Draft:
         self._last = None

@@ -115,4 +115,6 @@ def stats_report(done: Done, settings: Settings) -> dict:
               "mean_accepted_length": round(stats.mean_accepted_length, 4),
               "tokens_per_s": round(stats.tokens_per_s, 3), "prompt_reused": stats.prompt_reused,
               "budget_left": stats.budget_left, "stop": done.reason}
+    if stats.draft_context is not None:
+        report["draft_context"] = stats.draft_context
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in report.items()}
