@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from flylocal import models
-from flylocal.decoding.adaptive import Learned
+from flylocal.decoding.adaptive import Learned, timed_decode
 from flylocal.decoding.contracts import Verifier
 from flylocal.decoding.drafters import make_drafter
 from flylocal.decoding.drafters.pld import Corpus
@@ -86,6 +86,15 @@ class Models:
             else:
                 self.embedder = Embedder(self.target.model, self.target.vocab, self.settings.ctx, threads)
         return self.embedder
+
+    def finish_costs(self) -> None:
+        """Measure now what the target's cost curve still lacks (`CostCurve.finish`): for a
+        process that serves no other request, after its answer, so that the next one finds it
+        cached."""
+        rt = self.target
+        if rt.costs.measuring is not None:
+            token = int(rt.tokens[-1]) if rt.n_past else 0
+            rt.costs.finish(lambda rows: timed_decode(rt, token, rows))
 
     def close(self):
         if self.embedder is not None:     # before the model it may read

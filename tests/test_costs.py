@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from flylocal.decoding.adaptive import ModelDraftLength
-from flylocal.decoding.costs import BUDGET, SWITCH_PRIOR, CostCurve, costs_dir, store
+from flylocal.decoding.costs import BUDGET, SWITCH_PRIOR, WAIT, CostCurve, costs_dir, store
 from flylocal.decoding.costs import curve as curve_module
 from flylocal.decoding.drafters.pld import Corpus, PromptLookup, find_match
 
@@ -327,8 +327,9 @@ def test_generate_says_why_it_measures_over_an_unreadable_cache_and_nothing_over
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if "measuring" in line]
     assert lines == ["flylocal: measuring the decode cost of smollm2-135m-instruct on this machine (the cost cache at "
-                     f"{path} is not JSON): up to {BUDGET:g} s"], done.stderr
-    assert json.loads(done.stdout)["stats"]["cost_curve"]["source"] == "measured"
+                     f"{path} is not JSON): in slices, never more than {WAIT:g} s before a first token"], done.stderr
+    assert json.loads(done.stdout)["stats"]["cost_curve"]["source"] == "prior"
+    assert store.read_file(path)[0] is not None         # measured after the answer, over the garbage
     path.write_text(json.dumps({"format": 2, "key": key, "refined": [],
                                 "calibration": {"seconds": [0.009 * (1 + 0.4 * n) for n in range(17)]}}))
     done = generate()

@@ -299,9 +299,10 @@ class Engine:
             return timed_decode(target, int(prompt[-1]), rows, self.clock)
 
         # With `calibration_wait` (serve, chat), a request waits for a slice of a calibration at
-        # most, and the rest follows in slices before the next ones; a seeded run, whose
-        # decisions a curve must not move, waits for all of it.
-        wait = None if self.config.pin_costs else self.config.calibration_wait
+        # most (the first, where nothing is known, none), and the rest follows in slices before
+        # the next ones; a seeded run, whose decisions a curve must not move, and --recalibrate,
+        # which asks for it, wait for all of it.
+        wait = None if self.config.pin_costs or self.config.recalibrate else self.config.calibration_wait
         curve.ensure(probe, max_rows=max_rows, limit=target.n_batch, recalibrate=self.config.recalibrate, wait=wait)
 
     def _finished(self, req: Request) -> bool:

@@ -61,7 +61,8 @@ def generate(prompt, prompt_file, raw, special, json_schema_file, json_object, g
     if not text.strip():
         raise FlylocalError("the prompt is empty")
     constraint = read_constraint(json_schema_file, json_object, grammar_file)
-    settings = dataclasses.replace(settings_from(opts), trace=trace_file is not None)
+    # No calibration before the first token: a slice at most, the rest after the answer.
+    settings = dataclasses.replace(settings_from(opts), trace=trace_file is not None, calibration_wait=WAIT)
     check(settings)
     trace_out = open_output(trace_file, "trace file") if trace_file else None
     try:
@@ -73,6 +74,7 @@ def generate(prompt, prompt_file, raw, special, json_schema_file, json_object, g
             grammar = compile_constraint(constraint, models.target)
             with models.engine().generate(ids, grammar=grammar) as generation:
                 stream_generation(generation, models.target, trace_out, trace_file, as_json)
+            models.finish_costs()         # the answer is out: what the cost curve lacks, for the next run
             stats, tokens = generation.stats, generation.tokens
             answer = TextStream(models.target).feed(tokens)      # an incomplete last character held back
             threads = models.target.n_threads

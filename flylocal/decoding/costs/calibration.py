@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flylocal import host
-from flylocal.decoding.costs.shape import SWITCH_MAX, distortion, median
+from flylocal.decoding.costs.shape import PRIOR_ROW_COST, SWITCH_MAX, distortion, median
 from flylocal.host import usable_cores
 
 CALIBRATION_SIZES = (1, 2, 3, 5, 9, 17)
@@ -59,6 +59,7 @@ class Measuring:
         self.passes = 0
         self.at = 0                         # the next decode's place in the pass (0: a new pass)
         self.started = False
+        self.first = math.nan               # the first decode's seconds (pages and buffers included)
         self.done = False
         self.busy: float | None = None
 
@@ -67,13 +68,18 @@ class Measuring:
 
     def run(self, timed_decode, seconds: float = math.inf, clock=time.perf_counter) -> bool:
         """Go on measuring (`timed_decode(n)` decodes n rows, rolls them back and returns the
-        seconds taken) until done or until this slice has taken `seconds` of wall time (its
-        decodes and what goes around them), but never before two sizes are measured (a curve
-        needs them). Whether it is done."""
-        began = clock()
+        seconds taken) until done or until this slice would take more than `seconds` of wall
+        time from its first decode (what a probe does before it, such as the prompt's prefill,
+        is not the slice's): a decode that is expected to overrun it (at its size's lowest time
+        so far, or the single step's on the prior's shape) is left to the next slice, unless it
+        would be the slice's first. Whether it is done."""
+        began: list[float] = []
 
         def timed(rows: int) -> float:
+            t0 = clock()
             t = timed_decode(rows)
+            if not began:
+                began.append(t0)
             if t > 0 and math.isfinite(t):
                 self.spent += t
                 return t
@@ -81,18 +87,18 @@ class Measuring:
 
         if not self.started:
             self.started = True
-            timed(self.sizes[0])            # the first decode pays for pages and buffers
+            self.first = timed(self.sizes[0])    # the first decode pays for pages and buffers
             self.meter.start()
         while not self.done:
-            if clock() - began >= seconds and sum(1 for v in self.samples.values() if v) >= 2:
+            if self.at == 0 and (self.passes >= MIN_PASSES and all(_agree(v) for v in self.samples.values())
+                                 or self.passes >= MAX_PASSES or self.out_of_time()):
+                self.done = True
+                break
+            into, rows = self.schedule[self.at]
+            if began and clock() - began[0] + self._expected(rows) > seconds:
                 return False
             if self.at == 0:
-                if self.passes >= MIN_PASSES and all(_agree(v) for v in self.samples.values()) \
-                        or self.passes >= MAX_PASSES or self.out_of_time():
-                    self.done = True
-                    break
                 self.passes += 1
-            into, rows = self.schedule[self.at]
             self.at = (self.at + 1) % len(self.schedule)
             if self.out_of_time():
                 self.at = 0
@@ -102,6 +108,14 @@ class Measuring:
                 into.append(t)
         self.busy = self.meter.stop()
         return True
+
+    def _expected(self, rows: int) -> float:
+        """Seconds a decode of `rows` rows is expected to take: the lowest measured, else the
+        single step's (or the first decode's) on the prior's shape; 0 before anything is timed."""
+        if self.samples.get(rows):
+            return min(self.samples[rows])
+        one = min(self.samples[self.sizes[0]]) if self.samples[self.sizes[0]] else self.first
+        return one * (1 + PRIOR_ROW_COST * (rows - self.sizes[0])) if math.isfinite(one) else 0.0
 
     def seconds(self) -> np.ndarray | None:
         """The lowest time of each size measured ([m], NaN where none), None with fewer than two."""

@@ -71,6 +71,8 @@ class Source(str, enum.Enum):
     NONE = "none"                  # nothing known yet
     CACHE = "cache"                # read from the disk cache
     MEASURED = "measured"          # calibrated in this process
+    PRIOR = "prior"                # nothing measured yet: a cached curve of the same model at other
+                                   # settings, or the prior's shape, in the speed the rounds measure
     GIVEN = "given"                # given by hand (tests, a fixed cost model)
 
     def __str__(self) -> str:
@@ -336,9 +338,12 @@ class CostCurve:
         passed (then twice as long), at most RETRIES times.
 
         `wait`: the most seconds of measuring this call may spend (a request before its first
-        token). A curve measured then goes on in slices, one each call, and is used meanwhile,
-        provisional, from what its first decodes measured (the sizes between and past them on
-        the slope they give); None: measured whole now."""
+        token). A curve measured then goes on in slices, one each later call (and the rest at
+        `finish`), and is used meanwhile, provisional. Where nothing of it is known (no curve
+        cached), the first call measures nothing: the curve starts from a cached curve of the
+        same model at other settings, or the prior's shape, and the rounds give its speed and
+        correct its shape; after that, from what its decodes measured (the sizes between and
+        past them on the slope they give). None: measured whole now."""
         if self.fixed:
             return
         if self.measuring is not None:
@@ -367,11 +372,14 @@ class CostCurve:
             if wait is not None and not keep:
                 if self.say is not None and self._unusable is not None and not retry:
                     self.say(f"measuring the decode cost of {self.name()} on this machine ({self._unusable}): "
-                             f"at most {wait:g} s before each request until it settles")
+                             f"in slices, never more than {wait:g} s before a first token")
                 self._unusable = None
                 self._retries += retry
                 self.measuring = Measuring(max_rows, limit, meter, self.budget)
-                self._measure(timed_decode, wait)
+                if self.source == Source.NONE:         # nothing known: no decode before this first token
+                    self._start()
+                else:
+                    self._measure(timed_decode, wait)
                 self._ensured = max(max_rows, self._ensured)
                 return
             kept, kept_meta = self.base.copy(), self.meta
@@ -404,6 +412,28 @@ class CostCurve:
         self._retries += retry
         self._retry_at = time.monotonic() + self._retry_wait
         self._retry_wait *= 2
+
+    def _start(self) -> None:
+        """A curve nothing of which is measured yet, to decide on until slices measure it: a
+        settled curve of the same model at other settings where the cache has one, else the
+        prior's shape; either way the speed comes from the rounds once there are a few."""
+        if self._sibling is None and self.key is not None:
+            self._sibling = store.sibling(self.key) or {}
+        whence = "the prior's shape"
+        if self._sibling:
+            self.base = np.full(len(self._sibling["base"]), np.nan)
+            self._set_base(self._sibling["base"])
+            key = self._sibling["key"]
+            whence = f"the curve at {key.get('threads')} threads, batch {key.get('batch')}"
+        self.source, self.state = Source.PRIOR, State.PROVISIONAL
+        self.problem = f"nothing measured yet: {whence}, in the rounds' speed, until it is measured in slices"
+
+    def finish(self, timed_decode) -> None:
+        """Measure the rest of a calibration going on in slices now, whole (a process that will
+        serve no other request, after its answer), and cache it as `ensure` would."""
+        if self.measuring is None:
+            return
+        self._measure(timed_decode, math.inf)
 
     def _measure(self, timed_decode, wait: float) -> None:
         """A slice of the calibration going on: at most `wait` seconds of decodes (and the two
