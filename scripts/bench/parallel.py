@@ -16,10 +16,14 @@ bootstrap interval. `--copy` asks the summarization and RAG questions (the copy-
 
 Configurations: `serial` (flylocal --parallel 1), `slots` (flylocal --parallel C), `slots-plain`
 (the same without drafts), `slots-unified` (with --kv-unified; only when asked for) and, with
---llama-server PATH, `llama-server` (-np C, plain: its own
-drafting is not the comparison here). flylocal's method is --method (strict-pld by default).
+--llama-server PATH, `llama-server` (-np C, plain) and `llama-server-ngram` (-np C with its
+`--spec-type ngram-mod`, its speculation that needs no draft model). flylocal's method is
+--method (fly-pld, the default method, by default). After the table: `slots` against
+`slots-plain` and against llama-server's better mode at each count, repeat by repeat.
 
-    .venv/bin/python scripts/bench/parallel.py [--target gemma-3-270m-f32] [--clients 1,2,4,8]
+A base model (the stand-in) answers raw completions, `Question: ...\nAnswer:` (`--raw`).
+
+    .venv/bin/python scripts/bench/parallel.py [--target gemma-3-270m-f32 --raw] [--clients 1,2,4,8]
         [--repeat 3] [--llama-server PATH] [--copy] [--json OUT]
 """
 
@@ -59,8 +63,8 @@ def spec_questions(copy: bool) -> list[str]:
     return order
 
 
-def stream(url: str, question: str, max_tokens: int, banned: list[int]) -> dict:
-    r = stream_chat(url, question, max_tokens, banned)
+def stream(url: str, question: str, max_tokens: int, banned: list[int], raw: bool = False) -> dict:
+    r = stream_chat(url, question, max_tokens, banned, raw=raw)
     end = r["last"] or time.perf_counter()
     return {"tokens": r["tokens"], "ttft": (r["first"] or end) - r["start"], "start": r["start"], "end": end}
 
@@ -76,7 +80,7 @@ def wave(url: str, clients: int, questions: list[str], offset: int, args, banned
         try:
             for j in range(args.questions):
                 q = questions[(offset + i * args.questions + j) % len(questions)]
-                done[i].append(stream(url, q, args.max_tokens, banned))
+                done[i].append(stream(url, q, args.max_tokens, banned, args.raw))
         except Exception as e:  # noqa: BLE001 - counted, the wave goes on
             errors.append(f"{type(e).__name__}: {e}")
 
@@ -100,7 +104,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--clients", default="1,2,4,8")
-    ap.add_argument("--method", default="strict-pld", choices=sorted(METHODS))
+    ap.add_argument("--method", default="fly-pld", choices=sorted(METHODS))
+    ap.add_argument("--raw", action="store_true", help="raw completions 'Question: ...\\nAnswer:' (a base model)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--questions", type=int, default=2, help="questions each client sends per wave")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -111,7 +116,8 @@ def main() -> int:
     ap.add_argument("--copy", action="store_true", help="only the copy-heavy groups (summarization, rag)")
     ap.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server")
     ap.add_argument("--configs", default=None,
-                    help="comma-separated: serial, slots, slots-plain, slots-unified, llama-server")
+                    help="comma-separated: serial, slots, slots-plain, slots-unified, llama-server, "
+                         "llama-server-ngram")
     ap.add_argument("--json", default=None, help="write every wave's figures here")
     args = ap.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
@@ -120,10 +126,12 @@ def main() -> int:
 
     path = str(models.resolve(args.target))
     banned = end_tokens(path)
-    qs = spec_questions(args.copy)
+    from flylocal.front.bench.prompts import BASE_FORM
+
+    qs = [BASE_FORM.format(q) if args.raw else q for q in spec_questions(args.copy)]
     threads = ["--threads", args.threads] if args.threads else []
     configs = [c.strip() for c in args.configs.split(",")] if args.configs else \
-        ["serial", "slots", "slots-plain"] + (["llama-server"] if args.llama_server else [])
+        ["serial", "slots", "slots-plain"] + (["llama-server", "llama-server-ngram"] if args.llama_server else [])
     method = METHODS[args.method]
     results: dict[tuple[str, int], list[dict]] = {}
 
@@ -138,8 +146,10 @@ def main() -> int:
             return fly + ["--parallel", str(clients), *METHODS["plain"]]
         if config == "slots-unified":
             return fly + ["--parallel", str(clients), "--kv-unified", *method]
+        spec = ["--spec-type", "ngram-mod"] if config == "llama-server-ngram" else []
         return [args.llama_server, "-m", path, "--port", "{port}", "--host", "127.0.0.1", "-np", str(clients),
-                "-c", str(args.ctx * clients), "--no-webui", *(["-t", args.threads] if args.threads else [])]
+                "-c", str(args.ctx * clients), "--no-webui", *spec,
+                *(["-t", args.threads, "-tb", args.threads] if args.threads else [])]
 
     for clients in counts:
         for repeat in range(args.repeat):
@@ -147,13 +157,13 @@ def main() -> int:
             for config in order:
                 with servers({config: command(config, clients)}) as urls:
                     url = urls[config]
-                    stream(url, "Hello!", 8, banned)               # warm-up, uncounted
+                    stream(url, BASE_FORM.format("Hello!") if args.raw else "Hello!", 8, banned, args.raw)  # warm-up
                     r = wave(url, clients, qs, repeat * clients * args.questions, args, banned)
                 results.setdefault((config, clients), []).append(r)
                 print(f"C={clients} repeat {repeat + 1} {config}: {r['aggregate']:.1f} tok/s aggregate, "
                       f"{r['client']:.1f} per client, TTFT p50 {r['ttft_p50']:.2f} s p95 {r['ttft_p95']:.2f} s",
                       file=sys.stderr, flush=True)
-    print(f"{args.target}, {args.method} (plain for slots-plain and llama-server), {args.max_tokens} tokens, "
+    print(f"{args.target}, {args.method} (plain for slots-plain and llama-server, ngram-mod for llama-server-ngram), {args.max_tokens} tokens, "
           f"{args.questions} questions per client per wave{' (copy-heavy groups)' if args.copy else ''}, "
           f"clients {args.stagger:g} s apart, {args.repeat} repeats, {os.cpu_count()} cores; medians over "
           f"repeats; ratios to the serial server in the same repeat (95% interval)")
@@ -173,6 +183,18 @@ def main() -> int:
             print(f"| {clients} | {config} | {agg:.1f} | {ratio} | {statistics.median(r['client'] for r in rs):.1f} | "
                   f"{statistics.median(r['client_min'] for r in rs):.1f} | "
                   f"{statistics.median(r['ttft_p50'] for r in rs):.2f} | {statistics.median(r['ttft_p95'] for r in rs):.2f} |")
+    for clients in counts:                       # slots against plain slots and llama-server's better mode
+        slots = results.get(("slots", clients))
+        if not slots:
+            continue
+        others = [c for c in ("slots-plain", "llama-server", "llama-server-ngram") if (c, clients) in results]
+        best_llama = max((c for c in others if c.startswith("llama")), default=None,
+                         key=lambda c: statistics.median(r["aggregate"] for r in results[(c, clients)]))
+        for other in [c for c in others if c == "slots-plain" or c == best_llama]:
+            ratios = [r["aggregate"] / b["aggregate"] for r, b in zip(slots, results[(other, clients)])]
+            lo, hi = interval(ratios) if len(ratios) > 1 else (ratios[0], ratios[0])
+            print(f"C={clients}: slots / {other}{' (llama-server better mode)' if other == best_llama else ''}: "
+                  f"{statistics.median(ratios):.2f} ({lo:.2f}-{hi:.2f}), lowest repeat {min(ratios):.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({f"{c}@{n}": rs for (c, n), rs in results.items()}, f, indent=1)
