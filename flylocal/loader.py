@@ -274,7 +274,10 @@ def build_engine(settings: Settings, target: Runtime, draft: Runtime | None, cor
     drafter = make_drafter(settings.drafter_name, target, draft, pld_ngram=settings.pld_ngram,
                            pld_tokens=settings.pld_tokens, k_max=settings.draft_length, adaptive=settings.k is None,
                            p_min=settings.draft_p_min_value, corpus=corpus, recalibrate=settings.recalibrate,
-                           through_text=through_text, learned=learned)
+                           through_text=through_text, learned=learned,
+                           # the draft model's curve as the target's: in slices, unless seeded or asked for
+                           calibration_wait=None if settings.sampling.seed is not None or settings.recalibrate
+                           else settings.calibration_wait)
     config = EngineConfig(
         max_tokens=settings.max_tokens,
         k=settings.draft_length,

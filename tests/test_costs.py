@@ -163,6 +163,17 @@ def test_a_draft_models_prefill_must_be_paid_for_by_the_answer():
     assert abs(measured.window(8, 64) - before * 0.3 * 0.0005 / 0.001) <= 1
 
 
+def test_a_draft_model_not_measured_yet_costs_a_target_step():
+    """A draft curve whose first slice is still to come is no cheaper than the target: the
+    model is not asked (prompt lookup alone) until its cost is measured."""
+    target = CostCurve(seconds=np.full(17, 0.01))             # flat: rows are free
+    draft = CostCurve(key={"model": "/draft.gguf"})           # nothing measured
+    plan = ModelDraftLength(8, target, draft)
+    assert plan.step_s() == pytest.approx(0.01) and plan.best(8)[1] == 0 and plan.window(8, 1000) == 0
+    draft.calibrate(lambda rows: 0.0005 * (1 + 0.4 * (rows - 1)), max_rows=2)
+    assert plan.step_s() == pytest.approx(0.0005) and plan.best(8)[1] > 0 and plan.window(8, 1000) > 0
+
+
 def test_p_min_ends_a_draft_and_keep_going_weighs_the_next_token():
     plan = ModelDraftLength(8, *gpu_like(), p_min=0.6)
     assert not plan.keep_going([], 0.59) and plan.keep_going([], 0.61)

@@ -204,12 +204,15 @@ class ModelDraftLength:
         """c: seconds per drafted token now. The draft's measured cost per token relative to
         the target's single step (the median of its last drafts within STALE seconds of
         decoding), times the target's speed now; before that, or once those drafts are old,
-        the two calibrations' ratio. A fixed or pinned draft curve gives its single step as is."""
+        the two calibrations' ratio; a draft curve not measured yet (its first slice to come)
+        costs a target step. A fixed or pinned draft curve gives its single step as is."""
         if self.draft_costs.fixed or self.draft_costs.pinned:
             return float(self.draft_costs.cost(1)[0])
         fresh = [r for c, r in self._steps if self.target_costs.decoded_s - c <= STALE]
         if fresh:
             return median(fresh) * self.target_costs.speed()
+        if not (self.draft_costs.calibrated and self.target_costs.calibrated):
+            return self.target_costs.speed()
         return self.draft_costs.calibrated_step() / self.target_costs.calibrated_step() * self.target_costs.speed()
 
     def best(self, k: int) -> tuple[float, int]:

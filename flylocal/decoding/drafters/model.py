@@ -36,7 +36,7 @@ class ModelBased(Drafter):
 
     def __init__(self, model: Target, target_vocab: int, eog: np.ndarray, *, k_max: int = 8, p_min: float = 0.0,
                  target_costs=None, max_ngram: int = 4, corpus=None, recalibrate: bool = False,
-                 learned: Learned | None = None):
+                 learned: Learned | None = None, wait: float | None = None):
         self.model = model                # the draft model
         self.target_vocab = target_vocab
         self.eog = eog                    # [n_vocab] bool, the target's end-of-generation ids
@@ -44,6 +44,7 @@ class ModelBased(Drafter):
         self.plan = self.lookup = self.lookup_length = None
         self.corpus = corpus
         self.recalibrate = recalibrate
+        self.wait = wait                  # the draft's cost curve measured in slices of this (None: whole)
         self._costs_ready = False
         # The draft's cache holds the context's first token and the tokens from `offset` on (a
         # window), or all of it (offset 0); `given` says what this request's prefill chose.
@@ -84,14 +85,17 @@ class ModelBased(Drafter):
         view = self._view(context)
         return view[self.model.reuse_prefix(view):]
 
-    def _ensure_costs(self, context: np.ndarray) -> None:
-        """The draft model's own cost curve, from the disk cache or measured once, on decodes
-        after what its cache holds (the prefill is decided after, on that curve)."""
-        if self._costs_ready:
+    def _ensure_costs(self, context: np.ndarray, wait: float | None = None) -> None:
+        """The draft model's own cost curve, from the disk cache or measured, on decodes after
+        what its cache holds (the prefill is decided after, on that curve): whole, or with
+        `wait` as the target's (`CostCurve.ensure`), a slice before each request's first draft
+        until it settles. Until its first slice it is the prior's, no cheaper than the target,
+        so the request drafts with prompt lookup alone."""
+        if self._costs_ready and (wait is None or self.model.costs.measuring is None):
             return
         token = int(context[-1])
         self.model.costs.ensure(lambda rows: timed_decode(self.model, token, rows), max_rows=2,
-                                limit=self.model.n_batch, recalibrate=self.recalibrate)
+                                limit=self.model.n_batch, recalibrate=self.recalibrate, wait=wait)
         self._costs_ready = True
 
     def _fit(self, context: np.ndarray, k: int) -> None:
@@ -128,8 +132,8 @@ class ModelBased(Drafter):
             return NO_DRAFT
         if self.plan is None:           # an explicit --k: k tokens, ended early only by p_min
             return self._draft(context, k, (lambda levels, p: p >= self.p_min) if self.p_min > 0 else None)
-        self._ensure_costs(context)
         if self.given is None:
+            self._ensure_costs(context, self.wait)
             self._fit(context, k)
         model_rate, model_k = self.plan.best(k) if self.asked else (0.0, 0)
         guess = self.lookup.propose(context, k)
