@@ -330,10 +330,27 @@ def test_allot_pays_for_rows_only_where_they_give_more_than_they_cost():
     curve = 1 + 0.3 * np.arange(64)
     best = allot(target, curve, {0: 1, 1: 1}, two, 64)
 
-    def rate(a, b):
-        e = 2 + two[0][:a].sum() + two[1][:b].sum()
-        return e / split_cost(curve, equal_split({0: 1 + a, 1: 1 + b}))
+    def rate(a, b, others=0):
+        e = 2 + others + two[0][:a].sum() + two[1][:b].sum()
+        rows = {0: 1 + a, 1: 1 + b} | {s: 1 for s in range(2, 2 + others)}
+        return e / split_cost(curve, equal_split(rows))
     assert rate(best[0], best[1]) >= max(rate(a, b) for a in range(4) for b in range(3)) - 1e-12
+    # the same two beside two members with no draft: their tokens count in the decode's rate too
+    best = allot(target, curve, {0: 1, 1: 1, 2: 1, 3: 1}, two, 64)
+    assert rate(best[0], best[1], 2) >= max(rate(a, b, 2) for a in range(4) for b in range(3)) - 1e-12
+
+
+def test_a_draft_row_must_pay_at_the_rate_of_the_whole_decode():
+    """Eight members, two with middling drafts, on a CPU-like curve where a separate computation
+    for their extra rows costs more than they give: no rows. Counting only the drafting members'
+    tokens against the whole decode's cost (as the allotment once did) gave them rows."""
+    target = FakeSequences(FakeLM(seed=1), 8, 64, 64)
+    curve = 1 + 0.4 * np.arange(64)
+    fixed = {s: 1 for s in range(8)}
+    drafts = {0: np.array([0.7, 0.5, 0.35, 0.25]), 3: np.array([0.6, 0.4])}
+    assert allot(target, curve, fixed, drafts, 64) == {0: 0, 3: 0}
+    # alone, the same drafts pay: one member's single row is a dear decode to begin with
+    assert allot(target, curve, {0: 1}, {0: drafts[0]}, 64)[0] > 0
 
 
 def test_a_seeded_request_drafts_as_alone_whatever_else_runs():

@@ -55,7 +55,7 @@ def split_cost(cost: np.ndarray, sizes: list[int]) -> float:
 
 
 def allot(target: Sequences, cost: np.ndarray, fixed: dict[int, int], drafts: dict[int, np.ndarray],
-          limit: int) -> dict[int, int]:
+          limit: int, decoding: int | None = None) -> dict[int, int]:
     """How many draft rows each sequence's draft gets this round: n[s] <= len(drafts[s]), the
     choice that maximises the expected tokens committed per second of the decode,
 
@@ -63,7 +63,9 @@ def allot(target: Sequences, cost: np.ndarray, fixed: dict[int, int], drafts: di
 
     with `fixed[s]` rows each sequence decodes anyway (its last token, a prompt's tail, a chunk)
     and u the computations the decode runs as (`Sequences.split`). `drafts[s]`: reach_s, for
-    the sequences that decode a round. At most `limit` rows in all.
+    the sequences that decode a round with a draft to cut; `decoding`: how many sequences
+    decode a round, drafting or not (each commits a token; default: every one in `fixed`), so
+    that a draft row must pay at the rate of the whole decode. At most `limit` rows in all.
 
     Rows come in the order of their gain: every draft capped at a common length L, the drafts
     weakest at that length left out one by one (the best of these), then single rows added or
@@ -73,7 +75,7 @@ def allot(target: Sequences, cost: np.ndarray, fixed: dict[int, int], drafts: di
     n = {s: 0 for s in drafts}
     base = sum(fixed.values())
     gains = {s: np.concatenate([[0.0], np.cumsum(r)]) for s, r in drafts.items()}     # [d+1]: expected extra tokens
-    members = len(drafts)
+    members = len(fixed) if decoding is None else decoding
 
     def rate(n: dict[int, int]) -> float:
         if base + sum(n.values()) > limit:
@@ -305,7 +307,7 @@ class Batch:
             fixed[s] -= 1
             n[s] = given[s]
         if drafts:
-            n |= allot(self.target, self.target.costs.cost(limit), fixed, drafts, limit)
+            n |= allot(self.target, self.target.costs.cost(limit), fixed, drafts, limit, decoding=len(plans))
         parts = []
         for m in members:
             s = m.seq
