@@ -46,15 +46,33 @@ def test_a_new_request_does_not_inherit_the_last_rounds_streak():
                     Strict(), EngineConfig(max_tokens=40, k=8))
     generate_all(engine, np.arange(1, 13, dtype=np.int32))
     length = engine.drafter.length
-    length.streak = True                                            # as after a round that took its whole draft
+    engine.drafter.streak = True                                    # as after a round that took its whole draft
     again = Engine(target, controlled(NoisyOracle(LM), 8, target, learned), Strict(), EngineConfig(max_tokens=8, k=8))
-    assert again.drafter.length is length
+    assert again.drafter.length is length and not again.drafter.streak
     seen = []
     choose = length.choose
-    length.choose = lambda level, available: seen.append(length.streak) or choose(level, available)
+    length.choose = lambda row, available: seen.append(row) or choose(row, available)
     target.reset()
     generate_all(again, np.arange(2, 14, dtype=np.int32))
-    assert seen and seen[0] is False
+    assert seen and seen[0] < length.levels                        # not a streak row
+
+
+def test_requests_that_share_a_controller_keep_their_own_streak():
+    """Requests in one batch share what their drafters learned, and each has its own last round:
+    one that accepted its whole draft reads the streak row, another not."""
+    from flylocal.decoding.contracts import Draft
+    from flylocal.decoding.drafters import make_drafter
+
+    target = FakeTarget(LM, n_ctx=512, costs=CostCurve(seconds=0.01 * SHAPE, fixed=True))
+    learned = Learned()
+    a, b = (make_drafter("pld", target, adaptive=True, learned=learned) for _ in range(2))
+    assert a.length is b.length
+    draft = Draft(np.array([5, 6, 7], dtype=np.int32), level=2)
+    a.observe(draft, 3)                                             # a's whole draft accepted
+    assert a.streak and not b.streak
+    assert np.allclose(b.reach(draft), a.length.reach(a.length.row(2, False), 3))
+    assert np.allclose(a.reach(draft), a.length.reach(a.length.row(2, True), 3))
+    assert not np.allclose(a.reach(draft), b.reach(draft))
 
 
 def test_keeping_what_was_learned_pays_over_many_short_requests():

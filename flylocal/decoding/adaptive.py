@@ -53,10 +53,11 @@ class DraftLength:
         self.k_max = k_max
         levels = len(prior)
         # Rows [levels:] are the same levels right after a round that accepted its whole draft:
-        # a copy in progress, which is far more reliable than the n-gram size alone says.
+        # a copy in progress, which is far more reliable than the n-gram size alone says. That is
+        # a request's own state, so the drafter keeps it and names the row (`row`):
+        # requests in one batch share a controller, each with its own streak.
         self.levels = levels
         prior = np.concatenate([prior, np.maximum(prior, STREAK_PRIOR)])
-        self.streak = False
         self.hits = np.repeat(prior[:, None] * PRIOR_WEIGHT, k_max, axis=1)   # [2*levels, k_max]
         self.tries = np.full((2 * levels, k_max), PRIOR_WEIGHT)                    # [2*levels, k_max]
         self._prior_hits = self.hits.copy()
@@ -70,51 +71,51 @@ class DraftLength:
         return isinstance(other, DraftLength) and other.hits.shape == self.hits.shape and other.curve is self.curve
 
     def begin(self) -> None:
-        """A new request: its first round follows no other."""
-        self.streak = False
+        pass
 
-    def rates(self, level: int, available: int) -> np.ndarray:
+    def row(self, level: int, streak: bool) -> int:
+        """The statistics' row of a proposal at confidence `level`, `streak` when the round
+        before accepted its whole draft: what `rates`, `reach`, `best`, `choose` and `update` take."""
+        return level + self.levels * bool(streak)
+
+    def rates(self, row: int, available: int) -> np.ndarray:
         """Expected committed tokens per second for verifying 0..k of the `available` proposed
-        tokens: [k+1] float64."""
+        tokens at `row`: [k+1] float64."""
         k = max(min(available, self.k_max), 0)
-        row = level + self.levels * self.streak
         alpha = self.hits[row, :k] / self.tries[row, :k]
         expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(alpha))])   # [k+1]: E(0..k)
         return expected / self.curve.cost(k + 1)
 
-    def reach(self, level: int, k: int) -> np.ndarray:
-        """[k] float64: the chance that the first j+1 of k proposed tokens at `level` are all accepted."""
+    def reach(self, row: int, k: int) -> np.ndarray:
+        """[k] float64: the chance that the first j+1 of k proposed tokens at `row` are all accepted."""
         k = max(min(k, self.k_max), 0)
-        row = level + self.levels * self.streak
         return np.cumprod(self.hits[row, :k] / self.tries[row, :k])
 
-    def best(self, level: int, available: int) -> int:
+    def best(self, row: int, available: int) -> int:
         """The draft length, of `available` proposed tokens, expected to commit the most tokens
         per second. Acceptance is measured as committed, so a loose verifier's extra acceptance
         on long drafts counts in favour of long drafts."""
         if min(available, self.k_max) <= 0:
             return 0
-        return pick(self.rates(level, available))
+        return pick(self.rates(row, available))
 
-    def choose(self, level: int, available: int) -> int:
+    def choose(self, row: int, available: int) -> int:
         """How many of `available` proposed tokens to verify this round: the best length, or
         now and then one whose cost has no fresh evidence (CostCurve.explore)."""
         if min(available, self.k_max) <= 0:
             return 0
-        rates = self.rates(level, available)
+        rates = self.rates(row, available)
         return self.curve.explore(rates, pick(rates))
 
-    def update(self, level: int, k: int, accepted: int, seconds: float | None = None) -> None:
+    def update(self, row: int, k: int, accepted: int, seconds: float | None = None) -> None:
         """Record a round that verified k tokens and accepted `accepted` of them, and (when
         given) its `seconds`, into the cost curve (a round emits `accepted` + 1 tokens)."""
         self.hits = self._prior_hits + DECAY * (self.hits - self._prior_hits)
         self.tries = PRIOR_WEIGHT + DECAY * (self.tries - PRIOR_WEIGHT)
         if k > 0:
-            row = level + self.levels * self.streak
             reached = min(accepted + 1, k)          # positions that were actually decided
             self.tries[row, :reached] += 1.0
             self.hits[row, :accepted] += 1.0
-        self.streak = k > 0 and accepted >= k
         if seconds is not None:
             self.curve.update(k + 1, seconds, emitted=accepted + 1)
 
@@ -293,6 +294,12 @@ class ModelDraftLength:
             if seconds is not None and seconds > 0:
                 ratio = seconds / k / self.target_costs.speed()
                 self._steps = (self._steps + [(self.target_costs.decoded_s, ratio)])[-STEPS:]
+
+
+def streak_after(k: int, accepted: int) -> bool:
+    """Whether a round that verified k proposed tokens and accepted `accepted` of them starts a
+    streak (its whole draft accepted): the next proposal's row (`DraftLength.row`)."""
+    return k > 0 and accepted >= k
 
 
 class Learned:

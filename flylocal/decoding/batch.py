@@ -34,6 +34,10 @@ CHUNK_MIN = 128         # the fewest prompt tokens a round carries for newcomers
                         # about 128 a prompt token costs a quarter to a third more (measured, 2 cores)
 PREFILL_SHARE = 3.0     # newcomers' prompt tokens in a round cost about this many times the others' rows,
 STALL_S = 0.25          # or this many seconds, if that is more
+LAYOUTS = 15            # shared decodes of each layout (one computation, several) kept to weigh `uneven`
+FRESH_LAYOUTS = 5       # of each, before the measured ratio replaces 1
+UNEVEN = (0.5, 3.0)     # the ratio believed: a decode of several computations may cost from half to thrice
+                        # what the curve says of them (beyond: a stall, or the curve is wrong)
 
 
 @dataclass(eq=False)
@@ -55,7 +59,8 @@ def split_cost(cost: np.ndarray, sizes: list[int]) -> float:
 
 
 def allot(target: Sequences, cost: np.ndarray, fixed: dict[int, int], drafts: dict[int, np.ndarray],
-          limit: int, decoding: int | None = None) -> dict[int, int]:
+          limit: int, decoding: int | None = None, uneven: float = 1.0,
+          own: dict[int, int] | None = None) -> dict[int, int]:
     """How many draft rows each sequence's draft gets this round: n[s] <= len(drafts[s]), the
     choice that maximises the expected tokens committed per second of the decode,
 
@@ -65,7 +70,12 @@ def allot(target: Sequences, cost: np.ndarray, fixed: dict[int, int], drafts: di
     and u the computations the decode runs as (`Sequences.split`). `drafts[s]`: reach_s, for
     the sequences that decode a round with a draft to cut; `decoding`: how many sequences
     decode a round, drafting or not (each commits a token; default: every one in `fixed`), so
-    that a draft row must pay at the rate of the whole decode. At most `limit` rows in all.
+    that a draft row must pay at the rate of the whole decode. `uneven`: what a decode run as
+    several computations costs over what the curve says of them (`Batch.uneven`, measured).
+    `own[s]`: the rows of `fixed` that are the members' own rounds (their last token, a draft
+    verified whole), the rest being prompt rows: what those cost is paid whatever the drafts, so
+    it is left out of T, and a draft row must pay at the rate of the members' rounds, not at the
+    lower one of a decode that also carries a prompt. At most `limit` rows in all.
 
     Rows come in the order of their gain: every draft capped at a common length L, the drafts
     weakest at that length left out one by one (the best of these), then single rows added or
@@ -77,6 +87,12 @@ def allot(target: Sequences, cost: np.ndarray, fixed: dict[int, int], drafts: di
     gains = {s: np.concatenate([[0.0], np.cumsum(r)]) for s, r in drafts.items()}     # [d+1]: expected extra tokens
     members = len(fixed) if decoding is None else decoding
 
+    def seconds(rows: dict[int, int]) -> float:
+        sizes = target.split(rows)
+        return split_cost(cost, sizes) * (uneven if len(sizes) > 1 else 1.0)
+
+    prompt = max(seconds(fixed) - seconds(own), 0.0) if own is not None else 0.0
+
     def rate(n: dict[int, int]) -> float:
         if base + sum(n.values()) > limit:
             return -1.0
@@ -84,7 +100,7 @@ def allot(target: Sequences, cost: np.ndarray, fixed: dict[int, int], drafts: di
         for s, k in n.items():
             rows[s] = rows.get(s, 0) + k
         expected = members + sum(gains[s][k] for s, k in n.items())
-        return expected / max(split_cost(cost, target.split(rows)), 1e-12)
+        return expected / max(seconds(rows) - prompt, 1e-12)
 
     longest = max((len(r) for r in drafts.values()), default=0)
     if not longest:
@@ -126,6 +142,10 @@ class Batch:
         self.members: dict[int, Member] = {}        # by sequence
         self.decodes = 0
         self.rows = 0                               # rows decoded, over every decode
+        # Shared decodes' seconds over what the cost curve says of them, the last few of each
+        # layout: run as one computation, or as several (`uneven`).
+        self._one: list[float] = []
+        self._several: list[float] = []
 
     # ----- membership -----
     def free(self) -> list[int]:
@@ -256,8 +276,22 @@ class Batch:
             if m.req.stats.stop:
                 self._end(m)
         costs = self.target.costs
-        if shared and not chunks and len(self.target.split({s: len(t) for s, t, _ in parts})) == 1:
+        sizes = self.target.split({s: len(t) for s, t, _ in parts})
+        if shared and not chunks and len(sizes) == 1:
             costs.update(rows, seconds, emitted=sum(max(r.net, 0) for r in decided))
+        if shared and costs.calibrated:
+            said = split_cost(costs.cost(max(sizes)), sizes)
+            kept = self._one if len(sizes) == 1 else self._several
+            kept.append(seconds / said)
+            del kept[:-LAYOUTS]
+
+    def uneven(self) -> float:
+        """What a shared decode run as several computations costs over what the cost curve says
+        of them, relative to one run as a single computation (the load cancels): the medians of
+        the last LAYOUTS of each, within UNEVEN; 1 before FRESH of each."""
+        if min(len(self._one), len(self._several)) < FRESH_LAYOUTS:
+            return 1.0
+        return float(np.clip(np.median(self._several) / np.median(self._one), *UNEVEN))
 
     def _plan(self, members: list[Member], out: list) -> tuple[list, dict[int, int]]:
         """This round's parts (seq, tokens, logits_from) and the prompt chunks among them (seq ->
@@ -307,7 +341,9 @@ class Batch:
             fixed[s] -= 1
             n[s] = given[s]
         if drafts:
-            n |= allot(self.target, self.target.costs.cost(limit), fixed, drafts, limit, decoding=len(plans))
+            own = {s: self._fixed(m) - len(m.req.head) for s, m in plans.items()}
+            n |= allot(self.target, self.target.costs.cost(limit), fixed, drafts, limit, decoding=len(plans),
+                       uneven=self.uneven(), own=own)
         parts = []
         for m in members:
             s = m.seq

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flylocal.decoding.adaptive import DraftLength, Learned
+from flylocal.decoding.adaptive import DraftLength, Learned, streak_after
 from flylocal.decoding.contracts import Draft, Drafter
 from flylocal.decoding.costs import CostCurve
 
@@ -23,17 +23,18 @@ class LengthControl(Drafter):
         fresh = DraftLength(k_max, prior, curve)
         self.length = learned.keep("length", fresh) if learned is not None else fresh
         self.shared = False
+        self.streak = False            # the last round accepted its whole draft (this request's own)
 
     def propose(self, context: np.ndarray, k: int) -> Draft:
         proposal = self.drafter.propose(context, k)
         n = len(proposal.tokens)
         if not n or self.shared:           # shared: the batch's allotment cuts it
             return proposal
-        keep = self.length.choose(proposal.level, n)
+        keep = self.length.choose(self.length.row(proposal.level, self.streak), n)
         return proposal if keep == n else proposal.cut(keep)
 
     def reach(self, draft: Draft) -> np.ndarray:
-        r = self.length.reach(draft.level, len(draft.tokens))
+        r = self.length.reach(self.length.row(draft.level, self.streak), len(draft.tokens))
         return np.concatenate([r, np.zeros(len(draft.tokens) - len(r))])
 
     def share(self, shared: bool) -> None:
@@ -41,11 +42,13 @@ class LengthControl(Drafter):
         self.drafter.share(shared)
 
     def observe(self, draft: Draft, accepted: int) -> None:
-        self.length.update(draft.level, len(draft.tokens), accepted)
+        self.length.update(self.length.row(draft.level, self.streak), len(draft.tokens), accepted)
+        self.streak = streak_after(len(draft.tokens), accepted)
         self.drafter.observe(draft, accepted)
 
     def begin(self, budget: int | None = None) -> None:
         self.length.begin()
+        self.streak = False
         self.drafter.begin(budget)
 
     def end(self, output: list[int]) -> None:

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from flylocal.decoding.adaptive import DraftLength, Learned, ModelDraftLength, top_probability
+from flylocal.decoding.adaptive import DraftLength, Learned, ModelDraftLength, streak_after, top_probability
 from flylocal.decoding.contracts import Draft
 from flylocal.decoding.drafters import stop_at_eog
 from flylocal.decoding.drafters.model import ModelBased
@@ -38,9 +38,14 @@ class MLADrafter(ModelBased):
         # How much of a lookup guess the draft model checks, on the draft model's cost curve.
         self.guess_length = (learned.keep("guess", DraftLength(max_tokens, level_prior(max_ngram), model.costs))
                              if adaptive_lookup else None)
+        self.guess_streak = False         # the draft model accepted the whole last guess (this request's)
 
     def controllers(self) -> tuple:
         return super().controllers() + ((self.guess_length,) if self.guess_length is not None else ())
+
+    def begin(self, budget: int | None = None) -> None:
+        super().begin(budget)
+        self.guess_streak = False
 
     def _lookup(self, seq: np.ndarray, room: int) -> tuple[np.ndarray, int]:
         end, n = find_match(seq, self.max_ngram)
@@ -61,14 +66,16 @@ class MLADrafter(ModelBased):
             room = min(self.max_tokens, k - len(draft) - 1)   # one slot for the model's own token
             guess, level = self._lookup(np.concatenate([context, draft]), room)
             if self.guess_length is not None and len(guess):
-                guess = guess[: self.guess_length.choose(level, len(guess))]
+                guess = guess[: self.guess_length.choose(self.guess_length.row(level, self.guess_streak), len(guess))]
             t0 = time.perf_counter()
             logits = self.model.decode(np.concatenate([feed, guess]), logits_from=len(feed) - 1)
             choice = logits.argmax(axis=1).astype(np.int32)    # [len(guess)+1]
             m = native_prefix(guess, choice)
             self.model.truncate(self.model.n_past - (len(guess) - m))
             if self.guess_length is not None:
-                self.guess_length.update(level, len(guess), m, time.perf_counter() - t0)
+                self.guess_length.update(self.guess_length.row(level, self.guess_streak), len(guess), m,
+                                         time.perf_counter() - t0)
+                self.guess_streak = streak_after(len(guess), m)
             new = np.append(guess[:m], choice[m]).astype(np.int32)
             # [m+1] the draft's confidence in each
             p = top_probability(logits[: m + 1]) if keep is not None else np.ones(m + 1)

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from flylocal.decoding.adaptive import DraftLength, Learned, ModelDraftLength, timed_decode, top_probability
+from flylocal.decoding.adaptive import DraftLength, Learned, ModelDraftLength, streak_after, timed_decode, top_probability
 from flylocal.decoding.contracts import NO_DRAFT, Draft, Drafter, Target
 from flylocal.decoding.drafters.pld import PromptLookup, level_prior
 
@@ -52,6 +52,7 @@ class ModelBased(Drafter):
         self.budget: int | None = None    # tokens the request may emit
         self.given: dict | None = None
         self.asked = True                 # whether this request drafts with the model at all
+        self.streak = False               # its last lookup round accepted its whole draft
         learned = learned if learned is not None else Learned()
         if target_costs is not None:      # draft-length control
             self.plan = learned.keep("plan", ModelDraftLength(k_max, target_costs, model.costs, p_min))
@@ -63,7 +64,7 @@ class ModelBased(Drafter):
 
     def begin(self, budget: int | None = None) -> None:
         super().begin(budget)
-        self.budget, self.given, self.asked = budget, None, True
+        self.budget, self.given, self.asked, self.streak = budget, None, True, False
 
     def end(self, output: list[int]) -> None:
         if self.corpus is not None:
@@ -137,7 +138,7 @@ class ModelBased(Drafter):
             self._fit(context, k)
         model_rate, model_k = self.plan.best(k) if self.asked else (0.0, 0)
         guess = self.lookup.propose(context, k)
-        rates = self.lookup_length.rates(guess.level, len(guess.tokens))
+        rates = self.lookup_length.rates(self.lookup_length.row(guess.level, self.streak), len(guess.tokens))
         j = int(np.argmax(rates))
         if rates[j] >= model_rate or model_k == 0:
             j = self.lookup_length.curve.explore(rates, j)     # now and then a length with old evidence
@@ -150,7 +151,7 @@ class ModelBased(Drafter):
         if self.plan is not None and draft.source == "model" and draft.levels is not None:
             return self.plan.reach(draft.levels)
         if self.plan is not None and draft.source == "pld":
-            return self.lookup_length.reach(draft.level, len(draft.tokens))
+            return self.lookup_length.reach(self.lookup_length.row(draft.level, self.streak), len(draft.tokens))
         return None
 
     def observe(self, draft: Draft, accepted: int) -> None:
@@ -159,7 +160,8 @@ class ModelBased(Drafter):
         if draft.source == "model":
             self.plan.observe(draft.levels, accepted, draft.seconds)
         else:
-            self.lookup_length.update(draft.level, len(draft.tokens), accepted)
+            self.lookup_length.update(self.lookup_length.row(draft.level, self.streak), len(draft.tokens), accepted)
+            self.streak = streak_after(len(draft.tokens), accepted)
 
     def _draft(self, context: np.ndarray, k: int, keep) -> Draft:
         """Up to k draft tokens. `keep(levels, p)` says whether the next token, which the draft
