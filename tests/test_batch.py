@@ -485,3 +485,26 @@ def test_each_requests_counts_are_its_own():
                 assert s.emitted_in_rounds >= s.emitted + s.retracted - s.retractions, where
             retracted += s.retractions
     assert retracted > 0          # windows were taken back: the case the old count got below 1
+
+
+def test_a_prompt_in_the_decode_does_not_make_draft_rows_look_cheap():
+    """Two members decode beside a newcomer's 128-token chunk. The chunk is paid whatever the
+    drafts do, so a middling draft must pay at the members' own rate: no rows. Counted in T, the
+    chunk's cost made the decode's rate so low that the rows went in."""
+    target = FakeSequences(FakeLM(seed=1), 4, 256, 256)
+    curve = 1 + 0.4 * np.arange(256)
+    fixed, own = {0: 1, 1: 1, 2: 128}, {0: 1, 1: 1}
+    drafts = {0: np.array([0.5, 0.3, 0.2])}
+    assert allot(target, curve, fixed, drafts, 256, decoding=2)[0] > 0
+    assert allot(target, curve, fixed, drafts, 256, decoding=2, own=own) == {0: 0}
+
+
+def test_decodes_of_several_computations_are_weighed_at_what_they_measured():
+    """Where rows are nearly free a sure draft on one of two sequences pays, though it runs as a
+    second computation; where such decodes measured three times what the curve says, not."""
+    target = FakeSequences(FakeLM(seed=1), 2, 64, 64)
+    flat = 1 + 0.02 * np.arange(64)
+    fixed = {0: 1, 1: 1}
+    drafts = {0: np.array([0.95, 0.9, 0.86])}
+    assert allot(target, flat, fixed, drafts, 64)[0] > 0
+    assert allot(target, flat, fixed, drafts, 64, uneven=3.0) == {0: 0}
