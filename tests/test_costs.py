@@ -166,10 +166,10 @@ def test_a_draft_models_prefill_must_be_paid_for_by_the_answer():
 def test_a_draft_model_not_measured_yet_costs_a_target_step():
     """A draft curve whose first slice is still to come is no cheaper than the target: the
     model is not asked (prompt lookup alone) until its cost is measured."""
-    target = CostCurve(seconds=np.full(17, 0.01))             # flat: rows are free
+    target = CostCurve(seconds=np.full(17, 0.05))             # flat: rows are free; a step unlike the prior's
     draft = CostCurve(key={"model": "/draft.gguf"})           # nothing measured
     plan = ModelDraftLength(8, target, draft)
-    assert plan.step_s() == pytest.approx(0.01) and plan.best(8)[1] == 0 and plan.window(8, 1000) == 0
+    assert plan.step_s() == pytest.approx(0.05) and plan.best(8)[1] == 0 and plan.window(8, 1000) == 0
     draft.calibrate(lambda rows: 0.0005 * (1 + 0.4 * (rows - 1)), max_rows=2)
     assert plan.step_s() == pytest.approx(0.0005) and plan.best(8)[1] > 0 and plan.window(8, 1000) > 0
 

@@ -127,6 +127,7 @@ def test_chat_completion_streamed_and_not(client):
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
     mine = whole.usage.model_extra["flylocal"]
     assert mine["verifier"] == "strict" and mine["rounds"] > 0
+    assert mine["draft_context"]["chosen"] in ("full", "window", "lookup")    # what the draft model read
     chunks = list(ask(client, prompt("chat-sky"), extra_body=STRICT, stream=True,
                       stream_options={"include_usage": True}))
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
