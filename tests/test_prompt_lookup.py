@@ -3,7 +3,7 @@
 import numpy as np
 
 from flylocal.decoding.drafters import stop_at_eog
-from flylocal.decoding.drafters.pld import PromptLookup, confidence_level, find_match
+from flylocal.decoding.drafters.pld import PromptLookup, confidence_level, find_match, find_matches
 
 
 def prompt_lookup(tokens, max_ngram, max_tokens):
@@ -43,6 +43,23 @@ def test_max_ngram_caps_the_match():
     end, n = find_match(tokens, max_ngram=2)
     assert (end, n) == (3, 2)
     assert find_match(tokens, max_ngram=8) == (3, 4)
+
+
+def test_every_occurrence_of_the_longest_ngram_against_brute_force():
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        tokens = rng.integers(0, 4, size=int(rng.integers(1, 30))).astype(np.int32)
+        max_ngram = int(rng.integers(1, 6))
+        ends, n = find_matches(tokens, max_ngram)
+        last = len(tokens) - 1
+
+        def occurs(e, size):
+            return e - size + 1 >= 0 and (tokens[e - size + 1: e + 1] == tokens[last - size + 1:]).all()
+
+        longest = max((s for s in range(1, max_ngram + 1) for e in range(last) if occurs(e, s)), default=0)
+        assert n == longest
+        assert ends.tolist() == [e for e in range(last) if n and occurs(e, n)]
+        assert find_match(tokens, max_ngram) == ((ends[-1], n) if n else (-1, 0))
 
 
 def test_no_match_and_degenerate_inputs():

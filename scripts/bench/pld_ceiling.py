@@ -17,26 +17,26 @@ priors (flylocal.decoding.drafters.pld.level_prior) are set from. `--skip N` lea
 first N prompts of each group, the ones scripts/bench/servers.py answers, so that priors are
 measured on prompts held apart from the benchmark that judges them.
 
-    .venv/bin/python scripts/bench/pld_ceiling.py [--per-category 16] [--skip 8] [--max-tokens 128] [--exact]
+    .venv/bin/python scripts/bench/pld_ceiling.py [--target NAME] [--raw] [--per-category 16] [--skip 8] [--max-tokens 128] [--exact]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import os
-import sys
 
 import numpy as np
+
+import replay
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", default=os.path.join(os.path.dirname(__file__), "..", "data",
-                                                      "spec_bench"))
+    ap.add_argument("--prompts", default=str(replay.harness.ROOT / "data" / "spec_bench"))
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--per-category", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--raw", action="store_true", help="ask 'Question: ...\\nAnswer:' (a base model)")
     ap.add_argument("--k", type=int, default=8, help="the controller's longest draft")
     ap.add_argument("--skip", type=int, default=0, help="leave out the first N prompts of each group")
     ap.add_argument("--answers", help="a .npz file the greedy answers are kept in (read when it exists)")
@@ -48,31 +48,12 @@ def main() -> None:
 
     from flylocal.decoding.adaptive import DraftLength, timed_decode
     from flylocal.decoding.drafters.pld import PromptLookup, level_prior
-    from flylocal.decoding.engine import generate_all
-    from flylocal.front.bench import load_prompts, per_group
-    from flylocal.loader import encode_prompt, load
+    from flylocal.loader import load
     from flylocal.settings import Settings
 
     models = load(Settings(target=args.target, drafter="none", verifier="strict", max_tokens=args.max_tokens))
     target = models.target
-    items = []
-    if args.answers and os.path.exists(args.answers):
-        kept = np.load(args.answers, allow_pickle=False)
-        items = [(str(g), kept[f"t{i}"], int(n)) for i, (g, n) in enumerate(zip(kept["groups"], kept["n0"]))]
-    prompts = load_prompts(args.prompts)
-    skipped = {id(p) for p in per_group(prompts, args.skip)} if args.skip else set()
-    for p in per_group(prompts, args.per_category + args.skip) if not items else ():
-        if id(p) in skipped:
-            continue
-        ids, _ = encode_prompt(target, p.text, raw=False)
-        target.reset()
-        tokens, _, _ = generate_all(models.engine(), ids)
-        items.append((p.group, np.concatenate([ids, np.asarray(tokens, dtype=np.int32)]), len(ids)))
-        print(f"\r{len(items)} prompts", end="", file=sys.stderr)
-    print(file=sys.stderr)
-    if args.answers and not os.path.exists(args.answers):
-        np.savez(args.answers, groups=np.array([g for g, _, _ in items]), n0=np.array([n for _, _, n in items]),
-                 **{f"t{i}": full for i, (_, full, _) in enumerate(items)})
+    items = replay.answers(models, args.prompts, args.per_category, args.skip, args.raw, args.answers)
     target.reset()
     probe = items[0][1]
     target.decode(probe[:-1][:256])
@@ -81,7 +62,7 @@ def main() -> None:
     lookup = PromptLookup(np.zeros(target.n_vocab, dtype=bool))
     prior = level_prior(lookup.max_ngram)                              # [levels]
 
-    def replay(choose, update=lambda *a: None):
+    def run(choose, update=lambda *a: None):
         per = collections.defaultdict(lambda: [0.0, 0.0])             # group -> plain seconds, seconds
         for group, full, n0 in items:
             state = {}
@@ -138,21 +119,14 @@ def main() -> None:
             print(f"| {level} | {prior[level]:.2f} | {'yes' if streak else 'no'} | {cells} | {int(t[0])} |")
     best: dict[int, int] = {}
     for level in levels:            # the best fixed length per level, one level at a time
-        scores = {k: replay(lambda s, p, a, m={**best, level: k}: min(m.get(p.level, 0), len(p.tokens)))[1]
+        scores = {k: run(lambda s, p, a, m={**best, level: k}: min(m.get(p.level, 0), len(p.tokens)))[1]
                   for k in (0, 2, 3, 4, 6, 8, 12, 16)}
         best[level] = max(scores, key=scores.get)
 
-    rows = [("controller (flylocal)", replay(controller, controller_update)),
-            (f"best fixed length per level {best}", replay(lambda s, p, a: min(best.get(p.level, 0), len(p.tokens)))),
-            ("oracle: drafts exactly what will be accepted", replay(lambda s, p, a: a))]
-    groups = [g for g in ("multi-turn", "translation", "summarization", "qa", "math_reasoning", "rag")
-              if g in rows[0][1][0]]
-    print(f"decode speedup over plain decoding, {len(items)} prompts, {kernels.mode()} build, cost curve (ms): "
-          + ", ".join(f"{n}: {1000 * cost[n - 1]:.1f}" for n in (1, 2, 3, 5, 9, 17)))
-    print("| policy | " + " | ".join(groups) + " | overall |")
-    print("|" + " --- |" * (len(groups) + 2))
-    for name, (per, overall) in rows:
-        print(f"| {name} | " + " | ".join(f"{per[g]:.3f}" for g in groups) + f" | {overall:.3f} |")
+    rows = [("controller (flylocal)", run(controller, controller_update)),
+            (f"best fixed length per level {best}", run(lambda s, p, a: min(best.get(p.level, 0), len(p.tokens)))),
+            ("oracle: drafts exactly what will be accepted", run(lambda s, p, a: a))]
+    replay.table(rows, cost, len(items), kernels.mode())
     models.close()
 
 

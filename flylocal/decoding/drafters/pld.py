@@ -14,9 +14,10 @@ from flylocal.decoding.contracts import EMPTY, NO_DRAFT, Draft, Drafter
 from flylocal.decoding.drafters import stop_at_eog
 
 
-def find_match(tokens: np.ndarray, max_ngram: int) -> tuple[int, int]:
-    """(end, n): the most recent earlier occurrence of the longest suffix n-gram of `tokens`
-    (n <= max_ngram) ends at index `end`; (-1, 0) when even the last token never occurred.
+def find_matches(tokens: np.ndarray, max_ngram: int) -> tuple[np.ndarray, int]:
+    """(ends, n): every earlier occurrence of the longest suffix n-gram of `tokens` (n <=
+    max_ngram) ends at an index in `ends`, ascending; (empty, 0) when even the last token never
+    occurred.
 
     Candidates are the earlier positions of the last token; each step keeps those whose
     preceding token also matches, so the cost is one pass over the context plus a few tiny
@@ -24,10 +25,10 @@ def find_match(tokens: np.ndarray, max_ngram: int) -> tuple[int, int]:
     """
     n_tok = len(tokens)
     if n_tok < 2 or max_ngram < 1:
-        return -1, 0
+        return NO_ENDS, 0
     ends = np.flatnonzero(tokens[: n_tok - 1] == tokens[n_tok - 1])   # [c] ends of 1-gram matches
     if not ends.size:
-        return -1, 0
+        return NO_ENDS, 0
     n = 1
     while n < max_ngram:
         room = ends[ends >= n]
@@ -35,7 +36,16 @@ def find_match(tokens: np.ndarray, max_ngram: int) -> tuple[int, int]:
         if not longer.size:
             break
         ends, n = longer, n + 1
-    return int(ends[-1]), n
+    return ends, n
+
+
+NO_ENDS = np.zeros(0, dtype=np.int64)
+
+
+def find_match(tokens: np.ndarray, max_ngram: int) -> tuple[int, int]:
+    """(end, n): the most recent of `find_matches`; (-1, 0) when there is none."""
+    ends, n = find_matches(tokens, max_ngram)
+    return (int(ends[-1]), n) if n else (-1, 0)
 
 
 def match_length(tokens: np.ndarray, end: int, limit: int) -> int:
