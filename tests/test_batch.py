@@ -14,7 +14,8 @@ import pytest
 
 from fake_backend import FakeLM, FakeSequences, FakeTarget, Machine, fixed_costs, greedy
 from flylocal.decoding.contracts import equal_split
-from flylocal.decoding.batch import Batch, allot, split_cost
+from flylocal.decoding.costs import CostCurve
+from flylocal.decoding.batch import FRESH_LAYOUTS, Batch, allot, split_cost, weigh_layouts
 from flylocal.decoding.contracts import NO_DRAFT, Draft, Drafter
 from flylocal.decoding.engine import Engine, EngineConfig, generate_all
 from test_engine_properties import LMS, make_drafter, make_verifier, random_case
@@ -260,6 +261,27 @@ def test_rounds_share_decodes_and_every_member_advances():
     assert target.decodes == 20 and rounds == 80
     for g, i in zip(gens, range(4)):
         assert g.tokens == greedy(lm, list(np.arange(3) + i), 20, 80)[0]
+
+
+def test_a_shared_decode_leaves_the_cost_curve_alone():
+    """The curve is one sequence's rounds, timed with their host work, against single steps
+    timed the same way. A shared decode is several sequences' rows timed bare; taken into the
+    curve it priced 8 rows at 2.9 single steps where 7 cost 4.5, and drafts in company went in
+    at a quarter of their cost. `uneven` weighs shared decodes against the curve instead."""
+    lm = FakeLM(seed=7, n_vocab=32, eog=(), p_eog=0.0)
+    curve = CostCurve()
+    curve.calibrate(lambda rows: 0.01 * (1 + 0.5 * (rows - 1)), max_rows=9)
+    target = FakeSequences(lm, 4, 80, 64, curve)
+    batch = Batch(target)
+    for i in range(4):
+        seq = batch.place(np.arange(3) + i)
+        engine = Engine(target.sequence(seq), make_drafter_none(), make_verifier_strict(), EngineConfig(max_tokens=12))
+        batch.join(seq, engine, np.arange(3, dtype=np.int32) + i)
+    while batch.members:
+        batch.round()
+    assert target.decodes == 12
+    assert curve.decoded_s == 0 and not curve.samples and not curve.anchors
+    assert len(batch._one) == 12                  # each decode weighed against it instead
 
 
 def make_drafter_none():
@@ -508,3 +530,19 @@ def test_decodes_of_several_computations_are_weighed_at_what_they_measured():
     drafts = {0: np.array([0.95, 0.9, 0.86])}
     assert allot(target, flat, fixed, drafts, 64)[0] > 0
     assert allot(target, flat, fixed, drafts, 64, uneven=3.0) == {0: 0}
+
+
+def test_a_second_computation_is_never_believed_cheaper_than_the_curve_says():
+    """Several computations measured at 0.65 of the curve beside single ones at 1.0 (what the
+    default target gave: the curve's small sizes overpriced) weigh 1, not 0.65; dearer ones
+    weigh what they measured, up to 3; too few of either weigh 1."""
+    assert weigh_layouts([1.0] * 6, [0.65] * 6) == 1.0
+    assert weigh_layouts([1.0] * 6, [1.3] * 6) == pytest.approx(1.3)
+    assert weigh_layouts([0.5] * 6, [4.0] * 6) == 3.0
+    assert weigh_layouts([1.0] * (FRESH_LAYOUTS - 1), [2.0] * 6) == 1.0
+    # what it decides: a middling draft beside seven single rows on a compute-bound curve
+    target = FakeSequences(FakeLM(seed=1), 8, 64, 64)
+    curve = 1 + 0.5 * np.arange(64)
+    fixed, drafts = {s: 1 for s in range(8)}, {0: np.array([0.6, 0.4])}
+    assert allot(target, curve, fixed, drafts, 64, uneven=weigh_layouts([1.0] * 6, [0.65] * 6)) == {0: 0}
+

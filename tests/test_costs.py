@@ -347,3 +347,19 @@ def test_generate_says_why_it_measures_over_an_unreadable_cache_and_nothing_over
     assert done.returncode == 0, done.stderr
     assert "measuring" not in done.stderr, done.stderr
     assert json.loads(done.stdout)["stats"]["cost_curve"]["source"] == "cache"
+
+
+def test_a_saved_size_cheaper_than_a_smaller_one_is_dropped(costs):
+    """The default target's cache held 8 rows at 2.9 single steps beside 4 rows at 3.2 (a shared
+    decode's time, refined against single steps that carried the graph's rebuild), and drafts in
+    company went in at a quarter of their cost. More rows never cost less: 8 rows' value is
+    dropped as distorted, the calibration stands there, and the other refined sizes stay."""
+    base = [0.00743, 0.01437, 0.01771, None, 0.02665, None, None, None, 0.03983]
+    refined = [None, 1.804, 2.246, 3.167, None, None, None, 2.884, None]
+    costs.mkdir(exist_ok=True)
+    path = store.path_for(KEY)
+    path.write_text(json.dumps({"format": 2, "key": KEY, "calibration": {"seconds": base}, "refined": refined}))
+    curve = CostCurve(key=KEY)
+    assert curve.load() and curve.state == "repaired" and "8: 2.9" in curve.problem
+    assert curve.calibrated_shape(8)[7] > 4.5 and curve.calibrated_shape(4)[3] == pytest.approx(3.167)
+    assert np.isnan(store.read_record(json.loads(path.read_text()))["refined"][7])

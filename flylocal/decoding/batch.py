@@ -36,8 +36,8 @@ PREFILL_SHARE = 3.0     # newcomers' prompt tokens in a round cost about this ma
 STALL_S = 0.25          # or this many seconds, if that is more
 LAYOUTS = 15            # shared decodes of each layout (one computation, several) kept to weigh `uneven`
 FRESH_LAYOUTS = 5       # of each, before the measured ratio replaces 1
-UNEVEN = (0.5, 3.0)     # the ratio believed: a decode of several computations may cost from half to thrice
-                        # what the curve says of them (beyond: a stall, or the curve is wrong)
+UNEVEN = (1.0, 3.0)     # the ratio believed: several computations cost at least what the curve says of
+                        # each, at most thrice (beyond: a stall, or the curve is wrong)
 
 
 @dataclass(eq=False)
@@ -56,6 +56,20 @@ class Member:
 def split_cost(cost: np.ndarray, sizes: list[int]) -> float:
     """Seconds of a decode run as computations of `sizes` rows, from `cost` [n] (cost[i]: i+1 rows)."""
     return float(sum(cost[min(s, len(cost)) - 1] for s in sizes if s > 0))
+
+
+def weigh_layouts(one: list[float], several: list[float]) -> float:
+    """`allot`'s `uneven` from the seconds of shared decodes over what the cost curve says of
+    them, `one` for decodes run as one computation and `several` for the others: the ratio of
+    their medians (the load cancels), within UNEVEN; 1 before FRESH_LAYOUTS of each.
+
+    Never below 1: a decode is at least the sum of its computations, and a ratio under 1 says
+    that the curve overprices the small ones (its single step, taken between large decodes,
+    carries the graph's rebuild), not that a second computation is cheap. Believed, it made a
+    draft row beside seven single rows look like a quarter of what it cost."""
+    if min(len(one), len(several)) < FRESH_LAYOUTS:
+        return 1.0
+    return float(np.clip(np.median(several) / np.median(one), *UNEVEN))
 
 
 def allot(target: Sequences, cost: np.ndarray, fixed: dict[int, int], drafts: dict[int, np.ndarray],
@@ -257,7 +271,6 @@ class Batch:
         self.decodes += 1
         self.rows += rows
         shared = len(parts) > 1
-        decided = []
         for (seq, tokens, first), out_logits in zip(parts, logits):
             m = self.members[seq]
             if first is None:                     # a chunk of a newcomer's prompt
@@ -272,13 +285,12 @@ class Batch:
                 self._fail(m, e, out)
                 continue
             out.append((m.gen, event))
-            decided.append(r)
             if m.req.stats.stop:
                 self._end(m)
+        # A shared decode is not a round of the cost curve (its rows are several sequences',
+        # timed without host work): it is weighed against the curve, for `uneven`.
         costs = self.target.costs
         sizes = self.target.split({s: len(t) for s, t, _ in parts})
-        if shared and not chunks and len(sizes) == 1:
-            costs.update(rows, seconds, emitted=sum(max(r.net, 0) for r in decided))
         if shared and costs.calibrated:
             said = split_cost(costs.cost(max(sizes)), sizes)
             kept = self._one if len(sizes) == 1 else self._several
@@ -287,11 +299,8 @@ class Batch:
 
     def uneven(self) -> float:
         """What a shared decode run as several computations costs over what the cost curve says
-        of them, relative to one run as a single computation (the load cancels): the medians of
-        the last LAYOUTS of each, within UNEVEN; 1 before FRESH of each."""
-        if min(len(self._one), len(self._several)) < FRESH_LAYOUTS:
-            return 1.0
-        return float(np.clip(np.median(self._several) / np.median(self._one), *UNEVEN))
+        of them, relative to one run as a single computation (`weigh_layouts`)."""
+        return weigh_layouts(self._one, self._several)
 
     def _plan(self, members: list[Member], out: list) -> tuple[list, dict[int, int]]:
         """This round's parts (seq, tokens, logits_from) and the prompt chunks among them (seq ->

@@ -13,8 +13,8 @@ in seconds as "seconds"; it is read and rewritten as format 2.
 Whatever a file holds, reading it is cheap and nothing absurd in it is used: a file over
 MAX_BYTES, not JSON, not a cost curve or another key's is not read; a size past MAX_ROWS or a
 time that is not a positive number makes it no curve; a calibration outside physics is reported
-(the curve is measured again), and what else is absurd (a refined shape, the row switch's cost,
-a field of the wrong type) is dropped."""
+(the curve is measured again), and what else is absurd (a refined shape, or a refined size
+cheaper than a smaller one, the row switch's cost, a field of the wrong type) is dropped."""
 
 from __future__ import annotations
 
@@ -205,12 +205,15 @@ def _check(data) -> dict | str:
         problems = []
         cost = interpolate(base, max(len(base), len(refined)))
         dropped = []
+        below = 0.0                  # the dearest refined size so far: more rows never cost less
         for i in np.flatnonzero(~np.isnan(refined)):
             n = i + 1
-            if n == 1 or not plausible(n, float(refined[i]), float(cost[i] / cost[0])):
+            if n == 1 or not plausible(n, float(refined[i]), float(cost[i] / cost[0])) or refined[i] < below:
                 if n > 1:
                     dropped.append(f"{n}: {refined[i]:.1f}")
                 refined[i] = np.nan
+            else:
+                below = float(refined[i])
         if dropped:
             problems.append("refined shape distorted (single steps at " + ", ".join(dropped)
                             + "), dropped; the calibration stands")
