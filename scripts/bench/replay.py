@@ -68,3 +68,10 @@ def table(rows, cost: np.ndarray, n_items: int, mode: str, sizes=(1, 2, 3, 5, 9,
     print("|" + " --- |" * (len(groups) + 2))
     for name, (per, overall) in rows:
         print(f"| {name} | " + " | ".join(f"{per[g]:.3f}" for g in groups) + f" | {overall:.3f} |")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description="What the replay benchmarks share: greedy answers, the cost curve, the "
+                            "table.", epilog="A module they import; run by itself it does nothing.").parse_args()
