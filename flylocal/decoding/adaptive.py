@@ -70,9 +70,6 @@ class DraftLength:
         """Whether `other`'s statistics are about the same choices (to be kept in its place)."""
         return isinstance(other, DraftLength) and other.hits.shape == self.hits.shape and other.curve is self.curve
 
-    def begin(self) -> None:
-        pass
-
     def row(self, level: int, streak: bool) -> int:
         """The statistics' row of a proposal at confidence `level`, `streak` when the round
         before accepted its whole draft: what `rates`, `reach`, `best`, `choose` and `update` take."""
@@ -197,9 +194,6 @@ class ModelDraftLength:
 
     def curves(self) -> tuple[CostCurve, ...]:
         return self.target_costs, self.draft_costs
-
-    def begin(self) -> None:
-        pass
 
     def step_s(self) -> float:
         """c: seconds per drafted token now. The draft's measured cost per token relative to

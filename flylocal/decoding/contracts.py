@@ -237,9 +237,8 @@ class Drafter(Protocol):
         scored; empty when nothing was proposed) and how many of them were committed."""
 
     def begin(self, budget: int | None = None) -> None:
-        """A new request, which may emit up to `budget` tokens: its first round follows no other."""
-        for controller in self.controllers():
-            controller.begin()
+        """A new request, which may emit up to `budget` tokens: its first round follows no other
+        (what is the request's own, such as a streak, starts again; controllers hold none)."""
 
     def report(self) -> dict | None:
         """What the drafter chose for the request that ended, for its stats (`draft_context`: what

@@ -47,7 +47,6 @@ class LengthControl(Drafter):
         self.drafter.observe(draft, accepted)
 
     def begin(self, budget: int | None = None) -> None:
-        self.length.begin()
         self.streak = False
         self.drafter.begin(budget)
 

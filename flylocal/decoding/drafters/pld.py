@@ -14,6 +14,9 @@ from flylocal.decoding.contracts import EMPTY, NO_DRAFT, Draft, Drafter
 from flylocal.decoding.drafters import stop_at_eog
 
 
+NO_ENDS = np.zeros(0, dtype=np.int64)
+
+
 def find_matches(tokens: np.ndarray, max_ngram: int) -> tuple[np.ndarray, int]:
     """(ends, n): every earlier occurrence of the longest suffix n-gram of `tokens` (n <=
     max_ngram) ends at an index in `ends`, ascending; (empty, 0) when even the last token never
@@ -37,9 +40,6 @@ def find_matches(tokens: np.ndarray, max_ngram: int) -> tuple[np.ndarray, int]:
             break
         ends, n = longer, n + 1
     return ends, n
-
-
-NO_ENDS = np.zeros(0, dtype=np.int64)
 
 
 def find_match(tokens: np.ndarray, max_ngram: int) -> tuple[int, int]:
