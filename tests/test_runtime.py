@@ -214,7 +214,7 @@ def test_interrupt_right_after_a_decode_leaves_a_consistent_cache(smol, monkeypa
     real = llama_cpp.llama_decode
 
     def interrupted(ctx, batch):
-        rc = real(ctx, batch)
+        real(ctx, batch)
         raise KeyboardInterrupt
 
     for keep in (len(ids) - 1, len(ids) - 6):

@@ -13,6 +13,8 @@ Per configuration and count: aggregate tokens/s (all completion tokens over the 
 time), each client's tokens/s (its tokens over its own time), p50/p95 time to first token; the
 ratio of each to the serial server's in the same repeat, as a median over repeats with a 95%
 bootstrap interval. `--copy` asks the summarization and RAG questions (the copy-heavy groups).
+`--solo` sends each serial wave's questions again, alone, client by client: the sum of every
+client's time over the longest client's is the most slots could gain over the one-slot server.
 
 Configurations: `serial` (flylocal --parallel 1), `slots` (flylocal --parallel C), `slots-plain`
 (the same without drafts), `slots-unified` (with --kv-unified; only when asked for) and, with
@@ -24,7 +26,7 @@ Configurations: `serial` (flylocal --parallel 1), `slots` (flylocal --parallel C
 A base model (the stand-in) answers raw completions, `Question: ...\nAnswer:` (`--raw`).
 
     .venv/bin/python scripts/bench/parallel.py [--target gemma-3-270m-f32 --raw] [--clients 1,2,4,8]
-        [--repeat 3] [--llama-server PATH] [--copy] [--json OUT]
+        [--repeat 3] [--llama-server PATH] [--copy] [--solo] [--json OUT]
 """
 
 from __future__ import annotations
@@ -100,6 +102,21 @@ def wave(url: str, clients: int, questions: list[str], offset: int, args, banned
             "ttft_p95": float(np.percentile(ttft, 95)), "tokens": sum(r["tokens"] for r in all_)}
 
 
+def solo_bound(url: str, clients: int, questions: list[str], offset: int, args, banned) -> float:
+    """The wave's questions sent alone, client by client: the sum of every client's time over
+    the longest client's, the most slots could gain on the one-slot server if company cost
+    nothing (a client's questions still go one after another)."""
+    times = []
+    for i in range(clients):
+        t = 0.0
+        for j in range(args.questions):
+            r = stream(url, questions[(offset + i * args.questions + j) % len(questions)], args.max_tokens, banned,
+                       args.raw)
+            t += r["end"] - r["start"]
+        times.append(t)
+    return sum(times) / max(times)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m-instruct")
@@ -118,6 +135,8 @@ def main() -> int:
     ap.add_argument("--configs", default=None,
                     help="comma-separated: serial, slots, slots-plain, slots-unified, llama-server, "
                          "llama-server-ngram")
+    ap.add_argument("--solo", action="store_true",
+                    help="after each serial wave, its questions alone, client by client: what slots could gain at most")
     ap.add_argument("--json", default=None, help="write every wave's figures here")
     args = ap.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
@@ -159,6 +178,8 @@ def main() -> int:
                     url = urls[config]
                     stream(url, BASE_FORM.format("Hello!") if args.raw else "Hello!", 8, banned, args.raw)  # warm-up
                     r = wave(url, clients, qs, repeat * clients * args.questions, args, banned)
+                    if args.solo and config == "serial" and clients > 1:
+                        r["bound"] = solo_bound(url, clients, qs, repeat * clients * args.questions, args, banned)
                 results.setdefault((config, clients), []).append(r)
                 print(f"C={clients} repeat {repeat + 1} {config}: {r['aggregate']:.1f} tok/s aggregate, "
                       f"{r['client']:.1f} per client, TTFT p50 {r['ttft_p50']:.2f} s p95 {r['ttft_p95']:.2f} s",
@@ -183,6 +204,12 @@ def main() -> int:
             print(f"| {clients} | {config} | {agg:.1f} | {ratio} | {statistics.median(r['client'] for r in rs):.1f} | "
                   f"{statistics.median(r['client_min'] for r in rs):.1f} | "
                   f"{statistics.median(r['ttft_p50'] for r in rs):.2f} | {statistics.median(r['ttft_p95'] for r in rs):.2f} |")
+    for clients in counts:
+        bounds = [r["bound"] for r in results.get(("serial", clients), []) if "bound" in r]
+        if bounds:
+            print(f"C={clients}: the waves' questions sent alone, client by client, to the one-slot server: "
+                  f"slots could run at most {', '.join(f'{b:.2f}' for b in bounds)}x it (every client's time "
+                  f"over the longest client's)")
     for clients in counts:                       # slots against plain slots and llama-server's better mode
         slots = results.get(("slots", clients))
         if not slots:

@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""What a shared decode costs by its shape, under both cache layouts.
+
+Sequences (4 by default) each hold a prompt of --prompt random tokens; then decodes of the
+given shapes run, bare (no verification), --repeat times each, the sequences rolled back after
+every one. A shape gives each sequence's rows: `1x4` is four sequences of one row, `9,9,1,1`
+two of nine beside two of one, `5` one sequence of five. With a cell stream per sequence (the
+default layout) llama.cpp runs an uneven decode as several computations of equal rows per
+sequence; with --kv-unified every decode is one computation. Printed: each shape's median
+milliseconds per layout and its ratio to one row of one sequence, in rounds that alternate the
+layouts.
+
+    .venv/bin/python scripts/bench/shapes.py [--target gemma-3-270m-f32] [--threads 2]
+        [--shapes 1,2,4,9,1x4,4x4,9,9,1,1;...] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+
+SHAPES = "1;2;4;9;1x4;2x4;4x4;5x4;9x4;5,1,1,1;9,9,1,1;9,1,1,1"
+
+
+def parse(shape: str) -> list[int]:
+    if "x" in shape:
+        rows, seqs = shape.split("x")
+        return [int(rows)] * int(seqs)
+    return [int(r) for r in shape.split(",")]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="gemma-3-270m-f32")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sequences", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=200, help="tokens each sequence holds")
+    ap.add_argument("--shapes", default=SHAPES, help="';'-separated shapes")
+    ap.add_argument("--repeat", type=int, default=15, help="decodes of each shape per round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds, each timing every layout in turn")
+    args = ap.parse_args()
+    from flylocal import models
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
+
+    path = str(models.resolve(args.target))
+    shapes = args.shapes.split(";")
+    if any(len(parse(s)) > args.sequences for s in shapes):
+        raise SystemExit(f"shapes.py: a shape has more sequences than --sequences {args.sequences}")
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(100, 5000, size=args.prompt).astype(np.int32)
+    runtimes = {}
+    for unified in (False, True):
+        rt = Runtime(path, RuntimeConfig(n_ctx=args.prompt + 256, n_seq=args.sequences, n_threads=args.threads,
+                                         kv_unified=unified))
+        for s in range(args.sequences):
+            for i in range(0, len(prompt), rt.n_batch):
+                rt.decode_batch([(s, prompt[i:i + rt.n_batch], None)])
+        runtimes["unified" if unified else "streams"] = rt
+    times: dict[tuple[str, str], list[float]] = {}
+    for _ in range(args.rounds):
+        for layout, rt in runtimes.items():
+            for shape in shapes:
+                for _ in range(args.repeat):
+                    parts = [(s, rng.integers(100, 5000, size=n).astype(np.int32), 0)
+                             for s, n in enumerate(parse(shape))]
+                    t0 = time.perf_counter()
+                    rt.decode_batch(parts)
+                    times.setdefault((layout, shape), []).append(time.perf_counter() - t0)
+                    for s, _, _ in parts:
+                        rt.sequence(s).truncate(len(prompt))
+    print(f"{args.target}, {args.threads} threads, {args.sequences} sequences of {args.prompt} cells: "
+          f"median ms (x one row of one sequence)")
+    print("| shape | rows | computations (streams) | streams | unified |")
+    print("|---|---|---|---|---|")
+    one = {layout: statistics.median(times[(layout, "1")]) if (layout, "1") in times else None for layout in runtimes}
+    for shape in shapes:
+        rows = parse(shape)
+        cells = []
+        for layout in runtimes:
+            ms = statistics.median(times[(layout, shape)]) * 1000
+            ratio = f" ({ms / 1000 / one[layout]:.2f})" if one[layout] else ""
+            cells.append(f"{ms:.1f}{ratio}")
+        split = runtimes["streams"].split(dict(enumerate(rows)))
+        print(f"| {shape} | {sum(rows)} | {len(split)} | {' | '.join(cells)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
