@@ -54,7 +54,8 @@ def main() -> int:
     prompt = rng.integers(100, 5000, size=args.prompt).astype(np.int32)
     runtimes = {}
     for unified in (False, True):
-        rt = Runtime(path, RuntimeConfig(n_ctx=args.prompt + 256, n_seq=args.sequences, n_threads=args.threads,
+        longest = max(max(parse(shape)) for shape in shapes)
+        rt = Runtime(path, RuntimeConfig(n_ctx=args.prompt + longest + 64, n_seq=args.sequences, n_threads=args.threads,
                                          kv_unified=unified))
         for s in range(args.sequences):
             for i in range(0, len(prompt), rt.n_batch):
