@@ -13,7 +13,9 @@ Per configuration and count: aggregate tokens/s (all completion tokens over the 
 time), each client's tokens/s (its tokens over its own time), p50/p95 time to first token; the
 ratio of each to the serial server's in the same repeat, as a median over repeats with a 95%
 bootstrap interval. `--copy` asks the summarization and RAG questions (the copy-heavy groups).
-`--solo` sends each serial wave's questions again, alone, client by client: the sum of every
+`--together` starts every configuration's server at once for a client count, so that the
+waves of a repeat follow each other without a server's start between them (the machine's
+speed drifts). `--solo` sends each serial wave's questions again, alone, client by client: the sum of every
 client's time over the longest client's is the most slots could gain over the one-slot server.
 
 Configurations: `serial` (flylocal --parallel 1), `slots` (flylocal --parallel C), `slots-plain`
@@ -26,7 +28,7 @@ Configurations: `serial` (flylocal --parallel 1), `slots` (flylocal --parallel C
 A base model (the stand-in) answers raw completions, `Question: ...\nAnswer:` (`--raw`).
 
     .venv/bin/python scripts/bench/parallel.py [--target gemma-3-270m-f32 --raw] [--clients 1,2,4,8]
-        [--repeat 3] [--llama-server PATH] [--copy] [--solo] [--json OUT]
+        [--repeat 3] [--llama-server PATH] [--copy] [--together] [--solo] [--json OUT]
 """
 
 from __future__ import annotations
@@ -135,6 +137,9 @@ def main() -> int:
     ap.add_argument("--configs", default=None,
                     help="comma-separated: serial, slots, slots-plain, slots-unified, llama-server, "
                          "llama-server-ngram")
+    ap.add_argument("--together", action="store_true",
+                    help="every configuration's server up at once for a client count, the waves taking turns "
+                         "(pairs them closer in time on a machine whose speed drifts)")
     ap.add_argument("--solo", action="store_true",
                     help="after each serial wave, its questions alone, client by client: what slots could gain at most")
     ap.add_argument("--json", default=None, help="write every wave's figures here")
@@ -170,20 +175,32 @@ def main() -> int:
                 "-c", str(args.ctx * clients), "--no-webui", *spec,
                 *(["-t", args.threads, "-tb", args.threads] if args.threads else [])]
 
+    def measure(url: str, config: str, clients: int, repeat: int) -> None:
+        r = wave(url, clients, qs, repeat * clients * args.questions, args, banned)
+        if args.solo and config == "serial" and clients > 1:
+            r["bound"] = solo_bound(url, clients, qs, repeat * clients * args.questions, args, banned)
+        results.setdefault((config, clients), []).append(r)
+        print(f"C={clients} repeat {repeat + 1} {config}: {r['aggregate']:.1f} tok/s aggregate, "
+              f"{r['client']:.1f} per client, TTFT p50 {r['ttft_p50']:.2f} s p95 {r['ttft_p95']:.2f} s",
+              file=sys.stderr, flush=True)
+
+    def warm(url: str) -> None:
+        stream(url, BASE_FORM.format("Hello!") if args.raw else "Hello!", 8, banned, args.raw)
+
     for clients in counts:
+        if args.together:
+            with servers({config: command(config, clients) for config in configs}) as urls:
+                for url in urls.values():
+                    warm(url)
+                for repeat in range(args.repeat):
+                    for config in configs[repeat % len(configs):] + configs[: repeat % len(configs)]:
+                        measure(urls[config], config, clients, repeat)
+            continue
         for repeat in range(args.repeat):
-            order = configs[repeat % len(configs):] + configs[: repeat % len(configs)]
-            for config in order:
+            for config in configs[repeat % len(configs):] + configs[: repeat % len(configs)]:
                 with servers({config: command(config, clients)}) as urls:
-                    url = urls[config]
-                    stream(url, BASE_FORM.format("Hello!") if args.raw else "Hello!", 8, banned, args.raw)  # warm-up
-                    r = wave(url, clients, qs, repeat * clients * args.questions, args, banned)
-                    if args.solo and config == "serial" and clients > 1:
-                        r["bound"] = solo_bound(url, clients, qs, repeat * clients * args.questions, args, banned)
-                results.setdefault((config, clients), []).append(r)
-                print(f"C={clients} repeat {repeat + 1} {config}: {r['aggregate']:.1f} tok/s aggregate, "
-                      f"{r['client']:.1f} per client, TTFT p50 {r['ttft_p50']:.2f} s p95 {r['ttft_p95']:.2f} s",
-                      file=sys.stderr, flush=True)
+                    warm(urls[config])
+                    measure(urls[config], config, clients, repeat)
     print(f"{args.target}, {args.method} (plain for slots-plain and llama-server, ngram-mod for llama-server-ngram), {args.max_tokens} tokens, "
           f"{args.questions} questions per client per wave{' (copy-heavy groups)' if args.copy else ''}, "
           f"clients {args.stagger:g} s apart, {args.repeat} repeats, {os.cpu_count()} cores; medians over "
