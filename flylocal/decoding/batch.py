@@ -290,8 +290,8 @@ class Batch:
         # A shared decode is not a round of the cost curve (its rows are several sequences',
         # timed without host work): it is weighed against the curve, for `uneven`.
         costs = self.target.costs
-        sizes = self.target.split({s: len(t) for s, t, _ in parts})
         if shared and costs.calibrated:
+            sizes = self.target.split({s: len(t) for s, t, _ in parts})
             said = split_cost(costs.cost(max(sizes)), sizes)
             kept = self._one if len(sizes) == 1 else self._several
             kept.append(seconds / said)

@@ -15,8 +15,9 @@ ratio of each to the serial server's in the same repeat, as a median over repeat
 bootstrap interval. `--copy` asks the summarization and RAG questions (the copy-heavy groups).
 `--together` starts every configuration's server at once for a client count, so that the
 waves of a repeat follow each other without a server's start between them (the machine's
-speed drifts). `--solo` sends each serial wave's questions again, alone, client by client: the sum of every
-client's time over the longest client's is the most slots could gain over the one-slot server.
+speed drifts). `--solo` sends each serial wave's questions again, alone, client by client: the
+sum of every client's time over the longest client's is the most slots could gain over the
+one-slot server.
 
 Configurations: `serial` (flylocal --parallel 1), `slots` (flylocal --parallel C), `slots-plain`
 (the same without drafts), `slots-unified` (with --kv-unified; only when asked for) and, with

@@ -15,14 +15,13 @@ import numpy as np
 
 import harness
 
-BASE_FORM = "Question: {}\nAnswer:"
-
 
 def answers(models, prompts_path: str, per_category: int, skip: int, raw: bool, path: str | None):
     """[(group, prompt + greedy answer token ids, prompt length)] for `per_category` prompts of
     each Spec-Bench group after its first `skip`, asked through the chat template or, `raw`, as
     'Question: ...\\nAnswer:' (a base model)."""
     from flylocal.decoding.engine import generate_all
+    from flylocal.front.bench.prompts import BASE_FORM
     from flylocal.loader import encode_prompt
 
     if path and os.path.exists(path):

@@ -11,7 +11,7 @@ milliseconds per layout and its ratio to one row of one sequence, in rounds that
 layouts.
 
     .venv/bin/python scripts/bench/shapes.py [--target gemma-3-270m-f32] [--threads 2]
-        [--shapes 1,2,4,9,1x4,4x4,9,9,1,1;...] [--rounds 3]
+        [--shapes "1;4;1x4;9,9,1,1"] [--sequences 4] [--prompt 200] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -48,7 +48,13 @@ def main() -> int:
 
     path = str(models.resolve(args.target))
     shapes = args.shapes.split(";")
-    if any(len(parse(s)) > args.sequences for s in shapes):
+    try:
+        parsed = [parse(s) for s in shapes]
+    except ValueError:
+        raise SystemExit(f"shapes.py: --shapes {args.shapes!r}: each shape is rows per sequence, as 5,1,1 or 2x4")
+    if any(not rows or min(rows) < 1 for rows in parsed):
+        raise SystemExit(f"shapes.py: --shapes {args.shapes!r}: every sequence in a shape decodes at least one row")
+    if any(len(rows) > args.sequences for rows in parsed):
         raise SystemExit(f"shapes.py: a shape has more sequences than --sequences {args.sequences}")
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, 5000, size=args.prompt).astype(np.int32)

@@ -32,10 +32,17 @@ def find_matches(tokens: np.ndarray, max_ngram: int) -> tuple[np.ndarray, int]:
     ends = np.flatnonzero(tokens[: n_tok - 1] == tokens[n_tok - 1])   # [c] ends of 1-gram matches
     if not ends.size:
         return NO_ENDS, 0
+    return lengthen(tokens, ends, tokens, max_ngram)
+
+
+def lengthen(source: np.ndarray, ends: np.ndarray, context: np.ndarray, max_ngram: int) -> tuple[np.ndarray, int]:
+    """(ends, n): of `ends` (ascending positions in `source` whose token is the context's last),
+    those that end the longest suffix n-gram of `context` found (n <= max_ngram). Each step keeps
+    the candidates whose preceding token also matches."""
     n = 1
-    while n < max_ngram:
+    while n < max_ngram and n < len(context):
         room = ends[ends >= n]
-        longer = room[tokens[room - n] == tokens[n_tok - 1 - n]]
+        longer = room[source[room - n] == context[-1 - n]]
         if not longer.size:
             break
         ends, n = longer, n + 1
@@ -97,13 +104,7 @@ class Corpus:
         ends = self.order[lo:hi]
         if not ends.size:
             return -1, 0
-        n = 1
-        while n < max_ngram and n < len(context):
-            room = ends[ends >= n]
-            longer = room[self.tokens[room - n] == context[-1 - n]]
-            if not longer.size:
-                break
-            ends, n = longer, n + 1
+        ends, n = lengthen(self.tokens, ends, context, max_ngram)
         return int(ends[-1]), n
 
 
