@@ -114,11 +114,18 @@ def check(settings: Settings, slots: int | None = None) -> None:
                           f"drafter {settings.drafter_name} needs a draft model: start the server with --draft")
     slots = slots or max(settings.parallel, 1)
     k, rows = settings.draft_length, settings.batch_size // slots
+    given = f"--batch-size {settings.batch_size}" if slots == 1 else \
+        f"--batch-size {settings.batch_size} shared by {slots} slots (--parallel) gives each {rows}"
+    api = f"the server's --batch-size is {rows}" if slots == 1 else \
+        f"the server's --batch-size of {settings.batch_size} shared by its {slots} slots gives each {rows}"
+    if settings.round_rows > max(k + 1, rows):
+        # Across rounds a window needs no long draft, but it is held to a slot's share as a
+        # draft is: what one round could verify whole.
+        w = settings.verifiers.fly.window
+        raise OptionError(f"--fly-window {w} spans {w + 1} rows, more than a round verifies; {given}: give "
+                          f"--fly-window at most {rows - 1}, or a larger --batch-size", "fly_window",
+                          f"fly_window {w} spans {w + 1} rows, more than a round verifies; {api}: at most {rows - 1}")
     if k + 1 > rows:
-        given = f"--batch-size {settings.batch_size}" if slots == 1 else \
-            f"--batch-size {settings.batch_size} shared by {slots} slots (--parallel) gives each {rows}"
-        api = f"the server's --batch-size is {rows}" if slots == 1 else \
-            f"the server's --batch-size of {settings.batch_size} shared by its {slots} slots gives each {rows}"
         if settings.k is None:            # the length FLy's window asks for, not one given
             w = settings.window
             raise OptionError(f"--fly-window {w} needs drafts of {k} tokens, {k + 1} rows per round; {given}: give "
@@ -236,7 +243,7 @@ def auto_slots(settings: Settings, target_path, config: RuntimeConfig) -> int:
     never cuts a draft verified whole: `check`)."""
     from flylocal.llama.context import sequences_that_fit
 
-    fit = max(settings.batch_size // (settings.draft_length + 1), 1)
+    fit = max(settings.batch_size // settings.round_rows, 1)
     return sequences_that_fit(target_path, config, min(AUTO_SLOTS, fit))
 
 

@@ -92,6 +92,14 @@ class Settings:
         return max(DEFAULT_K, self.window + 4) if self.window else DEFAULT_K
 
     @property
+    def round_rows(self) -> int:
+        """The rows a slot's share of a decode must hold: a draft verified whole (k + 1), and
+        FLy's window across rounds (W + 1), held to a round as a draft is (flylocal.loader.check)."""
+        fly = self.verifiers.fly
+        across = fly.window if self.verifier == "fly" and fly.use_window and fly.across else 0
+        return max(self.draft_length, across) + 1
+
+    @property
     def draft_p_min_value(self) -> float:
         if self.draft_p_min is not None:
             return self.draft_p_min

@@ -352,6 +352,79 @@ def test_a_fraction_has_at_most_16_digits_whatever_the_drafts_and_the_verifier()
     assert logits[0][11] == 0                               # in a string, another digit is still text
 
 
+def repeated_key(written: str) -> str | None:
+    """The first key written twice in one object of a JSON text (whole, or cut short), or None:
+    read here on its own, character by character."""
+    stack, in_string, escaped, key, expect = [], False, False, None, False
+    for c in written:
+        if in_string:
+            if c == '"' and not escaped:
+                in_string = False
+                if key is not None:
+                    if key in stack[-1]:
+                        return key
+                    stack[-1].add(key)
+                    key = None
+                continue
+            escaped = not escaped and c == "\\"
+            key = key + c if key is not None else None
+        elif c == '"':
+            in_string, escaped = True, False
+            key, expect = ("", False) if expect else (None, expect)
+        elif c in "{[":
+            stack.append(set() if c == "{" else None)
+            expect = c == "{"
+        elif c in "}]":
+            stack.pop()
+            expect = False
+        elif c == ",":
+            expect = stack[-1] is not None
+    return None
+
+
+@pytest.mark.parametrize("schema", [{"type": "object", "patternProperties": {"^a.*$": {"type": "integer"}}},
+                                    {"type": "object", "additionalProperties": {"type": "integer"}},
+                                    {"type": "object"}])
+@pytest.mark.parametrize("verifier", [Fly(FlyParams(window=1, entropy=0.0, use_window=False, candidates=False)),
+                                      Asd(AsdParams(gate=1e9, cap=32, budget=1e9))])
+def test_an_object_gets_no_key_twice_whatever_the_drafts_and_the_verifier(schema, verifier):
+    # llguidance keeps a named key to one, but not keys a pattern names or any key: a drafter
+    # that drafts '"a": 1, ' again and again, with a verifier that accepts anything, would write
+    # "a" until the token limit. The constraint ends the key before it closes as "a" again.
+    grammar = G.Grammar(VOCAB, G.json_schema(schema), "s")
+    assert accepts(grammar, '{"a": 1, "a": 1}')                    # the grammar alone would take it
+    assert repeated_key('{"a": 1, "b": {"a": [{"a": 2}]}, "a": 1}') == "a" and repeated_key('{"a": {"a": 1}}') is None
+    again = [6, 3, 7, 19, 6, 11, 5]                                 # ' ' '"' 'a' '":' ' ' '1' ','
+
+    class Repeats(Drafter):
+        name = "repeats"
+
+        def propose(self, context, k):
+            written = len(context) - len(PROMPT)
+            script = OPEN + [11, 5] + again * 8
+            return Draft(np.array(script[written:written + k], dtype=np.int32))
+
+    for seed in range(4):
+        lm = FakeLM(seed=seed, n_vocab=len(PIECES), eog=(EOS,), p_eog=0.0)
+        verifier.reset()
+        gen = Engine(FakeTarget(lm, n_ctx=128), Repeats(), verifier,
+                     EngineConfig(k=8, max_tokens=48, forced=False)).generate(PROMPT, grammar=grammar).run()
+        written = text(gen.tokens)
+        assert repeated_key(written) is None, written
+        assert written.startswith('{"a": 1, "') and gen.stats.drafted > 0, written
+    # Whatever the keys are written as: tokens that end a key within them ('", "' ends one and
+    # begins the next).
+    state = grammar.start()
+    state.commit(VOCAB.tokenize(b'{"ab": 1, "a'))
+    logits = np.zeros((1, VOCAB.n_vocab), dtype=np.float32)
+    state.restrict(logits, np.zeros(0, dtype=np.int32))
+    assert logits[0][19] == 0 and logits[0][3] == 0                # '":' and '"': "a" is new
+    state.commit([8])                                               # 'b': "ab" so far
+    logits[:] = 0
+    state.restrict(logits, np.zeros(0, dtype=np.int32))
+    assert logits[0][19] == -np.inf and logits[0][3] == -np.inf and logits[0][7] == 0   # "ab" again: no
+
+
 def test_an_object_that_names_its_keys_allows_no_others_unless_it_says_so():
     # Clients send pydantic's and zod's schemas without additionalProperties; as llama.cpp reads
     # them, the keys they name are all there is (docs/design.md, "Grammars").

@@ -61,7 +61,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ({"temperature": -1}, "temperature", ""), ({"top_p": 0}, "top_p", ""), ({"seed": -1}, "seed", ""),
     ({"verifier": "loose"}, "verifier", "loose"), ({"k": -1}, "k", ""), ({"asd_budget": "nan"}, "asd_budget", ""),
     ({"fly_entropy": -0.1}, "fly_entropy", ""), ({"max_tokens": 0}, "max_tokens", ""),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", ""), ({"frequency_penalty": 2.5}, "frequency_penalty", ""),
+    ({"stop": [f"s{i}" for i in range(65)]}, "stop", "65 stop strings; at most 64"), ({"frequency_penalty": 2.5}, "frequency_penalty", ""),
     ({"presence_penalty": -3}, "presence_penalty", ""), ({"temperature": True}, "temperature", ""),
     ({"max_tokens": "5"}, "max_tokens", ""), ({"logprobs": 3}, "logprobs", ""),
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "21"), ({"top_logprobs": 2}, None, "logprobs: true"),
@@ -395,14 +395,28 @@ def test_a_draft_verified_whole_must_fit_a_slots_share(slots, k, refused):
     assert e.value.status == 400 and e.value.param == "k" and f"at most {bound}" in e.value.message
 
 
-def test_a_wide_window_across_rounds_needs_no_long_draft():
-    """Across rounds (the default) a window wider than any draft still closes, in later rounds:
-    the request runs, with the usual draft length."""
+@pytest.mark.parametrize("slots,window,refused", [(1, 31, False), (1, 32, True), (4, 127, False), (4, 128, True),
+                                                  (4, 1000000000, True)])
+def test_a_window_across_rounds_is_held_to_a_slots_share_like_k(slots, window, refused):
+    """Across rounds (the default) a window needs no long draft (the request runs with the usual
+    draft length), but it is held to what a round of a slot verifies, as k is: W + 1 rows of
+    --batch-size / N, past which it is a 400 naming fly_window and its bound."""
     from flylocal.front.serve.app import Server
 
-    settings = request_settings(Settings(batch_size=32), parse(ChatRequest, body(fly_window=1000000000)))
-    Server.check_settings(one_slot(1), settings, None)
-    assert settings.verifiers.fly.window == 1000000000 and settings.draft_length == 8
+    batch = 32 if slots == 1 else 512
+    settings = request_settings(Settings(batch_size=batch), parse(ChatRequest, body(fly_window=window)))
+    assert settings.verifiers.fly.window == window and settings.draft_length == 8
+    if not refused:
+        Server.check_settings(one_slot(slots), settings, None)
+        return
+    with pytest.raises(ApiError) as e:
+        Server.check_settings(one_slot(slots), settings, None)
+    bound = batch // slots - 1
+    assert e.value.status == 400 and e.value.param == "fly_window" and e.value.message.endswith(f"at most {bound}")
+    # the same window under another verifier asks nothing of a round
+    for other in (body(fly_window=window, verifier="strict"), body(fly_window=window, verifier="asd")):
+        Server.check_settings(one_slot(slots), request_settings(Settings(batch_size=batch), parse(ChatRequest, other)),
+                              None)
 
 
 # ----- the Ollama dialect's fields and options -----
@@ -426,8 +440,15 @@ def ollama_request(raw: bytes, n_ctx: int = 1024):
     (b'{"options": {"temperature": "0.5"}}', "options.temperature"),
     (b'{"options": {"num_ctx": -5}}', "options.num_ctx: -5"),            # was accepted
     (b'{"options": {"num_ctx": 0}}', "options.num_ctx: 0"),
-    (b'{"options": {"num_ctx": 2048}}', "options.num_ctx: 2048; this server's context holds 1024"),
     (b'{"options": {"num_ctx": 512.5}}', "options.num_ctx: 512.5"),
+    (b'{"options": {"num_gpu": "all"}}', "options.num_gpu: \"all\" is not a whole number"),   # a hint, typed
+    (b'{"options": {"use_mmap": 1}}', "options.use_mmap: 1 is not true or false"),
+    (b'{"options": {"mirostat": 2}}', "options.mirostat: 2; flylocal does not offer it (only 0)"),
+    (b'{"options": {"mirostat": true}}', "options.mirostat: true"),
+    (b'{"options": {"typical_p": 0.5}}', "options.typical_p: 0.5"),
+    (b'{"options": {"tfs_z": 2}}', "options.tfs_z: 2"),
+    (b'{"options": {"mirostat_eta": "fast"}}', "options.mirostat_eta: \"fast\" is not a number"),
+    (b'{"options": {"temprature": 0}}', "options.temprature: no option of ollama's"),         # misspelt: named
     (b'{"options": {"num_predict": 1.5}}', "options.num_predict: 1.5"),
     (b'{"options": {"repeat_last_n": -2}}', "options.repeat_last_n: -2"),
     (b'{"keep_alive": {"a": 1}}', "keep_alive: {\"a\": 1}; a duration"),  # was "Input should be a valid string"

@@ -26,6 +26,8 @@ import weakref
 
 import numpy as np
 
+from flylocal.decoding.json_state import JsonState, JsonTables
+
 from flylocal.decoding.contracts import Vocabulary
 from flylocal.errors import FlylocalError, GrammarError
 
@@ -36,15 +38,12 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 # own schema converter bounds it): an unbounded integer lets a model write digits until the
 # token limit. The bound is written into the schema: strictly within ±10**16 (`bounded`).
 DIGITS = 16
-# A number's fraction has at most 16 digits too (as llama.cpp's converter bounds it). No JSON
-# schema can say so, so the constraint does, on a JSON output (`Digits`).
-FRACTION_DIGITS = 16
 # How deep a schema's objects and arrays may lie within each other: llguidance reads 124 levels
 # of JSON, and a tool's call and the bounds of numbers wrap a schema in a few more.
 MAX_DEPTH = 100
 
 _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # vocabulary owner -> LLTokenizer
-_digit_runs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # vocabulary owner -> (lead, after_dot)
+_json_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # vocabulary owner -> JsonTables
 
 
 def _llg():
@@ -88,7 +87,7 @@ def tokenizer(model: Vocabulary):
         found = llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=model.n_vocab,
                                 eos_token=[int(t) for t in np.flatnonzero(model.eog_mask)] or None)
         _tokenizers[model] = found
-        _digit_runs[model] = _runs(vocab.tokens)       # from the same bytes, read once
+        _json_tables[model] = JsonTables.of(vocab.tokens)       # from the same bytes, read once
     return found
 
 
@@ -251,23 +250,11 @@ def _line(message: str) -> str:
     return f"{head}: {detail}"
 
 
-def digit_runs(model: Vocabulary) -> tuple[np.ndarray, np.ndarray]:
-    """Per token of `model`'s vocabulary ([n_vocab] int32 each): how many ASCII digits its
-    bytes begin with, and how many follow a "." it begins with (0 where it begins otherwise).
-    Read with the vocabulary's tokenizer (`tokenizer`), once per model."""
+def json_tables(model: Vocabulary) -> JsonTables:
+    """What a JSON output's constraint reads of `model`'s vocabulary (JsonTables), read with
+    its tokenizer (`tokenizer`), once per model."""
     tokenizer(model)
-    return _digit_runs[model]
-
-
-def _runs(pieces: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-    lead = np.zeros(len(pieces), dtype=np.int32)
-    after_dot = np.zeros(len(pieces), dtype=np.int32)
-    for t, piece in enumerate(pieces):          # a control token's leading 0xff is no digit
-        if piece[:1].isdigit():
-            lead[t] = len(piece) - len(piece.lstrip(b"0123456789"))
-        elif piece[:1] == b"." and piece[1:2].isdigit():
-            after_dot[t] = len(piece) - 1 - len(piece[1:].lstrip(b"0123456789"))
-    return lead, after_dot
+    return _json_tables[model]
 
 
 def is_json(grammar: str) -> bool:
@@ -278,58 +265,6 @@ def is_json(grammar: str) -> bool:
     except (ValueError, AttributeError):
         return False
     return isinstance(grammars, list) and len(grammars) == 1 and "json_schema" in grammars[0]
-
-
-class Digits:
-    """Where a JSON text stands in its numbers, byte by byte: outside or inside a string, and
-    how many digits a number's fraction has so far (-1: not in a fraction; `integral`: in a
-    number's integral part)."""
-
-    __slots__ = ("in_string", "escaped", "integral", "fraction")
-
-    def __init__(self):
-        self.in_string = self.escaped = self.integral = False
-        self.fraction = -1
-
-    def copy(self) -> Digits:
-        out = Digits()
-        out.in_string, out.escaped, out.integral, out.fraction = self.in_string, self.escaped, self.integral, self.fraction
-        return out
-
-    def feed(self, data: bytes) -> None:
-        for c in data:
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif c == 0x5C:                         # backslash
-                    self.escaped = True
-                elif c == 0x22:
-                    self.in_string = False
-            elif 0x30 <= c <= 0x39:
-                if self.fraction >= 0:
-                    self.fraction += 1
-                else:
-                    self.integral = True
-            elif c == 0x2E and self.integral:           # "." after an integral part
-                self.integral, self.fraction = False, 0
-            else:
-                self.integral, self.fraction = c == 0x2D, -1     # "-" begins a number
-                self.in_string = c == 0x22
-
-    def refuses(self, token: int, lead: np.ndarray, after_dot: np.ndarray) -> bool:
-        """Whether `token` would give a fraction more than FRACTION_DIGITS digits here."""
-        if self.fraction >= 0:
-            return lead[token] > FRACTION_DIGITS - self.fraction
-        return self.integral and after_dot[token] > FRACTION_DIGITS
-
-    def refused(self, lead: np.ndarray, after_dot: np.ndarray) -> np.ndarray | None:
-        """[n_vocab] bool: the tokens that would give a fraction more than FRACTION_DIGITS
-        digits here (None: no token would)."""
-        if self.fraction >= 0:
-            return lead > FRACTION_DIGITS - self.fraction
-        if self.integral:
-            return after_dot > FRACTION_DIGITS
-        return None
 
 
 class Grammar:
@@ -344,8 +279,9 @@ class Grammar:
         if error:
             raise GrammarError(f"{name} cannot be used: {_line(messages[0])}")
         self.grammar = grammar
-        # A JSON output's fractions are bounded as it is written (FRACTION_DIGITS).
-        self.digits = digit_runs(model) if is_json(grammar) else None
+        # A JSON output's fractions are bounded, and its objects' keys kept one each, as it is
+        # written (JsonState).
+        self.tables = json_tables(model) if is_json(grammar) else None
 
     def start(self) -> Constraint:
         return Constraint(self)
@@ -364,7 +300,7 @@ class Constraint:
         self.n_vocab = grammar.n_vocab
         self._words = (grammar.tokenizer.vocab_size + 31) // 32
         self._executor = _executor()
-        self._digits = Digits() if grammar.digits is not None else None     # at the committed tokens
+        self._json = JsonState() if grammar.tables is not None else None     # at the committed tokens
 
     def _check(self, ahead=()) -> None:
         """GrammarError, saying where, once the matcher has failed: after the committed tokens
@@ -401,13 +337,14 @@ class Constraint:
     def allowed(self, draft: np.ndarray) -> int:
         """How many of the draft's first tokens the grammar allows in sequence."""
         n = int(self.matcher.validate_tokens(draft.tolist())) if len(draft) else 0
-        if self._digits is None or not n:
+        if self._json is None or not n:
             return n
-        state = self._digits.copy()
+        state = self._json.copy()
         for j, t in enumerate(draft[:n].tolist()):
-            if state.refuses(t, *self.grammar.digits):
+            piece = self.grammar.tokenizer.decode_bytes([t])
+            if state.refuses(t, self.grammar.tables, piece):
                 return j
-            state.feed(self.grammar.tokenizer.decode_bytes([t]))
+            state.feed(piece)
         return n
 
     def restrict(self, logits: np.ndarray, draft: np.ndarray) -> None:
@@ -421,13 +358,11 @@ class Constraint:
         else:
             self._llg.numpy.fill_next_token_bitmask(self.matcher, masks)
         self._check(draft)
-        state = self._digits.copy() if self._digits is not None else None
+        state = self._json.copy() if self._json is not None else None
         for j in range(rows):
             forbid(logits[j], masks[j])
             if state is not None:
-                refused = state.refused(*self.grammar.digits)
-                if refused is not None:
-                    logits[j][refused[:logits.shape[1]]] = -np.inf
+                state.forbid(logits[j], self.grammar.tables)
                 if j < len(draft):
                     state.feed(self.grammar.tokenizer.decode_bytes([int(draft[j])]))
 
@@ -438,9 +373,9 @@ class Constraint:
             return
         self.matcher.rollback(back)
         del self.tokens[n:]
-        if self._digits is not None:
-            self._digits = Digits()
-            self._digits.feed(self.grammar.tokenizer.decode_bytes(self.tokens))
+        if self._json is not None:
+            self._json = JsonState()
+            self._json.feed(self.grammar.tokenizer.decode_bytes(self.tokens))
         if self.matcher.is_error():          # past what llguidance keeps: replay from the start
             self.matcher = self._llg.LLMatcher(self.grammar.tokenizer, self.grammar.grammar, log_level=0)
             self.matcher.consume_tokens(self.tokens)
@@ -452,8 +387,8 @@ class Constraint:
             self._check(tokens)
             raise FlylocalError(f"{self.grammar.name} refused a committed token")  # pragma: no cover
         self.tokens += tokens
-        if self._digits is not None:
-            self._digits.feed(self.grammar.tokenizer.decode_bytes(tokens))
+        if self._json is not None:
+            self._json.feed(self.grammar.tokenizer.decode_bytes(tokens))
 
 
 def forbid(row: np.ndarray, words: np.ndarray) -> None:

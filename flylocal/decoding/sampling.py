@@ -23,9 +23,16 @@ from dataclasses import dataclass
 import numpy as np
 
 
+# A temperature below this is greedy decoding (docs/design.md, "Temperature > 0"). Two float32
+# logits of magnitude 1 or more that differ at all differ by at least 1.19e-7, so below 1e-10
+# the runner-up's weight is under e**-1190 of the top token's, which float64 holds as 0: the
+# sample is the argmax whatever the noise, and the division no longer overflows (1e-320 did).
+GREEDY_BELOW = 1e-10
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0      # 0: greedy
+    temperature: float = 0.0      # 0 (below GREEDY_BELOW): greedy
     top_k: int = 40               # 0: off
     top_p: float = 0.95           # 1: off
     min_p: float = 0.05           # 0: off
@@ -38,7 +45,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalizes(self) -> bool:

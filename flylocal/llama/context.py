@@ -37,7 +37,7 @@ from flylocal.llama import kernels
 from flylocal.llama.binding import KERNELS, interrupts_deferred, last_error, llama_cpp, logits_address
 from flylocal.llama.config import RuntimeConfig
 from flylocal.llama.devices import gpu_offload, system_info
-from flylocal.llama.model import Model, memory_problem
+from flylocal.llama.model import Model, footprint, memory_problem
 from flylocal.gguf_info import read_layout
 from flylocal.llama import placement
 from flylocal.host import MIN_WALL, CpuLoad, usable_cores
@@ -122,6 +122,8 @@ class Context:
         cparams.no_perf = True
         if not config.rpc:                  # the servers' memory is theirs to judge
             model.check_memory(flash, n_vocab, n_seq)
+        # (bytes held, of them on a GPU): the servers' part is theirs
+        self.footprint = footprint(model, config, flash, n_vocab, n_seq) if not config.rpc else (0, 0)
         with interrupts_deferred():
             self._ctx = llama_cpp.llama_init_from_model(model.handle, cparams)
         if not self._ctx:

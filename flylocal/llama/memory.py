@@ -56,6 +56,14 @@ def need(shape: Shape, n_ctx: int, n_batch: int, flash: bool) -> Need:
     return Need(kv=kv, compute=n_batch * shape.n_vocab * 4 + scores, model=shape.model_bytes)
 
 
+def held(shape: Shape, n_ctx: int, n_batch: int, flash: bool, gpu_share: float = 0.0, slots: int = 1) -> tuple[int, int]:
+    """(bytes a model and its context of `n_ctx` cells for each of `slots` sequences hold, the
+    part of them on a GPU where `gpu_share` of its layers are offloaded), counted as `check`
+    counts them."""
+    needed = need(shape, n_ctx * slots, n_batch, flash)
+    return needed.total, int((needed.kv + needed.model) * gpu_share)
+
+
 def largest_ctx(shape: Shape, n_batch: int, flash: bool, available: int, step: int = 256) -> int:
     """The largest context (a multiple of `step`) whose need fits in `available` bytes; 0 when
     none does."""
@@ -105,9 +113,8 @@ def check(shape: Shape, n_ctx: int, n_batch: int, flash: bool, name: str, availa
     not fit, or None when it does (or when nothing can be read). `gpu_share`: the share of
     layers offloaded to GPUs with `gpu_free` bytes free between them."""
     asked = f"--ctx {n_ctx}" + (f" for each of {slots} slots (--parallel)" if slots > 1 else "")
-    n_ctx *= slots
-    needed = need(shape, n_ctx, n_batch, flash)
-    on_gpu = int((needed.kv + needed.model) * gpu_share) if gpu_free is not None else 0
+    needed = need(shape, n_ctx * slots, n_batch, flash)
+    on_gpu = held(shape, n_ctx, n_batch, flash, gpu_share, slots)[1] if gpu_free is not None else 0
     here = needed.total - on_gpu
     available = available_bytes() if available is None else available
     if available is not None and here > HEADROOM * available:

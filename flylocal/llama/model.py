@@ -110,17 +110,29 @@ class Model:
         return memory_problem(self.shape(n_vocab), self.config, flash, self.name, slots)
 
 
-def memory_problem(shape: memory.Shape, config: RuntimeConfig, flash: bool, name: str, slots: int = 1) -> str | None:
-    """The one line saying why `slots` contexts of `config`'s --ctx cells do not fit for a
-    model of `shape`, with `config`'s layers offloaded, or None (flylocal.llama.memory)."""
-    share, free = 0.0, None
+def gpu_share(shape: memory.Shape, config: RuntimeConfig) -> tuple[float, int | None]:
+    """(the share of a model of `shape` that `config` offloads to this machine's GPUs, their free
+    bytes); (0, None) where nothing is offloaded."""
     if config.n_gpu_layers and gpu_offload():
         gpus = [d for d in local_devices() if d.name != "CPU"]
         if gpus:
-            share = min(config.n_gpu_layers, shape.n_layer) / max(shape.n_layer, 1)
-            free = sum(d.free for d in gpus)
+            return min(config.n_gpu_layers, shape.n_layer) / max(shape.n_layer, 1), sum(d.free for d in gpus)
+    return 0.0, None
+
+
+def memory_problem(shape: memory.Shape, config: RuntimeConfig, flash: bool, name: str, slots: int = 1) -> str | None:
+    """The one line saying why `slots` contexts of `config`'s --ctx cells do not fit for a
+    model of `shape`, with `config`'s layers offloaded, or None (flylocal.llama.memory)."""
+    share, free = gpu_share(shape, config)
     return memory.check(shape, config.n_ctx, config.n_batch, flash, name, gpu_share=share, gpu_free=free,
                         slots=slots)
+
+
+def footprint(model: Model, config: RuntimeConfig, flash: bool, n_vocab: int, slots: int = 1) -> tuple[int, int]:
+    """(bytes `model` holds with its context of `slots` sequences, the part of them on a GPU), as
+    the memory check counts them (flylocal.llama.memory.held): what /api/ps reports."""
+    shape = model.shape(n_vocab)
+    return memory.held(shape, config.n_ctx, config.n_batch, flash, gpu_share(shape, config)[0], slots)
 
 
 def quantize(src: Path, dst: Path, qtype: str, threads: int = 0) -> None:

@@ -49,6 +49,7 @@ class RemoteContext:
     `model` is this process's vocabulary-only load of it."""
 
     thread_control = None               # compute runs on the servers' own threads (rpc-server --threads)
+    footprint = (0, 0)                  # (bytes held here, on a GPU here): the model lives in its worker
 
     def __init__(self, model: Model, config: RuntimeConfig, n_vocab: int):
         self.model, self.name, self.path, self.config, self.n_vocab = model, model.name, model.path, config, n_vocab

@@ -58,6 +58,7 @@ class Runtime(Target, contracts.Vocabulary):
         self.vocab_type = vocab.vocab_type
         self.n_ctx, self.n_batch, self.devices = context.n_ctx, context.n_batch, context.devices
         self.n_seq = context.n_seq
+        self.footprint = context.footprint      # (bytes held, of them on a GPU)
         self.thread_control, self.calibration_threads = context.thread_control, context.calibration_threads
 
     # ----- the cache (the context's) -----

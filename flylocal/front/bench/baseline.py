@@ -43,7 +43,7 @@ class LlamaCppPythonBaseline:
         t0 = time.perf_counter()
         first = None
         pieces = []
-        if sampling is None or sampling.temperature <= 0:
+        if sampling is None or sampling.greedy:
             options = dict(temperature=0.0, top_k=1)
         else:
             options = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,

@@ -18,6 +18,8 @@ from flylocal.front.serve.events import Done, Event, Failed, OutToken, Text
 from flylocal.front.serve.worker import Job
 from flylocal.settings import Settings
 
+CUT = ("max_tokens", "context")         # why an answer ends before it is whole
+
 
 @dataclass
 class Whole:
@@ -37,8 +39,10 @@ class Answer:
 
     async def events(self) -> AsyncIterator[Event]:
         """Text events, then Done or Failed. An answer whose first text begins a tool call is
-        held back to its end: a call read from it goes out in Done, anything else (a call cut
-        short) as one Text."""
+        held back to its end: a call read from it goes out in Done; a call the token limit or
+        the context cut goes out as llama-server gives one (tools.cut_call: its name and the
+        arguments' text so far, the finish reason "length"), or as nothing where its name was
+        not whole yet; anything else (a stop string within it) as one Text."""
         held: list[Text] = []
         holding = None
         while True:
@@ -54,11 +58,15 @@ class Answer:
             if isinstance(event, Done) and holding:
                 text = "".join(h.text for h in held)
                 made = tuple(t for h in held for t in h.tokens)
-                call = tools.read_call(text) if event.reason == "eog" else None
-                if call is None:
-                    yield Text(text, made)
-                else:
+                if event.reason in CUT:
+                    call = tools.cut_call(text)
                     event = dataclasses.replace(event, call=call, call_tokens=made)
+                else:
+                    call = tools.read_call(text) if event.reason == "eog" else None
+                    if call is None:
+                        yield Text(text, made)
+                    else:
+                        event = dataclasses.replace(event, call=call, call_tokens=made)
             yield event
             return
 

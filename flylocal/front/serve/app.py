@@ -36,7 +36,8 @@ from flylocal.session import Session
 from flylocal.settings import OPTIONS, Settings
 
 MAX_BODY = 4 << 20          # bytes of a request body
-MAX_STOPS = 4
+MAX_STOPS = 64           # stop strings in one request (local servers take any number; a bound keeps a
+                         # request's cost per token bounded)
 
 
 class ApiError(Exception):
@@ -70,7 +71,9 @@ def checked_option(value, option: str):
 def checked_stops(value) -> list[str]:
     """Stop strings: one string, or a list of at most MAX_STOPS non-empty ones; ValueError."""
     stops = [value] if isinstance(value, str) else value if isinstance(value, list) else None
-    if stops is None or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+    if stops is not None and len(stops) > MAX_STOPS:
+        raise ValueError(f"{len(stops)} stop strings; at most {MAX_STOPS}")
+    if stops is None or not all(isinstance(s, str) and s for s in stops):
         raise ValueError(f"{json.dumps(value)[:80]}; a string, or a list of at most {MAX_STOPS} non-empty strings")
     return stops
 
@@ -229,6 +232,7 @@ class Server:
         self.metrics = Metrics()
         self.worker = Worker(load, self.metrics, max_queue, on_failure)
         self.log = log
+        self.hinted: set[str] = set()       # ollama's loading options a request gave, logged once each
 
     # ----- checks, in the order a request meets them -----
     def authorize(self, request: Request) -> None:

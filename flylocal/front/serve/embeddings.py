@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from flylocal.errors import FlylocalError
 from flylocal.front.serve.app import ApiError, Compute, Endpoint, Exchange, Server
-from flylocal.front.serve.ollama import IDLE, Ollama, checked_keep_alive
+from flylocal.front.serve.ollama import Ollama, checked_keep_alive, hinted, read_options
 
 MAX_INPUTS = 2048          # inputs in one request (OpenAI's own bound)
 
@@ -77,24 +77,13 @@ class OllamaEmbeddingsRequest(BaseModel):          # /api/embeddings, ollama's o
         return checked_keep_alive(v)
 
 
-def check_options(options: dict | None, n_ctx: int) -> int | None:
-    """Ollama's options on an embedding request: those unset or at do-nothing values, and num_ctx (at
-    most the embedding context: inputs are cut to it when truncating). The num_ctx asked for, if
-    any; ApiError 400 naming any other."""
-    num_ctx = None
-    for name, value in (options or {}).items():
-        if value is None:                    # an option left unset (LangChain sends them all)
-            continue
-        if name == "num_ctx":
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= n_ctx:
-                raise ApiError(400, f"options.num_ctx: {value!r}; between 1 and the embedding context's {n_ctx} "
-                                    "tokens (flylocal serve --ctx)", param="options")
-            num_ctx = value
-        elif name in IDLE and (IDLE[name] is None or value == IDLE[name]):
-            continue
-        else:
-            raise ApiError(400, f"options.{name}: flylocal does not take it on embeddings", param="options")
-    return num_ctx
+def check_options(server: Server, options: dict | None) -> int | None:
+    """Ollama's options on an embedding request, checked as a generation's are (a vector is
+    not sampled, so the sampling options change nothing here); the num_ctx wished for, if
+    any: inputs are cut to it, within the embedding context, when truncating."""
+    given = read_options(options, server.settings.ctx)
+    hinted(server, given.hints)
+    return given.num_ctx
 
 
 def vectors(server: Server, texts: list, truncate_to: int | None, param: str) -> Compute:
@@ -102,6 +91,14 @@ def vectors(server: Server, texts: list, truncate_to: int | None, param: str) ->
     them, the tokens they took and the seconds it ran; inputs longer than the context cut to
     `truncate_to` when given, refused (400 naming the input) otherwise. It runs a decode at a
     time between the generations' rounds, and stops when the client goes away."""
+    for i, t in enumerate(texts):
+        if isinstance(t, str):
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError as e:         # JSON's "\ud800": a lone surrogate no text holds
+                raise ApiError(400, f"{param}[{i}]: the text is not valid Unicode (a lone surrogate at character "
+                                    f"{e.start})", param=param) from None
+
     def work(session):
         e = session.models.embeddings(server.embedding_model)
         started = time.perf_counter()
@@ -168,11 +165,11 @@ class OllamaEmbed(Ollama):
 
     def job(self, x: Exchange) -> Compute:
         req, ctx = x.body, self.server.settings.ctx
-        num_ctx = check_options(req.options, ctx)
+        num_ctx = min(check_options(self.server, req.options) or ctx, ctx)
         texts = [req.input] if isinstance(req.input, str) else req.input
         if not texts or any(not t for t in texts):
             raise ApiError(400, "input: an input is empty", param="input")
-        return vectors(self.server, texts, (num_ctx or ctx) if req.truncate else None, "input")
+        return vectors(self.server, texts, num_ctx if req.truncate else None, "input")
 
     def whole(self, x: Exchange, result) -> dict:
         req, (out, n_tokens, seconds) = x.body, result
@@ -190,7 +187,7 @@ class OllamaEmbeddings(Ollama):
 
     def job(self, x: Exchange):
         req = x.body
-        num_ctx = check_options(req.options, self.server.settings.ctx)
+        num_ctx = check_options(self.server, req.options)
         if not req.prompt:
             return {"embedding": []}                # what ollama answers
         return vectors(self.server, [req.prompt], num_ctx, "prompt")

@@ -46,13 +46,21 @@ class Done:
     reason: str                    # "eog", "max_tokens", "context", "stop_string", "interrupted", ...
     stats: Stats
     n_tokens: int                  # output tokens
-    call: dict | None = None       # the tool call the answer was ({"name", "arguments"}), if it was one
+    # the tool call the answer was ({"name", "arguments"}), if it was one; cut short by the token
+    # limit, its arguments are their JSON text so far (flylocal.front.serve.tools.cut_call)
+    call: dict | None = None
     call_tokens: tuple[OutToken, ...] = ()    # the tokens of that call
 
     @property
+    def cut(self) -> bool:
+        """A call cut short: it has a name, and arguments that are not whole."""
+        return self.call is not None and isinstance(self.call["arguments"], str)
+
+    @property
     def finish(self) -> str:
-        """The finish reason: stop, length, or tool_calls."""
-        return "tool_calls" if self.call is not None else FINISH.get(self.reason, "stop")
+        """The finish reason: stop, length, or tool_calls (a call cut short is "length", as
+        llama-server reports it)."""
+        return "tool_calls" if self.call is not None and not self.cut else FINISH.get(self.reason, "stop")
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ import numpy as np
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from flylocal.front.serve import tools
 from flylocal.front.serve.answer import Whole, logprob_entries, stats_report
 from flylocal.front.serve.app import ApiError, Ask, Endpoint, Exchange, Server, check_fields, checked_option, checked_stops
 from flylocal.front.serve.events import Done, Text
@@ -41,11 +42,19 @@ VERSION = "0.6.0"              # the Ollama API this dialect follows
 SAMPLING_OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                     "seed": "seed", "repeat_penalty": "repeat_penalty", "presence_penalty": "presence_penalty",
                     "frequency_penalty": "frequency_penalty"}
-# options whose value here changes nothing
-IDLE = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0, "num_keep": None, "penalize_newline": None,
-        "use_mmap": None, "use_mlock": None, "numa": False, "low_vram": False, "f16_kv": True,
-        "vocab_only": False, "main_gpu": 0}
-AT_START = {"num_gpu": "--gpu-layers", "num_thread": "--threads", "num_batch": "--batch-size"}
+# Options that tune how a model is loaded or run (context, threads, batches, memory, devices):
+# flylocal sets them when the server starts, so a request's value is a hint that changes nothing
+# (the log says so once per option). The command line's option for it, where it has one.
+HINTS = {"num_ctx": "--ctx", "num_gpu": "--gpu-layers", "main_gpu": None, "num_thread": "--threads",
+         "num_batch": "--batch-size", "num_keep": None, "use_mmap": None, "use_mlock": None, "numa": None,
+         "low_vram": None, "f16_kv": None, "vocab_only": None, "logits_all": None, "num_gqa": None}
+# Options that change the text at any value but one, which is flylocal's: another is a 400.
+FIXED = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0, "rope_frequency_base": 0, "rope_frequency_scale": 0}
+# Options that change nothing here at any value: mirostat's rates (mirostat is 0), and
+# penalize_newline, which ollama itself no longer reads.
+IDLE = frozenset({"mirostat_eta", "mirostat_tau", "penalize_newline"})
+FLAGS = frozenset({"use_mmap", "use_mlock", "numa", "low_vram", "f16_kv", "vocab_only", "logits_all",
+                   "penalize_newline"})
 # keep_alive: a Go duration ("5m", "1h30m", "-1s"), or seconds (a number, or a string of one)
 DURATION = re.compile(r"[-+]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|μs|ms|s|m|h))+|[-+]?\d+")
 # How long /api/ps says a model stays loaded: for the server's life, which ollama reports (for
@@ -87,6 +96,82 @@ def sampling_option(name: str, value):
     return checked_option(value, option)
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Ollama's `options` as flylocal reads them (read_options)."""
+    params: dict                        # declared option -> value, for settings_from
+    stops: tuple[str, ...] = ()
+    hints: tuple[str, ...] = ()         # options given that change nothing here (HINTS)
+    num_ctx: int | None = None          # the context the client wished for
+
+
+def read_options(options: dict | None, n_ctx: int) -> Options:
+    """`options` checked as ollama's documentation types them: a sampling option by its
+    declaration, num_predict and repeat_last_n as counts, a hint (HINTS) or an idle option by
+    its type alone, a FIXED one at its value; ApiError 400 naming the first that is not, or
+    that ollama does not document. An option given as null is one left unset (LangChain
+    sends them all)."""
+    params: dict[str, Any] = {}
+    stops: list[str] = []
+    hints, num_ctx = [], None
+    for name, value in (options or {}).items():
+        if value is None:
+            continue
+        try:
+            if name in SAMPLING_OPTIONS:
+                params[SAMPLING_OPTIONS[name]] = sampling_option(name, value)
+            elif name == "num_predict":
+                value = whole(value)
+                if value < -2 or value == 0:
+                    raise ValueError(f"{value}; a positive count, or -1 (to the context's end)")
+                params["max_tokens"] = n_ctx if value < 0 else value
+            elif name == "stop":
+                stops = checked_stops(value)
+            elif name == "repeat_last_n":
+                value = whole(value)
+                if value < -1:
+                    raise ValueError(f"{value}; a count of tokens, -1 (the context) or 0 (no penalties)")
+                params["repeat_last_n"] = n_ctx if value == -1 else value
+            elif name in HINTS or name in IDLE:
+                if name in FLAGS:
+                    if not isinstance(value, bool):
+                        raise ValueError(f"{json.dumps(value)[:80]} is not true or false")
+                elif name in ("mirostat_eta", "mirostat_tau"):
+                    if isinstance(value, bool) or not isinstance(value, (int, float)):
+                        raise ValueError(f"{json.dumps(value)[:80]} is not a number")
+                else:
+                    value = whole(value)
+                    if name == "num_ctx":
+                        if value < 1:
+                            raise ValueError(f"{value}; a positive count of tokens")
+                        num_ctx = value
+                if name in HINTS:
+                    hints.append(name)
+            elif name in FIXED:
+                if isinstance(value, bool) or value != FIXED[name]:
+                    raise ValueError(f"{json.dumps(value)[:80]}; flylocal does not offer it (only {FIXED[name]!r})")
+            else:
+                raise ValueError("no option of ollama's that flylocal knows")
+        except (ValueError, OverflowError) as e:      # OverflowError: an integer no float holds
+            raise ApiError(400, f"options.{name}: {e}", param="options") from None
+    if params.get("repeat_last_n") == 0:    # ollama's repeat_last_n 0: the penalties look at no tokens
+        del params["repeat_last_n"]
+        params.update(repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+    return Options(params, tuple(stops), tuple(hints), num_ctx)
+
+
+def hinted(server: Server, hints: tuple[str, ...]) -> None:
+    """Log, once per option for the server's life, that a request's hint changes nothing."""
+    new = [name for name in hints if name not in server.hinted]
+    if not new:
+        return
+    server.hinted.update(new)
+    if server.log is not None:
+        flags = sorted({HINTS[n] for n in new if HINTS[n]})
+        server.log(f"options {', '.join(new)}: taken as hints, which change nothing here: flylocal sets how its models "
+                   "are loaded and run when it starts" + (f" ({', '.join(flags)})" if flags else ""))
+
+
 class Function(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     name: str
@@ -97,13 +182,19 @@ class Function(BaseModel):
 class ToolCall(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     function: Function
-    id: str | None = None               # OpenAI-shaped calls (LangChain sends them)
+    id: str | None = None               # OpenAI-shaped calls (LangChain, Open WebUI send them)
     type: Literal["function"] | None = None
+    index: int | None = None            # its place among the calls, where Open WebUI writes it
+
+    def turn(self) -> dict:
+        return {"function": self.function.model_dump(exclude_none=True)} | ({"id": self.id} if self.id else {})
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "user", "assistant", "tool"]
+    # "thinking": an earlier answer's reasoning, as Continue sends it back; these models have
+    # none to render, so it is left out of the conversation
+    role: Literal["system", "user", "assistant", "tool", "thinking"]
     content: str | None = None
     images: list | None = None
     tool_calls: list[ToolCall] | None = None
@@ -122,7 +213,7 @@ class Message(BaseModel):
         """The message as the session renders it."""
         out = {"role": self.role, "content": self.content or ""}
         if self.tool_calls:
-            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+            out["tool_calls"] = [c.turn() for c in self.tool_calls]
         if self.tool_name:
             out["name"] = self.tool_name
         if self.tool_call_id is not None:
@@ -196,49 +287,13 @@ class Generation(BaseModel):
             return None
         return json_output() if self.format == "json" else json_output(self.format, "format")
 
-    def settings(self, base: Settings, n_ctx: int) -> tuple[Settings, tuple[str, ...]]:
+    def settings(self, base: Settings, n_ctx: int) -> tuple[Settings, tuple[str, ...], tuple[str, ...]]:
         """The server's settings with the request's options applied (through the command line's
-        option table), and its stop strings."""
+        option table), its stop strings, and the hints among its options."""
         check_fields(self, {"verifier": "verifier", "drafter": "drafter"})
-        params: dict[str, Any] = {k: v for k, v in (("verifier", self.verifier), ("drafter", self.drafter))
-                                  if v is not None}
-        stops: list[str] = []
-        for name, value in (self.options or {}).items():
-            try:
-                if name in SAMPLING_OPTIONS:
-                    params[SAMPLING_OPTIONS[name]] = sampling_option(name, value)
-                elif name == "num_predict":
-                    value = whole(value)
-                    if value < -2 or value == 0:
-                        raise ValueError(f"{value}; a positive count, or -1 (to the context's end)")
-                    params["max_tokens"] = n_ctx if value < 0 else value
-                elif name == "stop":
-                    stops = checked_stops(value)
-                elif name == "num_ctx":
-                    # The context is made once, at start: a request that needs at most that much has it.
-                    value = whole(value)
-                    if value < 1:
-                        raise ValueError(f"{value}; a positive count of tokens")
-                    if value > n_ctx:
-                        raise ValueError(f"{value}; this server's context holds {n_ctx} tokens (flylocal serve --ctx)")
-                elif name == "repeat_last_n":
-                    value = whole(value)
-                    if value < -1:
-                        raise ValueError(f"{value}; a count of tokens, -1 (the context) or 0 (no penalties)")
-                    params["repeat_last_n"] = n_ctx if value == -1 else value
-                elif name in IDLE:
-                    if IDLE[name] is not None and value != IDLE[name]:
-                        raise ValueError(f"{value!r}; flylocal does not offer it (only {IDLE[name]!r})")
-                elif name in AT_START:
-                    raise ValueError(f"set when the server starts (flylocal serve {AT_START[name]})")
-                else:
-                    raise ValueError("flylocal does not support this option")
-            except (ValueError, OverflowError) as e:      # OverflowError: an integer no float holds
-                raise ApiError(400, f"options.{name}: {e}", param="options") from None
-        if params.get("repeat_last_n") == 0:    # ollama's repeat_last_n 0: the penalties look at no tokens
-            del params["repeat_last_n"]
-            params.update(repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
-        return settings_from(params, base), tuple(stops)
+        given = read_options(self.options, n_ctx)
+        params = {k: v for k, v in (("verifier", self.verifier), ("drafter", self.drafter)) if v is not None}
+        return settings_from(params | given.params, base), given.stops, given.hints
 
 
 class ChatRequest(Generation):
@@ -392,13 +447,19 @@ class Tags(Ollama):
 
 
 class Ps(Ollama):
+    """/api/ps: the served models, loaded for the server's life; the target's `size` is the
+    memory it holds with its draft (weights, KV cache, compute buffers: what the memory check
+    counts, flylocal.llama.memory), `size_vram` the part of it on a GPU."""
     name = "ollama_ps"
 
     def job(self, x: Exchange) -> dict:
         session = self.server.session()
         expires = (datetime.now(timezone.utc) + KEPT_LOADED).isoformat().replace("+00:00", "Z")
         target, *others = self.entries(session)
-        return {"models": [target | {"expires_at": expires, "size_vram": 0, "context_length": session.target.n_ctx,
+        held = [m.footprint for m in (session.models.target, session.models.draft) if m is not None]
+        size, vram = sum(h[0] for h in held), sum(h[1] for h in held)
+        return {"models": [target | {"expires_at": expires, "size": size, "size_vram": vram,
+                                     "context_length": session.target.n_ctx,
                                      "flylocal": target["flylocal"] | self.server.worker.state()}]
                 + [entry | {"expires_at": expires, "size_vram": 0} for entry in others]}
 
@@ -428,13 +489,42 @@ class Show(Ollama):
         if role == "target":
             template, n_ctx = session.target.chat_template() or "", session.target.n_ctx
             capabilities = ["completion", "tools"] + (["embedding"] if "embedding" in roles else [])
+            params = parameters(server.settings, n_ctx)
         else:
-            template, n_ctx, capabilities = "", None, ["embedding"]
-        return {"modelfile": "", "parameters": "", "template": template, "details": details(info),
+            template, n_ctx, capabilities = "", server.settings.ctx, ["embedding"]
+            params = {"num_ctx": n_ctx}
+        return {"modelfile": modelfile(path, template, params), "parameters": parameter_lines(params),
+                "template": template, "details": details(info),
                 "model_info": {"general.architecture": arch, "general.parameter_count": info.parameters,
                                f"{arch}.context_length": info.context_length or n_ctx},
                 "capabilities": capabilities, "modified_at": self.entry(name, path, role)["modified_at"],
                 "flylocal": {"role": role}}
+
+
+def parameters(settings: Settings, n_ctx: int) -> dict[str, Any]:
+    """What a request gets when its options say nothing, in ollama's names: the context each
+    request has (what Continue and Open WebUI read as the model's num_ctx), and the server's
+    sampling defaults."""
+    p = settings.sampling
+    out = {"num_ctx": n_ctx, "num_predict": settings.max_tokens, "temperature": p.temperature, "top_k": p.top_k,
+           "top_p": p.top_p, "min_p": p.min_p, "repeat_penalty": p.repeat_penalty, "repeat_last_n": p.repeat_last_n}
+    return out | ({"seed": p.seed} if p.seed is not None else {})
+
+
+def parameter_lines(params: dict[str, Any]) -> str:
+    """/api/show's `parameters`: a line a parameter, its name padded to 30 characters, as ollama
+    writes them (and its clients split them on white space)."""
+    return "\n".join(f"{name:<30} {json.dumps(value)}" for name, value in params.items())
+
+
+def modelfile(path, template: str, params: dict[str, Any]) -> str:
+    """/api/show's `modelfile`: what ollama would build the served model from."""
+    lines = ["# Modelfile of the model flylocal serves (flylocal renders prompts with the model's own chat "
+             "template, below)", f"FROM {path}"]
+    if template:
+        lines.append(f'TEMPLATE """{template}"""')
+    lines += [f"PARAMETER {name} {json.dumps(value)}" for name, value in params.items()]
+    return "\n".join(lines) + "\n"
 
 
 class Unmanaged(Ollama):
@@ -456,8 +546,9 @@ class Generate(Ollama):
         """The request, checked, as the worker's job; a load-only reply when it has no prompt
         (ollama's way to load a model, which is loaded already)."""
         req, session, server = x.body, x.session, self.server
-        run, stops = req.settings(server.settings, session.target.n_ctx)
+        run, stops, hints = req.settings(server.settings, session.target.n_ctx)
         server.check_settings(run, param="options")
+        hinted(server, hints)
         grammar = req.grammar()
         if self.chat:
             if req.messages is None:
@@ -466,7 +557,8 @@ class Generate(Ollama):
                 return self.load_only()
             if req.tools and grammar is not None:
                 raise ApiError(400, "format and tools: flylocal constrains an answer to one of them")
-            ask = server.chat_prompt(session, [m.turn() for m in req.messages], req.tools or [], "auto")
+            turns = [m.turn() for m in req.messages if m.role != "thinking"]
+            ask = server.chat_prompt(session, turns, req.tools or [], "auto")
             if ask.grammar is None:
                 ask = dataclasses.replace(ask, grammar=grammar)
         else:
@@ -495,15 +587,16 @@ class Generate(Ollama):
     def final(self, x: Exchange, done: Done, text: str = "", made: list[int] = (), tokens=()) -> dict:
         stats = done.stats
         last = self.piece(x, text, tokens) | {
-            "done": True, "done_reason": "stop" if done.call is not None else done.finish,
+            "done": True, "done_reason": "stop" if done.finish == "tool_calls" else done.finish,
             "total_duration": int((time.perf_counter() - x.started) * 1e9), "load_duration": 0,
             "prompt_eval_count": stats.prompt_evaluated, "prompt_eval_duration": int(stats.prefill_s * 1e9),
             "eval_count": done.n_tokens, "eval_duration": int(stats.decode_s * 1e9),
             "flylocal": stats_report(done, x.ask.settings)}
         if not self.chat:            # what a request sends back to continue from here
             last["context"] = x.ask.ids.tolist() + list(made)
-        if done.call is not None:
-            last["message"]["tool_calls"] = [{"function": {"name": done.call["name"],
+        if done.call is not None and not done.cut:      # a call cut short has no arguments object to give
+            last["message"]["tool_calls"] = [{"id": tools.call_id(),
+                                              "function": {"index": 0, "name": done.call["name"],
                                                            "arguments": done.call["arguments"]}}]
         return last
 

@@ -89,6 +89,14 @@ class Response(BaseModel):
     usage: Usage | None = None
     flylocal: dict[str, Any] | None = None    # a chunk's tokens: stream_kinds
 
+    @model_serializer(mode="wrap")
+    def extension_when_set(self, handler) -> dict:
+        """flylocal's field is left out where it says nothing (never a top-level null)."""
+        out = handler(self)
+        if out.get("flylocal") is None:
+            out.pop("flylocal", None)
+        return out
+
 
 def stream_kinds(tokens) -> dict:
     """flylocal's extension on a streamed chunk: how each token it completes came, one letter
@@ -128,7 +136,7 @@ def completion_logprobs(tokens, offset: int) -> tuple[dict, int]:
 def openai_call(call: dict) -> dict:
     """A call read from an answer in OpenAI's shape, with a fresh id."""
     return {"id": tools.call_id(), "type": "function",
-            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
+            "function": {"name": call["name"], "arguments": tools.call_arguments(call)}}
 
 
 def e_param(message: str, chat: bool) -> str:
@@ -235,8 +243,7 @@ class Generate(Endpoint):
         def chunk(choices: list, usage: Usage | None = None, tokens=()) -> str:
             body = Response(**head, object="chat.completion.chunk" if chat else "text_completion", choices=choices,
                             usage=usage, flylocal=stream_kinds(tokens) if tokens else None)
-            absent = {name for name in ("usage", "flylocal") if getattr(body, name) is None}
-            return "data: " + body.model_dump_json(exclude=absent or None) + "\n\n"
+            return "data: " + body.model_dump_json(exclude={"usage"} if usage is None else None) + "\n\n"
 
         def piece(text: str | None, finish: str | None, tokens=()):
             lp = self.logprobs(x, tokens, offset) if tokens else None

@@ -47,6 +47,7 @@ class ToolCall(BaseModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = None                  # a streamed call's place, which clients echo back
 
 
 class Message(BaseModel):
@@ -67,7 +68,7 @@ class Message(BaseModel):
         """The message as the session renders it."""
         out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
         if self.tool_calls:
-            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+            out["tool_calls"] = [c.model_dump(exclude={"index"}) for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from flylocal.errors import FlylocalError
 from flylocal.front.serve.answer import Whole, logprob_entries, stats_report
+from flylocal.front.serve import tools
 from flylocal.front.serve.app import ApiError, Ask, Endpoint, Exchange, Server
 from flylocal.front.serve.events import Done, Text
 from flylocal.front.serve.openai_requests import (CHECKED, EFFORTS, Own, checked_identifier, checked_metadata,
@@ -287,9 +288,11 @@ def message_item(item_id: str, text: str, status: str = "completed", logprobs: l
             if status != "in_progress" else []}
 
 
-def call_item(item_id: str, call: dict, status: str = "completed") -> dict:
+def call_item(item_id: str, call: dict) -> dict:
+    """A call's output item; one cut short by the token limit is "incomplete"."""
     return {"id": item_id, "type": "function_call", "call_id": "call_" + uuid.uuid4().hex[:24],
-            "name": call["name"], "arguments": json.dumps(call["arguments"]), "status": status}
+            "name": call["name"], "arguments": tools.call_arguments(call),
+            "status": "incomplete" if isinstance(call["arguments"], str) else "completed"}
 
 
 def output_turns(output: list[dict]) -> list[dict]:

@@ -27,6 +27,7 @@ resolve, with its numbers bounded as every JSON schema's are (grammar.bounded).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -205,6 +206,29 @@ def read_call(text: str) -> dict | None:
     except json.JSONDecodeError:
         return None
     return call if isinstance(call, dict) and "name" in call and isinstance(call.get("arguments"), dict) else None
+
+
+# How a call begins, up to its arguments: its name (a JSON string, whole) and what follows it.
+CALL_HEAD = re.compile(r'\s*(?:<tool_call>\s*)?\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(?:,\s*"arguments"\s*:\s*)?(.*)',
+                       re.S)
+
+
+def cut_call(text: str) -> dict | None:
+    """The call an answer cut short by its token limit had begun, as llama-server gives one:
+    {"name", "arguments": the arguments' JSON text so far (not whole)}, once the name is whole
+    (the grammar made it one of the functions'); None before that, when there is no call to
+    give, nor text: what was generated is half a JSON object, never an answer's content."""
+    head = CALL_HEAD.match(text)
+    if head is None:
+        return None
+    return {"name": json.loads(head.group(1)), "arguments": head.group(2).removesuffix(WRAP[1]).rstrip()}
+
+
+def call_arguments(call: dict) -> str:
+    """A call's arguments as JSON text: an object's, or for a call cut short (cut_call), the text
+    it had."""
+    arguments = call["arguments"]
+    return arguments if isinstance(arguments, str) else json.dumps(arguments)
 
 
 def call_id() -> str:
