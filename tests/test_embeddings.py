@@ -56,6 +56,39 @@ def test_an_input_embeds_the_same_whatever_shares_its_request(embedder):
     assert np.array_equal(e.embed([*first, e.tokenize("x " * 40)])[:2], e.embed([*first, e.tokenize("y " * 40)])[:2])
 
 
+def test_a_long_input_goes_in_pieces_that_give_the_vector_one_decode_gives(embedder):
+    """A causal model reads an input in pieces of the token budget each step is sent, so that a
+    server runs other work between two or stops there when the client leaves, however long
+    the input; in the exact build the pieces' vector is bit for bit one decode's. A job stopped
+    between two pieces leaves nothing behind: the next embedding is a fresh one's."""
+    from flylocal.llama.embedding import Embedder
+
+    rt, e = embedder
+    assert e.causal
+    whole = Embedder(rt.model, rt.vocab, CTX, threads=1, piece=CTX)
+    try:
+        ids = e.tokenize("The committee met on Tuesday to discuss the budget for the coming year. " * 20)[:CTX]
+        assert len(ids) == CTX
+        steps, sends = e.steps([ids]), 0
+        next(steps)
+        try:
+            while True:
+                steps.send(32)              # what a round's prompt chunk takes beside generations
+                sends += 1
+        except StopIteration as done:
+            pieces = done.value
+        assert sends == CTX // 32 - 1       # 8 pieces of 32, a step each: a yield between every two
+        one = whole.embed([ids])
+        assert np.array_equal(pieces, one)
+        stopped = e.steps([ids])
+        next(stopped)
+        stopped.send(32)
+        stopped.close()                     # the client left: no more pieces
+        assert np.array_equal(e.embed([ids]), one)
+    finally:
+        whole.close()
+
+
 def test_embeddings_leave_the_generation_context_as_it_was(embedder):
     rt, e = embedder
     ids = rt.tokenize("The capital of France is")
@@ -111,6 +144,14 @@ def test_openai_embeddings_refusals_name_the_field(server):
     with pytest.raises(BadRequestError) as e:
         client.embeddings.create(model=SMOL, input="hi", dimensions=8)
     assert "dimensions" in e.value.message
+    lone = httpx.post(server + "/v1/embeddings", headers={"Authorization": f"Bearer {KEY}",
+                                                          "Content-Type": "application/json"},
+                      content=b'{"input": ["fine", "a lone \\ud800 surrogate"]}')    # was a 500
+    assert lone.status_code == 400 and lone.json()["error"]["param"] == "input"
+    assert lone.json()["error"]["message"].startswith("input[1]: the text is not valid Unicode")
+    ollama = httpx.post(server + "/api/embed", headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+                        content=b'{"model": "%s", "input": "\\udc00"}' % SMOL.encode())
+    assert ollama.status_code == 400 and ollama.json()["error"].startswith("input[0]: the text is not valid Unicode")
     with pytest.raises(BadRequestError) as e:
         client.embeddings.create(model=SMOL, input=[[1, 2, 10 ** 9]])
     assert "vocabulary" in e.value.message

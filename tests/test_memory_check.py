@@ -53,6 +53,16 @@ def test_offloaded_layers_are_checked_against_the_gpu():
 
 
 @pytest.mark.slow
+def test_what_a_model_holds_follows_its_offloaded_layers():
+    """/api/ps's size and size_vram (flylocal.llama.memory.held): the whole need, of which the
+    offloaded share of the weights and cache is on the GPU, none on a CPU build."""
+    need = memory.need(SMOL, 4 * 1024, 512, True)
+    assert memory.held(SMOL, 1024, 512, True, slots=4) == (need.total, 0)
+    for share in (0.25, 0.5, 1.0):
+        total, vram = memory.held(SMOL, 1024, 512, True, share, slots=4)
+        assert total == need.total and vram == int((need.kv + need.model) * share) < total
+
+
 def test_generate_with_a_context_no_machine_holds_is_one_line():
     done = subprocess.run([sys.executable, "-m", "flylocal", "generate", "--ctx", str(1 << 26), "--max-tokens", "2",
                            "hi"], capture_output=True, text=True, timeout=300)

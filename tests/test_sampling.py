@@ -234,6 +234,28 @@ def test_strict_with_penalties_and_bias_is_plain_greedy_with_them_and_logprobs_a
         assert len(top) == 2 and top[0][1] >= top[1][1] and np.isclose(top[0][1], lp)   # greedy: itself first
 
 
+@pytest.mark.parametrize("temperature", [1e-320, 5e-324, 1e-300, 1e-40, 9.9e-11])
+def test_a_temperature_too_small_to_divide_by_is_greedy_decoding(temperature):
+    """Below GREEDY_BELOW (1e-10) a temperature is greedy: 1e-320 overflowed the division (logits
+    over it were inf, their differences NaN) and gave a fixed answer of its own, for every seed."""
+    from fake_backend import FakeLM, FakeTarget, NoisyOracle
+
+    from flylocal.decoding.sampling import GREEDY_BELOW
+
+    assert SamplingParams(temperature=temperature).greedy and not SamplingParams(temperature=GREEDY_BELOW).greedy
+    lm = FakeLM(seed=3, n_vocab=12, eog=(), p_eog=0.0)
+    prompt = np.array([1, 5, 2, 7], dtype=np.int32)
+
+    def run(sampling: SamplingParams) -> list[int]:
+        engine = Engine(FakeTarget(lm, n_ctx=128), NoisyOracle(lm, seed=1, p_corrupt=0.2, p_eog=0.0), Strict(),
+                        EngineConfig(max_tokens=30, k=4, sampling=sampling))
+        return engine.generate(prompt).run().tokens
+
+    greedy = run(SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0))
+    for seed in (1, 2, 3):
+        assert run(SamplingParams(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, seed=seed)) == greedy
+
+
 # ----- the same q as llama.cpp's own sampler chain -----
 
 def llama_cpp_chain(z: np.ndarray, history: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
