@@ -247,6 +247,12 @@ def test_open_webui_openai_path_tool_round_trip(server):
         {"id": "call_abc", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
         {"role": "tool", "tool_call_id": "call_abc", "content": "sunny"}])
     assert second["finish"] in ("stop", "length", "tool_calls") and (second["content"].strip() or second["calls"])
+    # the Ollama settings its users set travel along at the top level: hints, or a 400 naming one
+    settings = {"num_ctx": 8192, "num_gpu": 99, "use_mmap": True, "mirostat": 0, "keep_alive": "5m"}
+    tuned = post(server, "/v1/chat/completions", {"model": SMOL, "messages": [question], "max_tokens": 16, **settings})
+    assert tuned.status_code == 200 and tuned.json()["choices"][0]["message"]["content"], tuned.text
+    refused = post(server, "/v1/chat/completions", {"model": SMOL, "messages": [question], **settings, "mirostat": 2})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "mirostat"
 
 
 # ----- the clients themselves -----

@@ -419,6 +419,31 @@ def test_a_window_across_rounds_is_held_to_a_slots_share_like_k(slots, window, r
                               None)
 
 
+@pytest.mark.parametrize("fields,refused", [
+    ({"num_ctx": 8192, "num_gpu": 99, "num_thread": 4, "num_batch": 512, "num_keep": 24, "use_mmap": True,
+      "use_mlock": False, "mirostat": 0, "mirostat_eta": 0.1, "mirostat_tau": 5.0, "tfs_z": 1, "keep_alive": "5m",
+      "think": False}, None),
+    ({"mirostat": 2}, "mirostat: 2; flylocal does not offer it"),
+    ({"num_gpu": "all"}, "num_gpu: \"all\" is not a whole number"),
+    ({"keep_alive": "soon"}, "keep_alive: \"soon\"; a duration"),
+    ({"think": "high"}, "think: \"high\"; flylocal runs no thinking mode"),
+    ({"num_gqa": 8, "nmu_ctx": 8192}, "flylocal does not support the field 'nmu_ctx'"),
+])
+def test_ollama_settings_open_webui_passes_to_an_openai_server_change_nothing_or_are_named(fields, refused):
+    """Open WebUI's OpenAI path sends its users' advanced parameters at the top level, Ollama's
+    among them: each is read as the Ollama dialect reads it in `options`, the loading hints kept
+    to be logged once; one that would change the text is a 400 naming it."""
+    if refused is None:
+        req = parse(ChatRequest, body(**fields))
+        assert req.ollama_hints == ("num_ctx", "num_gpu", "num_thread", "num_batch", "num_keep", "use_mmap",
+                                    "use_mlock")
+        assert request_settings(Settings(), req) == request_settings(Settings(), parse(ChatRequest, body()))
+        return
+    with pytest.raises(ApiError) as e:
+        parse(ChatRequest, body(**fields))
+    assert e.value.status == 400 and e.value.message.startswith(refused), e.value.message
+
+
 # ----- the Ollama dialect's fields and options -----
 
 def ollama_request(raw: bytes, n_ctx: int = 1024):

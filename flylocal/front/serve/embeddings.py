@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from flylocal.errors import FlylocalError
 from flylocal.front.serve.app import ApiError, Compute, Endpoint, Exchange, Server
-from flylocal.front.serve.ollama import Ollama, checked_keep_alive, hinted, read_options
+from flylocal.front.serve.ollama import Ollama
+from flylocal.front.serve.ollama_options import checked_keep_alive, hinted, read_options
 
 MAX_INPUTS = 2048          # inputs in one request (OpenAI's own bound)
 

@@ -21,6 +21,7 @@ from flylocal.front.serve import tools
 from flylocal.front.serve.answer import Whole, logprob_entries, stats_report
 from flylocal.front.serve.app import ApiError, Ask, Endpoint, Exchange, Server
 from flylocal.front.serve.events import Done, Text
+from flylocal.front.serve.ollama_options import hinted
 from flylocal.front.serve.openai_requests import (CHECKED, ChatRequest, CompletionRequest, logprobs_wanted,
                                                   request_settings)
 from flylocal.settings import Settings
@@ -190,6 +191,7 @@ class Generate(Endpoint):
         req, session, server, chat = x.body, x.session, self.server, self.chat
         run_settings = request_settings(server.settings, req, session.target.n_vocab)
         server.check_settings(run_settings)
+        hinted(server, req.ollama_hints)
         try:
             if chat:
                 ask = server.chat_prompt(session, [m.turn() for m in req.messages], req.tools or [], req.tool_choice)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flylocal.front.serve.app import ApiError, check_fields, checked_stops, parse_request
+from flylocal.front.serve.ollama_options import FIXED, HINTS, IDLE, checked_keep_alive, read_options
 from flylocal.settings import Settings, settings_from
 
 # Request field -> the declared option whose type and range it must satisfy.
@@ -160,6 +161,11 @@ class Own(BaseModel):
     asd_budget: float | None = None
 
 
+# Ollama's names that Open WebUI passes along beside OpenAI's fields when its users set them
+# (its OpenAI path sends every advanced parameter at the top level): none changes the text here.
+OLLAMA_ONLY = frozenset(HINTS) | IDLE | frozenset(FIXED) | {"keep_alive", "think"}
+
+
 class Common(Own):
     """The fields both endpoints take. Anything else is refused (extra="forbid")."""
 
@@ -178,6 +184,26 @@ class Common(Own):
     service_tier: str | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None    # tags for stored completions: nothing is stored
+    ollama_hints: tuple[str, ...] = Field(default=(), exclude=True)    # (ollama_settings) to log once
+
+    @model_validator(mode="before")
+    @classmethod
+    def ollama_settings(cls, data):
+        """Ollama's settings Open WebUI passes along (num_ctx, num_gpu, mirostat, keep_alive,
+        think, ...), each checked as the Ollama dialect checks it (a hint changes nothing; a
+        value that would change the text and cannot be served is a 400 naming it), then set
+        aside: the loading hints among them are logged once."""
+        if not isinstance(data, dict) or not OLLAMA_ONLY & data.keys():
+            return data
+        given = {name: value for name, value in data.items() if name in OLLAMA_ONLY}
+        try:
+            checked_keep_alive(given.pop("keep_alive", None))
+        except ValueError as e:
+            raise ApiError(400, f"keep_alive: {e}", param="keep_alive") from None
+        if given.pop("think", None) not in (None, False):
+            raise ApiError(400, f"think: {json.dumps(data['think'])[:80]}; flylocal runs no thinking mode", param="think")
+        hints = read_options(given, 0, where=None).hints
+        return {k: v for k, v in data.items() if k not in OLLAMA_ONLY} | {"ollama_hints": hints}
 
     @field_validator("metadata")
     @classmethod
