@@ -89,6 +89,34 @@ def test_a_long_input_goes_in_pieces_that_give_the_vector_one_decode_gives(embed
         whole.close()
 
 
+def test_an_input_read_whole_stops_within_its_decode_once_cancelled(embedder):
+    """A model that looks both ways (an encoder) reads an input whole, one decode however long;
+    llama.cpp asks the job's cancel flag between the graph's nodes, so a client that leaves
+    stops it within that decode, and the embedder serves the next job as a fresh one. SmolLM2
+    read as an encoder is read (`whole`) stands in for one: none is to be had offline."""
+    import threading
+
+    from flylocal.errors import FlylocalError
+    from flylocal.llama.embedding import Embedder
+
+    rt, e = embedder
+    encoder = Embedder(rt.model, rt.vocab, CTX, threads=1, whole=True)
+    try:
+        assert not encoder.causal and encoder.piece == CTX
+        ids = e.tokenize("The committee met on Tuesday to discuss the budget for the coming year. " * 20)[:CTX]
+        vector = encoder.embed([ids])
+        assert float(vector[0] @ e.embed([ids])[0]) > 0.9999        # llama.cpp's pooling, the same mean
+        cancel = threading.Event()
+        cancel.set()
+        steps = encoder.steps([ids], cancel)
+        next(steps)
+        with pytest.raises(FlylocalError, match="cancelled"):
+            steps.send(None)
+        assert np.array_equal(encoder.embed([ids]), vector)
+    finally:
+        encoder.close()
+
+
 def test_embeddings_leave_the_generation_context_as_it_was(embedder):
     rt, e = embedder
     ids = rt.tokenize("The capital of France is")

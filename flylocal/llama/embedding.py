@@ -13,12 +13,14 @@ a decode on the cache the earlier ones left: a position's hidden state depends o
 positions before it, so the pieces give the states one decode would, and the mean is taken
 here. Between two pieces a server runs other work, or stops when the client has left, however
 long the input. A model whose attention looks both ways (an encoder, such as BERT) needs an
-input whole, in one decode, pooled by llama.cpp; such models' contexts are short (512 tokens).
+input whole, in one decode, pooled by llama.cpp, which asks the job's cancel flag between the
+graph's nodes, so that it stops there when the client has left.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import numpy as np
 
@@ -45,14 +47,15 @@ class Embedder:
     at most `n_ctx` tokens. `owned`: the model is the embedder's own, freed with it."""
 
     def __init__(self, model: Model, vocab: Vocabulary, n_ctx: int, threads: int, owned: bool = False,
-                 piece: int = PIECE):
+                 piece: int = PIECE, whole: bool = False):
         self.model, self.vocab, self.owned = model, vocab, owned
         self.name = model.name
         self.n_vocab = vocab.n_vocab
         n_ctx = max(16, min(n_ctx, model.n_ctx_train or n_ctx))
         arch = model.meta("general.architecture") or ""
-        # llama.cpp's converters write attention.causal false for models that look both ways
-        self.causal = model.meta(f"{arch}.attention.causal") != "false"
+        # llama.cpp's converters write attention.causal false for models that look both ways;
+        # `whole` reads any model's inputs whole, as an encoder's are read
+        self.causal = not whole and model.meta(f"{arch}.attention.causal") != "false"
         # a causal model's pieces; otherwise an input is one ubatch, which pooling sees whole
         self.piece = max(1, min(piece, n_ctx)) if self.causal else n_ctx
         cparams = llama_cpp.llama_context_default_params()
@@ -72,6 +75,13 @@ class Embedder:
                 model.free()
             raise ModelError(f"cannot create an embedding context for {model.path}: {last_error()}")
         self._mem = llama_cpp.llama_get_memory(self._ctx)
+        # An encoder's input is one decode, however long: the running job's cancel flag is read
+        # within it (llama.cpp asks between the graph's nodes), so that a client that leaves stops
+        # it there. A causal model's pieces stop between two instead, at no cost in the decode.
+        self._cancel: threading.Event | None = None
+        if not self.causal:
+            self._abort = llama_cpp.ggml_abort_callback(lambda _: self._cancel is not None and self._cancel.is_set())
+            llama_cpp.llama_set_abort_callback(self._ctx, self._abort, None)
         self.n_ctx = min(n_ctx, llama_cpp.llama_n_ctx(self._ctx))
         self.n_embd = int(llama_cpp.llama_model_n_embd(model.handle))
         n = self.piece
@@ -118,16 +128,26 @@ class Embedder:
         except StopIteration as done:
             return done.value
 
-    def steps(self, inputs: list[np.ndarray]):
+    def steps(self, inputs: list[np.ndarray], cancel: threading.Event | None = None):
         """`embed` as a generator of decodes, for a server to run other work between two, or to
         stop there: a causal model's input a piece at a time, of at most the token budget sent
-        to the step (None: PIECE), an encoder's input whole. It returns the vectors. Primed
-        with next() (nothing is decoded), then driven by send()."""
+        to the step (None: PIECE), an encoder's input whole, stopped within its decode once
+        `cancel` is set. It returns the vectors. Primed with next() (nothing is decoded), then
+        driven by send()."""
         self.check(inputs)
         if self._ctx is None:
             raise FlylocalError(f"{self.name} was already closed")
         out = np.empty((len(inputs), self.n_embd), dtype=np.float32)
         budget = yield
+        self._cancel = cancel
+        try:
+            yield from self._vectors(inputs, out, budget)
+        finally:
+            self._cancel = None
+        return out
+
+    def _vectors(self, inputs: list[np.ndarray], out: np.ndarray, budget: int | None):
+        """steps' decodes, each input's unit vector into its row of `out` ([len(inputs), n_embd])."""
         for j, ids in enumerate(inputs):
             if self.causal:
                 total = np.zeros(self.n_embd, dtype=np.float64)    # [n_embd] the states summed
@@ -150,7 +170,6 @@ class Embedder:
             out[j] = vector / norm if norm > 0 else vector
             if j + 1 < len(inputs):
                 budget = yield
-        return out
 
     def _decode(self, ids: np.ndarray, start: int) -> np.ndarray | None:
         """Decode `ids` at positions from `start` (a new input's first piece on a cleared
@@ -166,6 +185,8 @@ class Embedder:
             if start == 0:
                 llama_cpp.llama_memory_clear(self._mem, True)
             rc = llama_cpp.llama_decode(self._ctx, self._batch)
+        if rc == 2 and self._cancel is not None and self._cancel.is_set():
+            raise FlylocalError("the request was cancelled")
         if rc != 0:
             raise FlylocalError(f"llama_decode failed on {self.name} (embeddings): error {rc}")
         if not self.causal:

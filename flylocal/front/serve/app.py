@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
@@ -139,8 +140,11 @@ class Ask:
 @dataclass(frozen=True)
 class Compute:
     """A job that is not a generation: `work(session)`, a generator of steps run on the worker
-    thread between the generations' rounds (flylocal.front.serve.worker.Call)."""
+    thread between the generations' rounds (flylocal.front.serve.worker.Call). `cancel` is set
+    when its client goes away: the worker stops it before its next step, and work that runs
+    long within one step reads it too."""
     work: Callable
+    cancel: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -323,7 +327,7 @@ class Server:
                 self.check_model(endpoint, x)
             job = endpoint.job(x)
             if isinstance(job, Compute):
-                out = reply(endpoint.whole(x, await self.compute(job.work, request)))
+                out = reply(endpoint.whole(x, await self.compute(job, request)))
             elif not isinstance(job, Ask):
                 out = reply(job)
             else:
@@ -421,11 +425,12 @@ class Server:
             raise ApiError(e.status, e.message, type_="server_error", code=e.code, headers=e.headers) from None
         return Answer(job, queue, ask.calls)
 
-    async def compute(self, work: Callable[[Session], Any], request: Request) -> Any:
-        """Run `work(session)`, a generator of steps (flylocal.front.serve.worker.Call), on the
+    async def compute(self, job: Compute, request: Request) -> Any:
+        """Run `job.work(session)`, a generator of steps (flylocal.front.serve.worker.Call), on the
         worker thread between the generations' rounds, and return what it returns (ApiError 503
         when the queue is full; an ApiError it raises passes through; another failure is a
-        500). A client that goes away meanwhile stops it before its next step."""
+        500). A client that goes away meanwhile sets `job.cancel`: the work stops before its
+        next step."""
         loop = asyncio.get_running_loop()
         result: asyncio.Future = loop.create_future()
 
@@ -438,7 +443,7 @@ class Server:
             except RuntimeError:         # the loop is gone (shutdown)
                 pass
 
-        call = Call(work, emit)
+        call = Call(job.work, emit, job.cancel)
         try:
             self.worker.submit(call)
         except Refused as e:

@@ -11,6 +11,7 @@ default, cuts it instead).
 from __future__ import annotations
 
 import base64
+import threading
 import time
 from typing import Any, Literal
 
@@ -100,6 +101,8 @@ def vectors(server: Server, texts: list, truncate_to: int | None, param: str) ->
                 raise ApiError(400, f"{param}[{i}]: the text is not valid Unicode (a lone surrogate at character "
                                     f"{e.start})", param=param) from None
 
+    cancel = threading.Event()
+
     def work(session):
         e = session.models.embeddings(server.embedding_model)
         started = time.perf_counter()
@@ -115,14 +118,14 @@ def vectors(server: Server, texts: list, truncate_to: int | None, param: str) ->
                 ids = ids[:min(truncate_to, e.n_ctx)]
             inputs.append(ids.astype(np.int32))
         try:
-            out = yield from e.steps(inputs)
+            out = yield from e.steps(inputs, cancel)
         except FlylocalError as err:
             index = getattr(err, "index", None)
             raise ApiError(400, f"{param}: {err}" if index is None else f"{param}[{index}]: {err}",
                            param=param, code="context_length_exceeded" if index is not None else None) from None
         return out, sum(len(i) for i in inputs), time.perf_counter() - started
 
-    return Compute(work)
+    return Compute(work, cancel)
 
 
 def checked_dimensions(dimensions: int | None, out: np.ndarray) -> None:
