@@ -52,7 +52,6 @@ def test_offloaded_layers_are_checked_against_the_gpu():
     assert problem and "GPU memory" in problem and "--gpu-layers" in problem
 
 
-@pytest.mark.slow
 def test_what_a_model_holds_follows_its_offloaded_layers():
     """/api/ps's size and size_vram (flylocal.llama.memory.held): the whole need, of which the
     offloaded share of the weights and cache is on the GPU, none on a CPU build."""
@@ -63,6 +62,7 @@ def test_what_a_model_holds_follows_its_offloaded_layers():
         assert total == need.total and vram == int((need.kv + need.model) * share) < total
 
 
+@pytest.mark.slow
 def test_generate_with_a_context_no_machine_holds_is_one_line():
     done = subprocess.run([sys.executable, "-m", "flylocal", "generate", "--ctx", str(1 << 26), "--max-tokens", "2",
                            "hi"], capture_output=True, text=True, timeout=300)

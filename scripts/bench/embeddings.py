@@ -1,14 +1,16 @@
 """Embeddings through the server (docs/benchmarks.md, "Embeddings"): inputs per second of
 /v1/embeddings on held-out Spec-Bench questions and on short sentences, one input a request
-against batches of them, and whether a generation's speed changes once embeddings have run
-beside it.
+against batches of them, whether a generation's speed changes once embeddings have run
+beside it, and how long a one-word embedding waits after a client left a long input (about
+3,000 tokens) 3 s into it.
 
     .venv/bin/python scripts/bench/embeddings.py [--target NAME] [--per-category 4] [--repeat 3]
         [--batches 1,8,32] [--threads 2]
 
 Prints inputs/s and tokens/s (median of `repeat` passes over each set) for each batch size,
-and a chat completion's tokens/s before and after the embeddings (the same request, strict,
-greedy; median and range of 5).
+a chat completion's tokens/s before and after the embeddings (the same request, strict,
+greedy; median and range of 5), and the one-word embedding's wait (median and range of
+`repeat`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     texts = questions(args.per_category)
     batches = [int(b) for b in args.batches.split(",")]
-    command = flylocal_serve("--target", args.target, "--threads", args.threads, "--ctx", "2048")
+    command = flylocal_serve("--target", args.target, "--threads", args.threads, "--ctx", "4096")
     with servers({"flylocal": command}) as urls:
         url = urls["flylocal"]
         chat = {"messages": [{"role": "user", "content": texts[0]}], "max_tokens": 64, "temperature": 0,
@@ -62,6 +64,21 @@ def main() -> None:
         after = [speed() for _ in range(5)]
         print(f"chat completion, strict, 64 tokens: {median(before):.1f} tok/s before the embeddings "
               f"({min(before):.1f}-{max(before):.1f}), {median(after):.1f} after ({min(after):.1f}-{max(after):.1f})")
+        waits = [abandoned(url) for _ in range(args.repeat)]
+        print(f"a one-word embedding after a client left a long input 3 s into it: {median(waits):.2f} s "
+              f"({min(waits):.2f}-{max(waits):.2f})")
+
+
+def abandoned(url: str) -> float:
+    """Seconds a one-word embedding takes once a client has left a long input 3 s into it."""
+    long = " ".join(["the cat sat on the mat and looked at the dog"] * 273)     # about 3,000 tokens
+    try:
+        httpx.post(url + "/v1/embeddings", json={"input": long}, timeout=3).raise_for_status()
+    except httpx.ReadTimeout:
+        pass
+    t0 = time.perf_counter()
+    httpx.post(url + "/v1/embeddings", json={"input": "hello"}, timeout=300).raise_for_status()
+    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":
