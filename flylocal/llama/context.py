@@ -57,6 +57,16 @@ def flash_attn_type(mode: str, remote: bool = False) -> int:
     return llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
 
 
+def held(model: Model, config: RuntimeConfig, flash: bool, n_vocab: int, n_seq: int) -> tuple[int, int]:
+    """What a context of `n_seq` sequences for `model` will hold, checked first: refused in one
+    line where this machine has no memory for it (Model.check_memory); (bytes held, of them on a
+    GPU). A model on rpc servers is theirs to judge, and holds nothing here."""
+    if config.rpc:
+        return 0, 0
+    model.check_memory(flash, n_vocab, n_seq)
+    return footprint(model, config, flash, n_vocab, n_seq)
+
+
 def sequences_that_fit(path, config: RuntimeConfig, most: int) -> int:
     """`--parallel auto`, as the loader resolves it (flylocal.loader): the most sequences of
     `config.n_ctx` cells each, up to `most`, that this machine has memory for (Model.check_memory's
@@ -120,10 +130,7 @@ class Context:
         # never needs a position the window already evicted (Gemma 3).
         cparams.swa_full = True
         cparams.no_perf = True
-        if not config.rpc:                  # the servers' memory is theirs to judge
-            model.check_memory(flash, n_vocab, n_seq)
-        # (bytes held, of them on a GPU): the servers' part is theirs
-        self.footprint = footprint(model, config, flash, n_vocab, n_seq) if not config.rpc else (0, 0)
+        self.footprint = held(model, config, flash, n_vocab, n_seq)    # (bytes held, of them on a GPU)
         with interrupts_deferred():
             self._ctx = llama_cpp.llama_init_from_model(model.handle, cparams)
         if not self._ctx:
