@@ -79,6 +79,21 @@ def test_which_answers_are_calls(text, call):
     assert tools.read_call(text) == call
 
 
+@pytest.mark.parametrize("text,cut", [
+    ('{"na', None),                                                 # no name yet: nothing to give
+    ('{"name": "final_an', None),
+    ('{"name": "final_answer"', {"name": "final_answer", "arguments": ""}),
+    ('{"name": "final_answer", "argum', {"name": "final_answer", "arguments": ""}),
+    ('{"name": "final_answer", "arguments": {"', {"name": "final_answer", "arguments": '{"'}),
+    ('<tool_call>\n{"name": "a\\"b", "arguments": {"x": [1', {"name": 'a"b', "arguments": '{"x": [1'}),
+    ('{"name": "f", "arguments": {"x": 1}}', {"name": "f", "arguments": {"x": 1}}),   # whole as it stands
+])
+def test_a_call_cut_by_the_token_limit_is_its_name_and_the_arguments_so_far(text, cut):
+    """As llama-server gives a call the token limit cut: its name once whole, its arguments as
+    the text written so far; never the half object as text."""
+    assert tools.cut_call(text) == cut
+
+
 class Bytes:
     """A vocabulary of the 256 bytes and an end of generation: what a Grammar reads of a model."""
 

@@ -208,20 +208,26 @@ def read_call(text: str) -> dict | None:
     return call if isinstance(call, dict) and "name" in call and isinstance(call.get("arguments"), dict) else None
 
 
-# How a call begins, up to its arguments: its name (a JSON string, whole) and what follows it.
-CALL_HEAD = re.compile(r'\s*(?:<tool_call>\s*)?\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(?:,\s*"arguments"\s*:\s*)?(.*)',
-                       re.S)
+# How a call begins: its name (a JSON string, whole), then its arguments' key.
+CALL_NAME = re.compile(r'\s*(?:<tool_call>\s*)?\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+ARGUMENTS = re.compile(r'\s*,\s*"arguments"\s*:\s*(.*)', re.S)
 
 
 def cut_call(text: str) -> dict | None:
     """The call an answer cut short by its token limit had begun, as llama-server gives one:
-    {"name", "arguments": the arguments' JSON text so far (not whole)}, once the name is whole
-    (the grammar made it one of the functions'); None before that, when there is no call to
-    give, nor text: what was generated is half a JSON object, never an answer's content."""
-    head = CALL_HEAD.match(text)
-    if head is None:
+    {"name", "arguments": the arguments' JSON text so far (not whole; "" before they begin)},
+    once the name is whole (the grammar made it one of the functions'); a call that happens to
+    be whole as it stands, as read_call reads it; None before the name is whole: then there is
+    no call to give, nor text, since what was written is half a JSON object, never an answer's
+    content."""
+    whole = read_call(text)
+    if whole is not None:
+        return whole
+    name = CALL_NAME.match(text)
+    if name is None:
         return None
-    return {"name": json.loads(head.group(1)), "arguments": head.group(2).removesuffix(WRAP[1]).rstrip()}
+    arguments = ARGUMENTS.match(text, name.end())
+    return {"name": json.loads(name.group(1)), "arguments": arguments.group(1).rstrip() if arguments else ""}
 
 
 def call_arguments(call: dict) -> str:
