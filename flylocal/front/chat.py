@@ -136,7 +136,6 @@ def chat(system, color, json_schema_file, json_object, grammar_file, **opts):
                 if chat_command(session, line):
                     return
                 continue
-            stream = TextStream(models.target)
             try:
                 turn = session.send(line)
             except KeyboardInterrupt:        # while the conversation was being tokenized
@@ -145,24 +144,30 @@ def chat(system, color, json_schema_file, json_object, grammar_file, **opts):
             except FlylocalError as e:
                 note(f"error: {e}")
                 continue
-            try:
-                for event in turn:
-                    for token, kind in zip(event.tokens, event.kinds):
-                        text = stream.feed([token])
-                        if text:
-                            out.write(f"{COLORS[kind]}{text}{RESET}" if colored and COLORS[kind] else text)
-                    out.flush()
-            except KeyboardInterrupt:
-                pass
-            except FlylocalError as e:
-                note(f"error: {e}")
-            finally:
-                turn.close()     # before the models can be freed: the turn's last step uses them
-            out.write("\n")
-            out.flush()
+            show(turn, TextStream(models.target), out, colored)
             click.echo(turn_line(turn.stats, session.settings.verifier), err=True)
     finally:
         models.close()
+
+
+def show(turn, stream, out, colored: bool) -> None:
+    """Stream a turn's answer to `out` as it is committed, each token coloured by how it came;
+    Ctrl-C stops it and keeps what was shown, an error is one line."""
+    try:
+        for event in turn:
+            for token, kind in zip(event.tokens, event.kinds):
+                text = stream.feed([token])
+                if text:
+                    out.write(f"{COLORS[kind]}{text}{RESET}" if colored and COLORS[kind] else text)
+            out.flush()
+    except KeyboardInterrupt:
+        pass
+    except FlylocalError as e:
+        note(f"error: {e}")
+    finally:
+        turn.close()     # before the models can be freed: the turn's last step uses them
+    out.write("\n")
+    out.flush()
 
 
 def chat_command(session, line: str) -> bool:
