@@ -253,7 +253,8 @@ def runtime_config(settings: Settings, rpc: tuple[str, ...] = (), tensor_split: 
     n_gpu_layers (loader.gpu_layers); `n_seq`: its sequences (--parallel, resolved)."""
     return RuntimeConfig(n_ctx=settings.ctx, n_batch=settings.batch_size, n_threads=settings.threads,
                          n_gpu_layers=gpu_layers, n_seq=n_seq, kv_unified=settings.kv_unified,
-                         flash_attn=settings.flash_attn, rpc=rpc, tensor_split=tensor_split,
+                         flash_attn=settings.flash_attn, type_k=settings.cache_type_k,
+                         type_v=settings.cache_type_v, rpc=rpc, tensor_split=tensor_split,
                          rpc_timeout=settings.rpc_timeout, rpc_output=settings.rpc_output)
 
 

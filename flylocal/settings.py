@@ -35,6 +35,7 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 STANDIN_TARGET = "gemma-3-270m-f32"
 STANDIN_DRAFT = "gemma-3-270m-q2_k"
 DEFAULT_K = 8
+CACHE_TYPE_NAMES = ("f16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "bf16", "f32")   # flylocal.llama.memory.CELL_BYTES
 DEFAULT_P_MIN = 0.5     # a draft model's token it gives less than this ends its draft (adaptive runs)
 
 
@@ -56,6 +57,8 @@ class Settings:
     threads: int | None = None        # None: auto (follow the free cores); 0: every core; N: N threads
     batch_size: int = 512
     flash_attn: str = "auto"
+    cache_type_k: str = "f16"         # the KV cache's cell types (llama.cpp's names)
+    cache_type_v: str = "f16"
     gpu_layers: int | None = None     # None: auto (what fits, flylocal.llama.placement); -1: all; 0: none
     pld_ngram: int = 4
     pld_tokens: int | None = None
@@ -140,6 +143,23 @@ class Slots(click.ParamType):
 
 
 MAX_SLOTS = 64
+
+
+class Mebibytes(click.ParamType):
+    """`auto` (None) or a size in MiB (0: none)."""
+
+    name = "auto|MIB"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == "auto":
+            return None
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is neither auto nor a size in MiB.", param, ctx)
+        if n < 0:
+            self.fail(f"{n} is below 0.", param, ctx)
+        return n
 
 
 class Threads(click.ParamType):
@@ -330,6 +350,12 @@ OPTIONS = {o.name: o for o in [
     Option("flash_attn", ("--flash-attn",),
            "llama.cpp flash attention. auto: off in the exact build (its CPU kernel is not batch-invariant), "
            "llama.cpp's choice otherwise (on, on a CPU).", type=click.Choice(["auto", "on", "off"])),
+    Option("cache_type_k", ("--cache-type-k",),
+           "The KV cache's type for keys: f16, or a quantized type (q8_0, q4_0, ...) that holds a context in "
+           "less memory at some cost in fidelity.", type=click.Choice(CACHE_TYPE_NAMES)),
+    Option("cache_type_v", ("--cache-type-v",),
+           "The KV cache's type for values, as --cache-type-k; a quantized one needs flash attention (not in "
+           "exact mode).", type=click.Choice(CACHE_TYPE_NAMES)),
     Option("threads", ("--threads",),
            "CPU threads per model. auto starts on every core and follows how fast decoding runs now: on a busy "
            "desktop fewer threads decode faster, since one descheduled thread stalls the others. N (at most the "
@@ -408,7 +434,7 @@ REQUEST_FIELDS = {o.name: o for o in [
 MODEL = ("target", "draft", "draft_vocab", "target_rpc", "draft_rpc", "tensor_split", "rpc_output", "rpc_timeout")
 METHOD = ("drafter", "verifier")
 DRAFTING = ("k", "draft_p_min", "lookup_corpus", "pld_ngram", "pld_tokens", "max_tokens")
-LLAMA = ("ctx", "batch_size", "gpu_layers", "flash_attn", "threads", "exact", "recalibrate")
+LLAMA = ("ctx", "batch_size", "gpu_layers", "flash_attn", "cache_type_k", "cache_type_v", "threads", "exact", "recalibrate")
 VERIFIER_PARAMS = ("fly_window", "fly_entropy", "fly_topk", "fly_no_window", "fly_within_round", "fly_any_token", "asd_gate", "asd_cap",
                    "asd_budget")
 SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty",

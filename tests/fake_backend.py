@@ -288,6 +288,8 @@ class FakeSequences:
         self.decodes = 0
         self.parts: list[list[tuple[int, int]]] = []
         self.faulty: set[int] = set()
+        self.restores = 0                  # states put back (`restore`)
+        self.corrupt_restores = False      # every restore fails, as a damaged state's would
 
     def sequence(self, seq: int) -> FakeTarget:
         return self.seqs[seq]
@@ -297,6 +299,30 @@ class FakeSequences:
 
     def split(self, rows: dict[int, int]) -> list[int]:
         return equal_split(rows)
+
+    def state(self, seq: int) -> bytes:
+        """A sequence's cells as bytes: its tokens and each cell's prefix hash."""
+        target = self.seqs[seq]
+        n = target.n_past
+        return target._tokens[:n].tobytes() + np.array(target._hash[:n], dtype=np.uint64).tobytes()
+
+    def restore(self, seq: int, tokens, data: bytes) -> bool:
+        target, tokens = self.seqs[seq], np.asarray(tokens, dtype=np.int32)
+        n = len(tokens)
+        target.n_past = 0
+        if not 0 < n <= self.n_ctx or len(data) != 12 * n or self.corrupt_restores:
+            return False
+        held = np.frombuffer(data[: 4 * n], dtype=np.int32)
+        if not np.array_equal(held, tokens):
+            return False
+        target._tokens[:n] = held
+        target._hash[:n] = np.frombuffer(data[4 * n:], dtype=np.uint64).tolist()
+        target.n_past = n
+        self.restores += 1
+        return True
+
+    def state_key(self) -> dict:
+        return {"fake_lm": self.lm.seed, "n_ctx": self.n_ctx}
 
     def decode_batch(self, parts):
         seqs = [s for s, _, _ in parts]

@@ -111,7 +111,9 @@ def test_real_clients_sent_together_get_the_serial_servers_answers(two_servers):
     health = httpx.get(slots + "/health").json()
     assert health == {"status": "ready", "slots": 4, "slots_busy": 0, "queued": 0}
     ps = httpx.get(slots + "/api/ps").json()["models"][0]["flylocal"]
+    cache = ps.pop("prompt_cache")
     assert ps == {"role": "target", "slots": 4, "slots_busy": 0, "queued": 0}
+    assert cache["limit_bytes"] > 0 and cache["bytes"] <= cache["limit_bytes"]
 
 
 def test_busy_slots_show_in_health_and_a_full_queue_still_refuses():

@@ -27,9 +27,9 @@ import numpy as np
 
 from flylocal.decoding.contracts import Sequences, reusable_prefix
 from flylocal.decoding.engine import Engine, Generation, Request, RoundEvent
+from flylocal.decoding.prompt_cache import REUSE_MIN, PromptCache
 from flylocal.decoding.round import Round
 
-REUSE_MIN = 32          # a cached prefix worth taking a higher sequence for
 CHUNK_MIN = 128         # the fewest prompt tokens a round carries for newcomers beside others' rows: below
                         # about 128 a prompt token costs a quarter to a third more (measured, 2 cores)
 PREFILL_SHARE = 3.0     # newcomers' prompt tokens in a round cost about this many times the others' rows,
@@ -150,9 +150,13 @@ def allot(target: Sequences, cost: np.ndarray, fixed: dict[int, int], drafts: di
 class Batch:
     """The members decoding together on `target`'s sequences; `round()` advances every one of them."""
 
-    def __init__(self, target: Sequences, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, target: Sequences, clock: Callable[[], float] = time.perf_counter,
+                 cache: PromptCache | None = None):
+        """`cache`: where slots' cells are kept when they take another prompt, and restored
+        from (flylocal.decoding.prompt_cache); None: a slot keeps only what it holds."""
         self.target = target
         self.clock = clock
+        self.cache = cache
         self.members: dict[int, Member] = {}        # by sequence
         self.decodes = 0
         self.rows = 0                               # rows decoded, over every decode
@@ -167,10 +171,13 @@ class Batch:
 
     def place(self, prompt: np.ndarray) -> int | None:
         """The free sequence for a prompt: the one whose cache keeps most of it, else the lowest
-        (decodes of neighbouring sequences run together: `Sequences.split`); None when all are taken."""
+        (decodes of neighbouring sequences run together: `Sequences.split`); with a prompt cache,
+        its choice (`PromptCache.seat`). None when all are taken."""
         free = self.free()
         if not free:
             return None
+        if self.cache is not None:
+            return self.cache.seat(free, prompt)
         prompt = np.asarray(prompt, dtype=np.int32)
         kept = {s: reusable_prefix(self.target.cached(s), prompt) for s in free}
         return max(free, key=lambda s: (kept[s] if kept[s] >= REUSE_MIN else 0, -s))

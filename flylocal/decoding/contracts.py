@@ -164,6 +164,21 @@ class Sequences(Protocol):
         what it costs is the sum of the cost curve at each."""
         ...
 
+    def state(self, seq: int) -> bytes:
+        """Sequence `seq`'s cells as bytes: what `restore` puts back (the prompt cache,
+        flylocal.decoding.prompt_cache)."""
+        ...
+
+    def restore(self, seq: int, tokens: np.ndarray, data: bytes) -> bool:
+        """Replace sequence `seq`'s cells with `data` (`state`), which holds `tokens`: True when
+        it took; False, the sequence then empty, when `data` is not a state it can load."""
+        ...
+
+    def state_key(self) -> dict:
+        """What a state depends on (model file, build, backend, the cache's shape): a state kept
+        under another key is never restored."""
+        ...
+
 
 # ----- a model's tokens as text -----
 

@@ -21,7 +21,8 @@ from flylocal.front.chat import chat
 from flylocal.front.model_commands import models
 from flylocal.front.terminal import (compile_constraint, constrained_output, json_schema_option, note, open_output,
                                      read_constraint, read_input, read_prompt, say, shown)
-from flylocal.settings import (DRAFTING, GENERATION, LLAMA, MODEL, SAMPLING, VERIFIER_PARAMS, Slots, options,
+from flylocal.prompt_files import CacheOptions, usable_folder
+from flylocal.settings import (DRAFTING, GENERATION, LLAMA, MODEL, SAMPLING, VERIFIER_PARAMS, Mebibytes, Slots, options,
                                settings_from)
 
 
@@ -232,12 +233,21 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
                    "uneven drafts is then one computation (faster where drafts pay, on a bandwidth-bound model), "
                    "but every row attends over every slot's cells (slower on a compute-bound one), and strict "
                    "requests are no longer bit-exact beside others in exact mode.")
+@click.option("--cache-ram", type=Mebibytes(), default="auto", show_default=True,
+              help="MiB of memory for the prompt cache: what a slot held is kept when it takes another "
+                   "conversation, and restored when that conversation comes back, so that no turn prefills again. "
+                   "auto: a quarter of the memory available at start, at most 8 GiB; 0: off.")
+@click.option("--prompt-cache", "prompt_cache", default=None, metavar="DIR",
+              help="Also keep prompt cache entries in DIR, past --cache-ram and across restarts (entries of another "
+                   "model, build or context size there are never loaded).")
+@click.option("--prompt-cache-size", type=click.IntRange(min=1), default=4096, show_default=True, metavar="MIB",
+              help="Most MiB of entries --prompt-cache keeps in DIR.")
 @click.option("--quiet", is_flag=True, help="No log line per request on stderr.")
 @click.option("--embedding-model", "embedding_model", default=None, metavar="NAME|PATH",
               help="The model that computes embeddings (/v1/embeddings, /api/embed), loaded on the first request "
                    "for them. Default: the target, in a context of its own.")
-def serve(host, port, api_key, max_queue, cors_origins, allowed_hosts, parallel, kv_unified, quiet, embedding_model,
-          **opts):
+def serve(host, port, api_key, max_queue, cors_origins, allowed_hosts, parallel, kv_unified, cache_ram, prompt_cache,
+          prompt_cache_size, quiet, embedding_model, **opts):
     """Serve the models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/responses,
     /v1/completions, /v1/embeddings, /v1/models) and Ollama's (/api/chat, /api/generate,
     /api/embed, /api/tags, ...), with /health and /metrics. The options set each request's
@@ -262,8 +272,11 @@ def serve(host, port, api_key, max_queue, cors_origins, allowed_hosts, parallel,
         if name:
             registry.resolve(name, note)
     embedder = (embedding_model, registry.resolve(embedding_model, note)) if embedding_model else None
+    cache = CacheOptions(cache_ram, usable_folder(prompt_cache, "--prompt-cache") if prompt_cache else None,
+                         prompt_cache_size)
     server.serve(lambda: Session(load(settings, log=note)), settings, host, port, api_key or None, max_queue,
-                 cors_origins, note, allowed_hosts=allowed_hosts, quiet=quiet, embedding_model=embedder)
+                 cors_origins, note, allowed_hosts=allowed_hosts, quiet=quiet, embedding_model=embedder,
+                 prompt_cache=cache)
 
 
 @cli.command("rpc-server")

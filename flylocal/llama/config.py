@@ -30,3 +30,7 @@ class RuntimeConfig:
     # |delta| up to 1.0), which breaks strict == greedy; llama.cpp's own choice elsewhere (on a
     # CPU it turns it on: prefill 13% and Spec-Bench through the server 3-8% faster here).
     flash_attn: str = "auto"
+    # The KV cache's cell types (llama.cpp's names: f16, q8_0, q4_0, ...): a quantized cache holds
+    # more context, and a prompt cache's entries shrink with it (flylocal.llama.context.CACHE_TYPES).
+    type_k: str = "f16"
+    type_v: str = "f16"

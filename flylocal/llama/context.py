@@ -43,6 +43,11 @@ from flylocal.llama import placement
 from flylocal.host import MIN_WALL, CpuLoad, usable_cores
 from flylocal.llama.threads import ThreadControl, candidates, keep_count, known_count
 
+# The KV cache's cell types a context takes (--cache-type-k / --cache-type-v): llama.cpp's ggml
+# type ids by name (their sizes: flylocal.llama.memory.CELL_BYTES).
+CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q5_1": 7, "q5_0": 6, "q4_1": 3, "q4_0": 2, "iq4_nl": 20}
+FLOAT_TYPES = ("f32", "f16", "bf16")
+
 CONTROL_ROWS = 32     # decodes up to this many rows steer --threads auto (a round, a draft step)
 LOAD_PERIOD = 1.0     # seconds over which --threads auto reads how busy other processes keep the cores
 
@@ -130,6 +135,11 @@ class Context:
         # never needs a position the window already evicted (Gemma 3).
         cparams.swa_full = True
         cparams.no_perf = True
+        if config.type_v not in FLOAT_TYPES and not flash:
+            raise FlylocalError(f"--cache-type-v {config.type_v} needs flash attention, which "
+                                + ("exact mode turns off" if KERNELS == kernels.EXACT and config.flash_attn == "auto"
+                                   else "--flash-attn off turns off") + ": use --cache-type-v f16")
+        cparams.type_k, cparams.type_v = CACHE_TYPES[config.type_k], CACHE_TYPES[config.type_v]
         self.footprint = held(model, config, flash, n_vocab, n_seq)    # (bytes held, of them on a GPU)
         with interrupts_deferred():
             self._ctx = llama_cpp.llama_init_from_model(model.handle, cparams)
@@ -184,6 +194,16 @@ class Context:
 
     def cost_key(self) -> dict:
         return cost_key(self.model, self.config, self.calibration_threads, self.n_batch)
+
+    def state_key(self) -> dict:
+        """What a sequence's state (`state`) depends on: the model file, the build and backend, and
+        the cache's shape. A kept state under another key is never put back (docs/design.md,
+        "Prompt cache")."""
+        key = cost_key(self.model, self.config, 0, 0)
+        for name in ("threads", "batch"):           # a state's cells do not follow either
+            del key[name]
+        return key | {"n_ctx": self.n_ctx, "kv_unified": self.unified, "swa_full": True,
+                      "type_k": self.config.type_k, "type_v": self.config.type_v}
 
     @property
     def devices(self) -> list:
@@ -499,6 +519,45 @@ class Context:
         self.past = [0] * self.n_seq
         llama_cpp.llama_memory_clear(self._mem, True)
         self._unsynced.clear()
+
+    # ----- a sequence's state, kept and put back (the prompt cache: docs/design.md, "Prompt cache") -----
+    def state(self, seq: int) -> bytes:
+        """Sequence `seq`'s cells as llama.cpp writes them (llama_state_seq_get_data): the bytes
+        `restore` puts back, into this sequence or another."""
+        self._check_seq(seq)
+        self._check_open()
+        self._sync(seq)
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
+        data = bytearray(size)
+        with interrupts_deferred():
+            n = llama_cpp.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size, seq)
+        if n != size:
+            raise FlylocalError(f"cannot read the cache of {self.name}: {n} of {size} bytes")
+        return bytes(data)
+
+    def restore(self, seq: int, tokens: np.ndarray, data: bytes) -> bool:
+        """Replace sequence `seq`'s cells with `data` (`state`), which holds `tokens`: True when
+        llama.cpp took it and its positions are those of `tokens`; False otherwise, the sequence
+        then empty (a damaged or foreign state is never half-loaded)."""
+        self._check_seq(seq)
+        self._check_open()
+        tokens = np.asarray(tokens, dtype=np.int32)
+        self._unsynced.add(seq)
+        self.past[seq] = 0
+        llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        ok = 0 < len(tokens) <= self.n_ctx
+        if ok:
+            pointer = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+            with interrupts_deferred():            # llama.cpp logs what it refuses
+                ok = llama_cpp.llama_state_seq_set_data(self._ctx, pointer, len(data), seq) == len(data)
+            ok = ok and llama_cpp.llama_memory_seq_pos_max(self._mem, seq) + 1 == len(tokens)
+        if ok:
+            self._seq_tokens[seq, : len(tokens)] = tokens
+            self.past[seq] = len(tokens)
+        else:
+            llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._unsynced.discard(seq)
+        return bool(ok)
 
     def reuse_prefix(self, tokens: np.ndarray, *, seq: int = 0) -> int:
         """Keep the longest cached prefix of `tokens` in sequence `seq`, leaving at least the

@@ -4,7 +4,8 @@ llama.cpp sizes a context's buffers for the whole `--ctx` when it creates it, an
 big for the machine is not refused: it is killed by the kernel later, with no message. So the
 runtime adds up, before creating one:
 
-- the KV cache: layers x context x KV heads x (key + value width) x 2 bytes (f16 cells; a
+- the KV cache: layers x context x KV heads x (key + value width) x 2 bytes (f16 cells, less for
+  a quantized --cache-type-k/v; a
   sliding-window model keeps a full-size cache here, flylocal.llama.runtime);
 - the compute buffers: a batch's logits (batch x vocabulary x 4 bytes), and without flash
   attention the attention scores of a batch against the whole context (context x batch x
@@ -24,6 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GiB = float(1 << 30)
+# Bytes per value of each KV cache type (--cache-type-k/v): a quantized type packs 32 values
+# with their scale (and offset) in a block.
+CELL_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32,
+              "q4_1": 20 / 32, "q4_0": 18 / 32, "iq4_nl": 18 / 32}
 HEADROOM = 0.9          # a context may take 90% of what is available: the rest is the machine's
 
 
@@ -37,6 +42,8 @@ class Shape:
     value_width: int
     n_vocab: int
     model_bytes: int
+    key_bytes: float = 2.0     # per cached value (f16 cells unless --cache-type-k/v say otherwise)
+    value_bytes: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -51,7 +58,8 @@ class Need:
 
 
 def need(shape: Shape, n_ctx: int, n_batch: int, flash: bool) -> Need:
-    kv = shape.n_layer * n_ctx * shape.n_head_kv * (shape.key_width + shape.value_width) * 2
+    kv = int(shape.n_layer * n_ctx * shape.n_head_kv * (shape.key_width * shape.key_bytes
+                                                         + shape.value_width * shape.value_bytes))
     scores = n_ctx * n_batch * (1 if flash else (shape.n_head + 1) * 4)
     return Need(kv=kv, compute=n_batch * shape.n_vocab * 4 + scores, model=shape.model_bytes)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from flylocal.errors import FlylocalError, ModelError
@@ -120,9 +121,15 @@ def gpu_share(shape: memory.Shape, config: RuntimeConfig) -> tuple[float, int | 
     return 0.0, None
 
 
+def with_cells(shape: memory.Shape, config: RuntimeConfig) -> memory.Shape:
+    """`shape` with the KV cache's cell sizes that `config` asks for (--cache-type-k/v)."""
+    return replace(shape, key_bytes=memory.CELL_BYTES[config.type_k], value_bytes=memory.CELL_BYTES[config.type_v])
+
+
 def memory_problem(shape: memory.Shape, config: RuntimeConfig, flash: bool, name: str, slots: int = 1) -> str | None:
     """The one line saying why `slots` contexts of `config`'s --ctx cells do not fit for a
     model of `shape`, with `config`'s layers offloaded, or None (flylocal.llama.memory)."""
+    shape = with_cells(shape, config)
     share, free = gpu_share(shape, config)
     return memory.check(shape, config.n_ctx, config.n_batch, flash, name, gpu_share=share, gpu_free=free,
                         slots=slots)
@@ -131,7 +138,7 @@ def memory_problem(shape: memory.Shape, config: RuntimeConfig, flash: bool, name
 def footprint(model: Model, config: RuntimeConfig, flash: bool, n_vocab: int, slots: int = 1) -> tuple[int, int]:
     """(bytes `model` holds with its context of `slots` sequences, the part of them on a GPU), as
     the memory check counts them (flylocal.llama.memory.held): what /api/ps reports."""
-    shape = model.shape(n_vocab)
+    shape = with_cells(model.shape(n_vocab), config)
     return memory.held(shape, config.n_ctx, config.n_batch, flash, gpu_share(shape, config)[0], slots)
 
 

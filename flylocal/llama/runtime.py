@@ -123,6 +123,15 @@ class Runtime(Target, contracts.Vocabulary):
     def split(self, rows: dict[int, int]) -> list[int]:
         return self.context.split(rows)
 
+    def state(self, seq: int) -> bytes:
+        return self.context.state(seq)
+
+    def restore(self, seq: int, tokens: np.ndarray, data: bytes) -> bool:
+        return self.context.restore(seq, tokens, data)
+
+    def state_key(self) -> dict:
+        return self.context.state_key()
+
     def cost_key(self) -> dict:
         return self.context.cost_key()
 

@@ -26,6 +26,7 @@ from flylocal.front.serve import embeddings, ollama, openai, page, responses
 from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server
 from flylocal.front.serve.guard import Guard, HostRule
 from flylocal.llama.net import check_port, is_loopback
+from flylocal.prompt_files import CacheOptions, open_cache
 from flylocal.session import Session
 from flylocal.settings import Settings
 
@@ -48,13 +49,16 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
                max_queue: int = 16, cors_origins: tuple[str, ...] = (), host: str = "127.0.0.1", port: int = 8080,
                allowed_hosts: tuple[str, ...] = (), on_failure: Callable[[BaseException], None] = lambda e: None,
                log: Callable[[str], None] | None = None, dialects=DIALECTS,
-               embedding_model: tuple[str, Path] | None = None):
+               embedding_model: tuple[str, Path] | None = None, prompt_cache: CacheOptions = CacheOptions()):
     """The application. `load` builds the Session, on the worker thread, while the server
     already answers /health ("loading"); `on_failure` hears if it fails. `host` and `port` are
     where it listens (the Host rule), `log` takes a line per request (None: quiet), `dialects`
     the APIs it speaks (modules with `routes(app, server)`), `embedding_model` the model that
-    computes embeddings (its name and file; None: the target)."""
-    server = Server(load, settings, api_key, max_queue, on_failure, log, embedding_model)
+    computes embeddings (its name and file; None: the target), `prompt_cache` where the slots'
+    cells are kept when they take other prompts (flylocal.prompt_files)."""
+    said = log or (lambda line: None)
+    server = Server(load, settings, api_key, max_queue, on_failure, log, embedding_model,
+                    lambda session: open_cache(session.models.target, session.models.draft, prompt_cache, said))
     app = FastAPI(title="flylocal", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = server.worker
     app.state.server = server
@@ -105,7 +109,7 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
 def serve(load: Callable[[], Session], settings: Settings, host: str, port: int, api_key: str | None,
           max_queue: int, cors_origins: tuple[str, ...], log: Callable[[str], None],
           allowed_hosts: tuple[str, ...] = (), quiet: bool = False,
-          embedding_model: tuple[str, Path] | None = None) -> None:
+          embedding_model: tuple[str, Path] | None = None, prompt_cache: CacheOptions = CacheOptions()) -> None:
     """Listen at once, load the models, and serve until SIGTERM or Ctrl-C: then stop accepting,
     let the requests in flight end, and return."""
     import uvicorn
@@ -137,7 +141,7 @@ def serve(load: Callable[[], Session], settings: Settings, host: str, port: int,
 
     app = create_app(ready, settings, api_key=api_key, max_queue=max_queue, cors_origins=cors_origins, host=host,
                      port=port, allowed_hosts=allowed_hosts, on_failure=failed, log=None if quiet else log,
-                     embedding_model=embedding_model)
+                     embedding_model=embedding_model, prompt_cache=prompt_cache)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                            http=BoundedH11, timeout_graceful_shutdown=30))
     servers.append(server)

@@ -228,13 +228,13 @@ class Server:
 
     def __init__(self, load: Callable[[], Session], settings: Settings, api_key: str | None, max_queue: int,
                  on_failure: Callable[[BaseException], None], log: Callable[[str], None] | None,
-                 embedding_model: tuple[str, Path] | None = None):
+                 embedding_model: tuple[str, Path] | None = None, open_cache=lambda session: None):
         self.settings = settings
         # --embedding-model: (the name given, its file); None: the target computes embeddings
         self.embedding_name, self.embedding_model = embedding_model or (None, None)
         self.api_key = api_key
         self.metrics = Metrics()
-        self.worker = Worker(load, self.metrics, max_queue, on_failure)
+        self.worker = Worker(load, self.metrics, max_queue, on_failure, open_cache)
         self.log = log
         self.hinted: set[str] = set()       # ollama's loading options a request gave, logged once each
 

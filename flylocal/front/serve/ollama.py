@@ -326,7 +326,8 @@ class Tags(Ollama):
 class Ps(Ollama):
     """/api/ps: the served models, loaded for the server's life; the target's `size` is the
     memory it holds with its draft (weights, KV cache, compute buffers: what the memory check
-    counts, flylocal.llama.memory), `size_vram` the part of it on a GPU."""
+    counts, flylocal.llama.memory) and the prompt cache's entries in memory, `size_vram` the part
+    of it on a GPU."""
     name = "ollama_ps"
 
     def job(self, x: Exchange) -> dict:
@@ -334,10 +335,13 @@ class Ps(Ollama):
         expires = (datetime.now(timezone.utc) + KEPT_LOADED).isoformat().replace("+00:00", "Z")
         target, *others = self.entries(session)
         held = [m.footprint for m in (session.models.target, session.models.draft) if m is not None]
+        cache = self.server.worker.cache
         size, vram = sum(h[0] for h in held), sum(h[1] for h in held)
+        size += cache.report()["bytes"] if cache is not None else 0
         return {"models": [target | {"expires_at": expires, "size": size, "size_vram": vram,
                                      "context_length": session.target.n_ctx,
-                                     "flylocal": target["flylocal"] | self.server.worker.state()}]
+                                     "flylocal": target["flylocal"] | self.server.worker.state()
+                                     | {"prompt_cache": cache.report() if cache is not None else None}}]
                 + [entry | {"expires_at": expires, "size_vram": 0} for entry in others]}
 
 

@@ -104,8 +104,13 @@ class Worker:
     shared decode; calls (embeddings), first come first served, a step between two rounds."""
 
     def __init__(self, load: Callable[[], Session], metrics: Metrics, max_queue: int,
-                 on_failure: Callable[[BaseException], None] = lambda e: None):
+                 on_failure: Callable[[BaseException], None] = lambda e: None,
+                 open_cache: Callable[[Session], Any] = lambda session: None):
+        """`open_cache`: the prompt cache of the loaded models (flylocal.prompt_files.open_cache),
+        or None for none."""
         self.metrics, self.max_queue = metrics, max_queue
+        self.open_cache = open_cache
+        self.cache = None                                           # the prompt cache, once loaded
         self.session: Session | None = None         # None while the models load
         self.failed: BaseException | None = None    # why loading, or the worker, failed
         self.jobs: collections.deque[Job] = collections.deque()     # generations waiting, oldest first
@@ -165,14 +170,26 @@ class Worker:
             return
         self.slots = session.target.n_seq
         self.metrics.slots.set(self.slots)
+        try:
+            self.cache = self.open_cache(session)
+        except BaseException as e:  # noqa: BLE001 - a disk tier that cannot be opened: said, and the server stops
+            session.models.close()
+            self.failed = e
+            self.on_failure(e)
+            return
+        self.metrics.watch(self.cache)
         self.session = session
         try:
             self._serve()
         except BaseException as e:  # noqa: BLE001 - a failure of the loop itself: said, and the server stops
             self._die(e)
         finally:
-            with self.session.lock:  # the refined cost curves are saved as the models close
-                self.session.models.close()
+            with self.session.lock:  # the slots kept on disk, and the refined cost curves saved, as the models close
+                try:
+                    if self.cache is not None:
+                        self.cache.close(self.slots)
+                finally:
+                    self.session.models.close()
 
     def _drop_cancelled(self) -> None:
         """Jobs whose clients went away while they waited leave the queue (their handlers hear so)."""
@@ -226,7 +243,7 @@ class Worker:
         from flylocal.decoding.batch import Batch
 
         session = self.session
-        batch = Batch(session.target)
+        batch = Batch(session.target, cache=self.cache)
         streams = self._streams                   # Generation -> its Stream
         running: tuple[Call, Generator] | None = None
         while (taken := self._take(streams, running[0] if running else None)) is not None:
@@ -289,6 +306,8 @@ class Worker:
         for gen, stream in list(streams.items()):
             if gen.stats.stop:
                 del streams[gen]
+                if self.cache is not None:
+                    self.cache.prefilled(gen.stats.prompt_evaluated, gen.stats.prefill_s)
                 try:
                     stream.finish(gen)
                 finally:
@@ -485,6 +504,11 @@ class Metrics:
                              buckets=(5, 10, 25, 50, 100, 150, 200, 300, 500, 1000), registry=r)
         self._emitted = self._rounds = 0
 
+    def watch(self, cache) -> None:
+        """The prompt cache's figures (PromptCache.report), read at each scrape."""
+        if cache is not None:
+            self.registry.register(CacheFigures(cache))
+
     def observe(self, stats, output_tokens: int, ttft: float | None) -> None:
         self.generations.inc()
         self.tokens.inc(output_tokens)
@@ -500,3 +524,31 @@ class Metrics:
             self.ttft.observe(ttft)
         if stats.tokens_per_s > 0:
             self.tps.observe(stats.tokens_per_s)
+
+
+class CacheFigures:
+    """The prompt cache's figures as Prometheus metrics (a collector: read when scraped)."""
+
+    GAUGES = {"entries": "Prompt cache entries in memory.", "bytes": "Bytes the prompt cache's entries in memory hold.",
+              "limit_bytes": "The prompt cache's bound in memory (--cache-ram).",
+              "disk_entries": "Prompt cache entries on disk (--prompt-cache).",
+              "disk_bytes": "Bytes of the prompt cache's entries on disk."}
+    COUNTERS = {"hits": "Requests that took a prompt cache entry.",
+                "restored_tokens": "Prompt tokens restored from the prompt cache instead of evaluated.",
+                "prefill_seconds_saved": "Prefill seconds the prompt cache saved, at the measured prefill rate.",
+                "evicted": "Prompt cache entries evicted from memory for room."}
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        report = self.cache.report()
+        for name, doc in self.GAUGES.items():
+            yield GaugeMetricFamily(f"flylocal_prompt_cache_{name}", doc, value=report[name])
+        for name, doc in self.COUNTERS.items():
+            yield CounterMetricFamily(f"flylocal_prompt_cache_{name}", doc, value=report[name])

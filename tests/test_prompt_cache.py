@@ -1,0 +1,167 @@
+"""The prompt cache (flylocal/decoding/prompt_cache.py, docs/design.md "Prompt cache") on the
+in-memory fake target: conversations taking turns on a few slots, their cells kept, evicted,
+moved to a disk tier and restored at random. Every answer must be what plain greedy decoding
+gives on a fresh target, whatever was kept, evicted or restored before it; the cache must
+save prefill where it holds what a turn needs, and a damaged or foreign entry must never be
+loaded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fake_backend import FakeLM, FakeSequences, NoisyOracle, fixed_costs, greedy
+from flylocal.decoding.batch import Batch
+from flylocal.decoding.engine import Engine, EngineConfig
+from flylocal.decoding.prompt_cache import PromptCache
+from flylocal.decoding.verifiers.strict import Strict
+from flylocal.prompt_files import Shelf
+
+LM = FakeLM(seed=11, n_vocab=32, eog=(), p_eog=0.0)
+N_CTX = 400
+
+
+def conversation_turns(rng, n_conv: int, turns: int) -> list[list[list[int]]]:
+    """Per conversation, the user messages of its turns (random tokens), after a system prompt
+    that every conversation shares."""
+    return [[rng.integers(1, LM.n_vocab, size=int(rng.integers(4, 20))).tolist() for _ in range(turns)]
+            for _ in range(n_conv)]
+
+
+def serve(target, cache, order, system, messages, max_tokens, concurrent, rng):
+    """Turns in `order` (conversation ids), up to `concurrent` at once on `target` through a Batch
+    with `cache`: [(conversation, prompt, Generation)] in the order they ran."""
+    batch = Batch(target, cache=cache)
+    history = {c: list(system) for c in set(order)}
+    turn = {c: 0 for c in set(order)}
+    waiting, running, done = list(order), {}, []
+    while waiting or batch.members:
+        while waiting and len(running) < concurrent and waiting[0] not in running.values():
+            c = waiting.pop(0)
+            prompt = history[c] + messages[c][turn[c]]
+            seq = batch.place(np.asarray(prompt, dtype=np.int32))
+            engine = Engine(target.sequence(seq), NoisyOracle(LM, seed=int(rng.integers(1 << 30))), Strict(),
+                            EngineConfig(max_tokens=max_tokens, k=4))
+            gen = batch.join(seq, engine, np.asarray(prompt, dtype=np.int32))
+            running[gen] = c
+            done.append((c, prompt, gen))
+        batch.round()
+        for gen, c in list(running.items()):
+            if gen.stats.stop:
+                del running[gen]
+                history[c] = prompt_of(done, gen) + gen.tokens
+                turn[c] += 1
+                if cache is not None:
+                    cache.prefilled(gen.stats.prompt_evaluated, 0.01 * gen.stats.prompt_evaluated)
+    return done
+
+
+def prompt_of(done, gen):
+    return next(p for _, p, g in done if g is gen)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_every_answer_is_greedy_decoding_whatever_was_kept_evicted_or_restored(seed, tmp_path):
+    rng = np.random.default_rng(seed)
+    n_seq = int(rng.integers(1, 4))
+    n_conv = int(rng.integers(2, 5))
+    turns = 3
+    system = rng.integers(1, LM.n_vocab, size=int(rng.integers(40, 90))).tolist()
+    messages = conversation_turns(rng, n_conv, turns)
+    order = [c for c in range(n_conv) for _ in range(turns)]
+    rng.shuffle(order)
+    target = FakeSequences(LM, n_seq, N_CTX, 64, fixed_costs(0.1, rows=64))
+    entry = 12 * 150                                  # about one conversation's cells
+    limit = int(rng.choice([0, entry, 3 * entry, 100 * entry]))
+    shelf = Shelf(tmp_path, int(rng.choice([entry, 100 * entry])), [target.state_key()]) if seed % 3 == 0 else None
+    if seed % 7 == 3:
+        target.corrupt_restores = True
+    cache = PromptCache([target], limit, shelf)
+    max_tokens = int(rng.integers(3, 12))
+    done = serve(target, cache, order, system, messages, max_tokens, n_seq, rng)
+    assert len(done) == n_conv * turns
+    for c, prompt, gen in done:
+        assert gen.tokens == greedy(LM, prompt, max_tokens, N_CTX)[0], f"seed {seed}: conversation {c}"
+    if target.corrupt_restores:
+        assert cache.counts.hits == 0 and target.restores == 0
+    elif limit >= 3 * entry and n_conv > n_seq:
+        assert cache.counts.hits > 0, f"seed {seed}: conversations beyond the slots never took an entry"
+
+
+def test_conversations_taking_turns_prefill_only_their_new_messages():
+    """Three conversations on one slot, A B C A B C ...: with a cache, every turn after a
+    conversation's first keeps all it had (its previous prompt and answer); without one, only
+    the shared system prompt."""
+    rng = np.random.default_rng(1)
+    system = rng.integers(1, LM.n_vocab, size=60).tolist()
+    messages = conversation_turns(rng, 3, 4)
+    order = [0, 1, 2] * 4
+    for limit in (0, 1 << 20):
+        target = FakeSequences(LM, 1, N_CTX, 64, fixed_costs(0.1, rows=64))
+        cache = PromptCache([target], limit)
+        done = serve(target, cache, order, system, messages, 8, 1, rng)
+        for i, (c, prompt, gen) in enumerate(done[3:], start=3):
+            before = next(p + g.tokens for cc, p, g in reversed(done[:i]) if cc == c)
+            reused = gen.stats.prompt_reused
+            if limit:
+                assert reused == len(before) - 1, (i, reused, len(before))   # all but the answer's last token
+            else:
+                assert reused < len(before) and reused >= len(system) - 1
+        if limit:
+            assert cache.counts.hits == 9 and target.restores == 9
+            assert cache.counts.restored_tokens > 0 and cache.counts.saved_s > 0
+
+
+def test_an_entry_is_restored_only_into_a_free_slot_and_never_past_the_bound():
+    rng = np.random.default_rng(2)
+    target = FakeSequences(LM, 2, N_CTX, 64, fixed_costs(0.1, rows=64))
+    size = 12 * 100
+    cache = PromptCache([target], 2 * size + size // 2)
+    for i in range(6):                                      # six different 100-token slots' worth
+        prompt = rng.integers(1, LM.n_vocab, size=100).astype(np.int32)
+        seq = cache.seat([0, 1], prompt)
+        target.sequence(seq).truncate(0)
+        target.sequence(seq).decode(prompt)
+        assert cache._bytes(False) <= cache.limit
+    busy = 0
+    seq = cache.seat([1], np.asarray(target.cached(busy)[:50].tolist() + [3] * 60, dtype=np.int32))
+    assert seq == 1 and len(target.cached(busy)) == 100      # the busy slot was never touched
+    assert len(cache.entries) == 2 and cache.counts.evicted >= 3
+
+
+def test_a_restarted_cache_continues_from_the_disk_tier_and_skips_what_it_must_not_load(tmp_path):
+    system = list(range(1, 31)) * 3
+    target = FakeSequences(LM, 1, N_CTX, 64, fixed_costs(0.1, rows=64))
+    lines = []
+    cache = PromptCache([target], 1 << 20, Shelf(tmp_path, 1 << 20, [target.state_key()], lines.append), lines.append)
+    seq = cache.seat([0], np.asarray(system + [5], dtype=np.int32))
+    target.sequence(seq).decode(np.asarray(system + [5, 6, 7], dtype=np.int32))
+    cache.close(1)
+    files = sorted(tmp_path.glob("*.prompt"))
+    assert len(files) == 1
+
+    def restart(key=None):
+        fresh = FakeSequences(LM, 1, N_CTX, 64, fixed_costs(0.1, rows=64))
+        said = []
+        c = PromptCache([fresh], 1 << 20, Shelf(tmp_path, 1 << 20, [key or fresh.state_key()], said.append), said.append)
+        return fresh, c, said
+
+    fresh, c, said = restart()
+    prompt = np.asarray(system + [5, 6, 7, 8, 9], dtype=np.int32)
+    assert c.seat([0], prompt) == 0 and fresh.cached(0).tolist() == system + [5, 6, 7]
+    assert c.counts.hits == 1
+
+    fresh, c, said = restart(key={"another": "model"})        # foreign: one line, not loaded, kept
+    assert c.seat([0], prompt) == 0 and len(fresh.cached(0)) == 0
+    assert any("another model" in line for line in said) and files[0].exists()
+
+    data = files[0].read_bytes()                              # damaged: one line, deleted, prefilled
+    files[0].write_bytes(data[:-5] + bytes(5 * [0xFF]))
+    fresh, c, said = restart()
+    assert c.seat([0], prompt) == 0 and len(fresh.cached(0)) == 0
+    assert c.counts.failed == 1 and not files[0].exists()
+    assert sum("not loaded" in line for line in said) == 1
+
+    files[0].write_bytes(data[: len(data) // 2])              # cut short: deleted when indexed
+    fresh, c, said = restart()
+    assert not c.entries and not files[0].exists() and any("damaged" in line for line in said)
