@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import json
+import os
+import re
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from flylocal.decoding.engine import Engine, Generation
 from flylocal.decoding.stats import Stats
 from flylocal.decoding.verifiers import make_verifier
+from flylocal import prompt_files
 from flylocal.errors import FlylocalError
+from flylocal.files import read_text, write_atomically
 from flylocal.loader import Models
 from flylocal.settings import Settings
 
@@ -65,6 +71,22 @@ class TextStream:
             out.append((piece, self.decoder.decode(piece)))
         return out
 
+
+
+def conversations_dir() -> Path:
+    """$FLYLOCAL_CHATS, or ~/.local/share/flylocal/chats: where chat keeps saved conversations."""
+    folder = os.environ.get("FLYLOCAL_CHATS")
+    if folder:
+        return Path(folder).expanduser()
+    data = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(data) / "flylocal" / "chats"
+
+
+def conversation_path(name: str) -> Path:
+    """The file of the conversation saved as `name`; FlylocalError for a name that is not one."""
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}", name or ""):
+        raise FlylocalError(f"{name!r} is not a conversation name: letters, digits, '_', '.' and '-', at most 64")
+    return conversations_dir() / f"{name}.json"
 
 
 class Session:
@@ -145,6 +167,64 @@ class Session:
             self.messages[:] = history[:-1]
             self.notes.append(f"the conversation outgrew the context: dropped the {dropped} oldest exchange(s)")
         return ids
+
+    # ----- saved conversations (chat's /save NAME, --resume NAME) -----
+    def save(self, name: str) -> Path:
+        """Keep the conversation as NAME (its messages, and the cells the models hold of it, so
+        that a resumed chat prefills none of it); the file written."""
+        path = conversation_path(name)
+        target, draft = self.models.target, self.models.draft
+        models = [m for m in (target, draft) if m is not None and not m.config.rpc and m.n_past]
+        record = {"version": 1, "target": target.name, "system": self.system, "messages": self.messages}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(path, json.dumps(record, ensure_ascii=False, indent=1))
+            cells = path.with_suffix(prompt_files.SUFFIX)
+            if models:
+                prompt_files.write(cells, [m.state_key() for m in models], [m.tokens for m in models],
+                                   [m.state(0) for m in models])
+            else:
+                cells.unlink(missing_ok=True)
+        except OSError as e:
+            raise FlylocalError(f"cannot save the conversation to {path}: {e.strerror or e}") from None
+        return path
+
+    def resume(self, name: str) -> str:
+        """Continue the conversation saved as NAME: its messages, and its cells where they were
+        made by these models, this build and this context size (else it is evaluated on the next
+        turn); a line saying which."""
+        path = conversation_path(name)
+        try:
+            record = json.loads(read_text(path, f"the conversation {name!r}", limit=64 << 20))
+            system, messages = record["system"], record["messages"]
+            if (system is not None and not isinstance(system, str)) or not all(
+                    isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
+                    for m in messages):
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            raise FlylocalError(f"{path} is not a saved conversation") from None
+        self.system, self.messages[:] = system, messages
+        turns = sum(m["role"] == "user" for m in messages)
+        cells = path.with_suffix(prompt_files.SUFFIX)
+        if not cells.exists():
+            return f"resumed {name!r}: {turns} turns (its first answer evaluates the conversation)"
+        target, draft = self.models.target, self.models.draft
+        models = [m for m in (target, draft) if m is not None and not m.config.rpc]
+        for keys in (models, models[:1]):              # with the draft's cells, or the target's alone
+            try:
+                tokens, data = prompt_files.read(cells, [m.state_key() for m in keys])
+                break
+            except prompt_files.Unusable as e:
+                why = str(e)
+        else:
+            return f"resumed {name!r}: {turns} turns; its saved cells are not loaded ({why}), so its next answer " \
+                   "evaluates the conversation"
+        for m, t, d in zip(keys, tokens, data):
+            if d is not None and not m.restore(0, t, d):
+                m.reset()
+                return f"resumed {name!r}: {turns} turns; its saved cells would not load, so its next answer " \
+                       "evaluates the conversation"
+        return f"resumed {name!r}: {turns} turns, {len(tokens[0])} tokens of it already in the cache"
 
     def send(self, user: str) -> Generation:
         """Start answering `user`: the Generation to iterate (FlylocalError at once if the message

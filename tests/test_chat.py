@@ -258,3 +258,31 @@ def test_the_asd_ledger_carries_from_turn_to_turn_until_reset(smol, smol_draft):
     assert rows[0]["budget_spent"] >= first and turn.stats.budget_spent > first
     conv.reset()
     assert conv.verifier("asd").spent == 0.0
+
+
+@pytest.mark.slow
+def test_a_saved_conversation_resumes_without_evaluating_it_again(tmp_path):
+    """/save NAME keeps the conversation and its cells; --resume NAME continues it with everything
+    it had in the cache (its next turn evaluates only the new message, and answers as the
+    conversation never closed would); cells of another context size are not loaded, in one line,
+    and the turn evaluates the conversation instead; a bad name or a missing conversation is a
+    one-line error."""
+    env = {"FLYLOCAL_CHATS": str(tmp_path)}
+    done = chat_pipe(["Hello! My name is Ada.", "/save ada", "What is my name?"], "--system", "Be brief.", env=env)
+    assert done.returncode == 0 and "saved as 'ada'" in done.stderr
+    (_, _, _, _), (_, _, reused_on, evaluated_on) = turns(done.stderr)
+    assert (tmp_path / "ada.json").exists() and (tmp_path / "ada.prompt").exists()
+    resumed = chat_pipe(["What is my name?"], "--resume", "ada", env=env)
+    assert resumed.returncode == 0 and "resumed 'ada': 1 turns" in resumed.stderr and "already in the cache" in resumed.stderr
+    ((_, _, reused, evaluated),) = turns(resumed.stderr)
+    assert (reused, evaluated) == (reused_on, evaluated_on)
+    assert resumed.stdout.strip().splitlines()[-1] == done.stdout.strip().splitlines()[-1]
+    other = chat_pipe(["What is my name?"], "--resume", "ada", "--ctx", "1024", env=env)
+    assert other.returncode == 0 and "not loaded (it was made by another model, build or context size)" in other.stderr
+    ((_, _, reused, evaluated),) = turns(other.stderr)
+    assert reused == 0 and evaluated == reused_on + evaluated_on
+    for args, said in ((["--resume", "nobody"], "no conversation was saved as 'nobody'"),
+                       (["--resume", "../x"], "is not a conversation name"),
+                       (["--resume", "ada", "--system", "x"], "give --system or --resume, not both")):
+        bad = chat_pipe([], *args, env=env)
+        assert bad.returncode != 0 and said in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -26,6 +26,8 @@ CHAT_HELP = f"""commands:
   /drafter NAME       switch drafter: {', '.join(DRAFTERS)} (model and mla need --draft)
   /system             show the system prompt
   /system TEXT        set it (starts a new conversation); /system --clear removes it
+  /save NAME          keep this conversation (and what the model computed of it) as NAME;
+                      `flylocal chat --resume NAME` continues it without evaluating it again
   /stats              totals for this session
   /help               this list
   /quit               leave (Ctrl-D works too)
@@ -77,22 +79,31 @@ def read_line(tty: bool) -> str | None:
 @click.command()
 @options(*GENERATION)
 @click.option("--system", "system", default=None, metavar="TEXT", help="System prompt.")
+@click.option("--resume", "resume", default=None, metavar="NAME",
+              help="Continue the conversation saved with /save NAME (its system prompt and turns; what the models "
+                   "computed of it is restored when they, the build and --ctx are the same).")
 @click.option("--color/--no-color", "color", default=None,
               help="Colour tokens by how they were accepted. Default: on a terminal, unless NO_COLOR is set.")
 @constrained_output
-def chat(system, color, json_schema_file, json_object, grammar_file, **opts):
+def chat(system, resume, color, json_schema_file, json_object, grammar_file, **opts):
     """Chat with the target model; speculative decoding makes the answers come faster.
 
     Reads messages line by line (with line editing and history on a terminal). Ctrl-C stops
     an answer; Ctrl-C or Ctrl-D at the prompt leaves. Type /help for commands.
     """
     from flylocal.loader import check, load
-    from flylocal.session import Session, TextStream
+    from flylocal.session import Session, TextStream, conversation_path
 
     if sys.stdin is None:
         raise FlylocalError("stdin is closed: chat reads its messages from stdin")
     if system is not None:
         check_text(system, "--system")
+    if resume is not None:
+        if system is not None:
+            raise FlylocalError("--resume continues a conversation with its own system prompt: give --system or "
+                                "--resume, not both")
+        if not conversation_path(resume).exists():
+            raise FlylocalError(f"no conversation was saved as {resume!r} (in {conversation_path(resume).parent})")
     if "-" in (json_schema_file, grammar_file):
         raise FlylocalError("chat reads its messages from stdin: give the grammar as a file")
     constraint = read_constraint(json_schema_file, json_object, grammar_file)
@@ -112,6 +123,8 @@ def chat(system, color, json_schema_file, json_object, grammar_file, **opts):
     session = Session(models, system=system, grammar=grammar)
     out = sys.stdout
     try:
+        if resume is not None:
+            note(session.resume(resume))
         if tty:
             note(f"{models.target.name}, drafter {settings.drafter_name}, verifier "
                  f"{settings.verifier}. /help for commands.")
@@ -198,6 +211,12 @@ def chat_command(session, line: str) -> bool:
                 session.system = None if arg == "--clear" else arg
                 session.reset()
                 note("system prompt cleared; new conversation" if arg == "--clear" else "system prompt set; new conversation")
+        elif name == "/save":
+            if not arg:
+                note("usage: /save NAME")
+            else:
+                path = session.save(arg)
+                note(f"saved as {arg!r} ({path}); flylocal chat --resume {arg} continues it")
         elif name == "/stats":
             t = session.totals
             tps = t.decode_tokens / t.decode_s if t.decode_s > 0 else 0.0
