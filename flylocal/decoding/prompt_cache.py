@@ -87,7 +87,8 @@ class PromptCache:
     entries: list[Entry] = field(default_factory=list)
     counts: Counts = field(default_factory=Counts)
     rate: float | None = None          # prefill seconds per token, as measured (`prefilled`)
-    clock: int = 0
+    clock: int = 0                     # requests seated so far
+    seated: dict[int, int] = field(default_factory=dict)    # slot -> the clock when it last took a request
 
     def __post_init__(self):
         if self.shelf is not None:
@@ -105,7 +106,10 @@ class PromptCache:
         prompt = np.asarray(prompt, dtype=np.int32)
         target = self.models[0]
         kept = {s: reusable_prefix(target.cached(s), prompt) for s in free}
-        seq = max(free, key=lambda s: (kept[s] if kept[s] >= REUSE_MIN else 0, -s))
+        # Where nothing worth keeping is shared, the slot that loses least: an empty one (the
+        # lowest: neighbouring slots decode together), else the one used longest ago.
+        spare = min(free, key=lambda s: (len(target.cached(s)) > 0, self.seated.get(s, 0), s))
+        seq = max(free, key=lambda s: kept[s]) if max(kept.values()) >= REUSE_MIN else spare
         best, reach = None, 0
         for e in self.entries:
             n = reusable_prefix(e.key, prompt)
@@ -113,12 +117,13 @@ class PromptCache:
                 best, reach = e, n
         if best is None or not self._pays(best, reach - kept[seq]):
             self._add(self._take(seq, beyond=kept[seq]))
-            return seq
-        gain = reach - kept[seq]
-        seq = min(free, key=lambda s: (len(target.cached(s)), s))
-        held = self._take(seq)                 # taken before the restore, kept after it (whose
-        self._restore(best, seq, gain)         # room must not push out the entry being restored)
-        self._add(held)
+        else:
+            gain = reach - kept[seq]
+            seq = spare
+            held = self._take(seq)                 # taken before the restore, kept after it (whose
+            self._restore(best, seq, gain)         # room must not push out the entry being restored)
+            self._add(held)
+        self.seated[seq] = self.clock
         return seq
 
     def keep(self, seq: int) -> None:
