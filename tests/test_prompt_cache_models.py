@@ -124,3 +124,32 @@ def test_a_sliding_window_model_s_state_round_trips(tmp_path):
         assert np.array_equal(again, fresh)
     finally:
         rt.close()
+
+
+def test_quantized_key_cells_shrink_an_entry_and_keep_strict_lossless():
+    """--cache-type-k q8_0 in exact mode: an entry takes less memory than with f16 cells, and
+    strict with prompt lookup still gives plain greedy decoding's tokens on the same cells (a
+    cell is quantized alone, whatever its batch); a quantized V cache, which needs flash
+    attention, is refused in one line in exact mode."""
+    from flylocal.errors import FlylocalError
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
+    from test_exact import run
+
+    f16 = runtime(SMOL, 1)
+    try:
+        ids = f16.tokenize_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}])
+        f16.decode(ids)
+        full = len(f16.state(0))
+    finally:
+        f16.close()
+    rt = Runtime(model_path(SMOL), RuntimeConfig(n_ctx=1024, n_threads=2, type_k="q8_0"))
+    try:
+        rt.decode(ids)
+        assert len(rt.state(0)) < 0.8 * full
+        assert rt.state_key()["type_k"] == "q8_0"
+        tokens, stats, _ = run(rt, "pld", ids, k=6, max_tokens=48)
+        assert stats.drafted > 0 and tokens == plain(rt, ids, max_tokens=48)
+    finally:
+        rt.close()
+    with pytest.raises(FlylocalError, match="--cache-type-v q8_0 needs flash attention, which exact mode turns off"):
+        Runtime(model_path(SMOL), RuntimeConfig(n_ctx=1024, n_threads=2, type_v="q8_0"))
