@@ -165,3 +165,20 @@ def test_the_same_request_gives_the_same_answer_whatever_the_slot_held():
     finally:
         stop(proc)
     assert len(set(answers)) == 1, answers
+
+
+def test_a_stored_response_continued_after_other_conversations_is_restored():
+    """Responses' previous_response_id: the stored conversation's cells were kept when another
+    conversation took the slot, and its continuation has all of the first turn cached."""
+    proc, url = server()
+    try:
+        first = httpx.post(url + "/v1/responses", timeout=300, json={
+            "model": SMOL, "input": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}],
+            "max_output_tokens": 24, "temperature": 0, "store": True}).json()
+        chat(url, [{"role": "system", "content": SYSTEM[::-1]}, {"role": "user", "content": QUESTIONS[1]}])
+        then = httpx.post(url + "/v1/responses", timeout=300, json={
+            "model": SMOL, "previous_response_id": first["id"], "input": QUESTIONS[2], "max_output_tokens": 24,
+            "temperature": 0}).json()
+    finally:
+        stop(proc)
+    assert then["usage"]["input_tokens_details"]["cached_tokens"] >= first["usage"]["input_tokens"]
