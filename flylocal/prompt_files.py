@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -93,7 +94,7 @@ def read(path: Path, keys: list[dict]) -> tuple[list[np.ndarray], list[bytes | N
     try:
         with open(path, "rb") as f:
             header = read_header(f, keys)
-            data = [None if n < 0 else f.read(n) for n in header["sizes"]]
+            data = [None if n < 0 else read_into_map(f, n) for n in header["sizes"]]
     except OSError as e:
         raise Unusable(f"cannot read it: {e.strerror}") from None
     digest = hashlib.sha256()
@@ -105,6 +106,16 @@ def read(path: Path, keys: list[dict]) -> tuple[list[np.ndarray], list[bytes | N
     if digest.hexdigest() != header["sha256"]:
         raise Unusable("its bytes do not match its digest")
     return [np.asarray(t, dtype=np.int32) for t in header["tokens"]], data
+
+
+def read_into_map(f, n: int):
+    """The next `n` bytes of `f` in an anonymous memory map (Context.state's reason), or what
+    there was of them, as bytes, when the file ends first."""
+    if n == 0:
+        return b""
+    data = mmap.mmap(-1, n)
+    got = f.readinto(data)
+    return data if got == n else data[:got]
 
 
 class Shelf:

@@ -165,7 +165,8 @@ class Sequences(Protocol):
         ...
 
     def state(self, seq: int) -> bytes:
-        """Sequence `seq`'s cells as bytes: what `restore` puts back (the prompt cache,
+        """Sequence `seq`'s cells as a buffer (bytes, or a memory map whose memory goes back to
+        the system when it is dropped): what `restore` puts back (the prompt cache,
         flylocal.decoding.prompt_cache)."""
         ...
 

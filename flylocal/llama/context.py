@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import hashlib
 import math
+import mmap
 import time
 from pathlib import Path
 
@@ -521,35 +522,44 @@ class Context:
         self._unsynced.clear()
 
     # ----- a sequence's state, kept and put back (the prompt cache: docs/design.md, "Prompt cache") -----
-    def state(self, seq: int) -> bytes:
+    def state(self, seq: int) -> mmap.mmap:
         """Sequence `seq`'s cells as llama.cpp writes them (llama_state_seq_get_data): the bytes
-        `restore` puts back, into this sequence or another."""
+        `restore` puts back, into this sequence or another. They live in an anonymous memory
+        map of their own, whose memory goes back to the system as soon as it is dropped (heap
+        blocks of this size would stay with the process: measured, 118 MiB more RSS over a
+        soak of 200 entries of 8 MiB)."""
         self._check_seq(seq)
         self._check_open()
         self._sync(seq)
         size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
-        data = bytearray(size)
+        data = mmap.mmap(-1, max(size, 1))
+        view = (ctypes.c_uint8 * size).from_buffer(data)
         with interrupts_deferred():
-            n = llama_cpp.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size, seq)
+            n = llama_cpp.llama_state_seq_get_data(self._ctx, view, size, seq)
+        del view                                   # (a live export would keep the map from closing)
         if n != size:
             raise FlylocalError(f"cannot read the cache of {self.name}: {n} of {size} bytes")
-        return bytes(data)
+        return data
 
-    def restore(self, seq: int, tokens: np.ndarray, data: bytes) -> bool:
-        """Replace sequence `seq`'s cells with `data` (`state`), which holds `tokens`: True when
-        llama.cpp took it and its positions are those of `tokens`; False otherwise, the sequence
-        then empty (a damaged or foreign state is never half-loaded)."""
+    def restore(self, seq: int, tokens: np.ndarray, data) -> bool:
+        """Replace sequence `seq`'s cells with `data` (`state`: bytes or a memory map), which holds
+        `tokens`: True when llama.cpp took it and its positions are those of `tokens`; False
+        otherwise, the sequence then empty (a damaged or foreign state is never half-loaded)."""
         self._check_seq(seq)
         self._check_open()
         tokens = np.asarray(tokens, dtype=np.int32)
         self._unsynced.add(seq)
         self.past[seq] = 0
         llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
-        ok = 0 < len(tokens) <= self.n_ctx
+        ok = 0 < len(tokens) <= self.n_ctx and len(data) > 0
         if ok:
-            pointer = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+            if isinstance(data, bytes):
+                pointer = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+            else:
+                pointer = (ctypes.c_uint8 * len(data)).from_buffer(data)
             with interrupts_deferred():            # llama.cpp logs what it refuses
                 ok = llama_cpp.llama_state_seq_set_data(self._ctx, pointer, len(data), seq) == len(data)
+            del pointer
             ok = ok and llama_cpp.llama_memory_seq_pos_max(self._mem, seq) + 1 == len(tokens)
         if ok:
             self._seq_tokens[seq, : len(tokens)] = tokens
