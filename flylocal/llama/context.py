@@ -63,6 +63,16 @@ def flash_attn_type(mode: str, remote: bool = False) -> int:
     return llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
 
 
+def cell_types(config: RuntimeConfig, flash: bool) -> tuple[int, int]:
+    """The KV cache's (key, value) ggml types for --cache-type-k/v; FlylocalError for a quantized
+    value cache without flash attention, which llama.cpp refuses."""
+    if config.type_v not in FLOAT_TYPES and not flash:
+        raise FlylocalError(f"--cache-type-v {config.type_v} needs flash attention, which "
+                            + ("exact mode turns off" if KERNELS == kernels.EXACT and config.flash_attn == "auto"
+                               else "--flash-attn off turns off") + ": use --cache-type-v f16")
+    return CACHE_TYPES[config.type_k], CACHE_TYPES[config.type_v]
+
+
 def held(model: Model, config: RuntimeConfig, flash: bool, n_vocab: int, n_seq: int) -> tuple[int, int]:
     """What a context of `n_seq` sequences for `model` will hold, checked first: refused in one
     line where this machine has no memory for it (Model.check_memory); (bytes held, of them on a
@@ -136,11 +146,7 @@ class Context:
         # never needs a position the window already evicted (Gemma 3).
         cparams.swa_full = True
         cparams.no_perf = True
-        if config.type_v not in FLOAT_TYPES and not flash:
-            raise FlylocalError(f"--cache-type-v {config.type_v} needs flash attention, which "
-                                + ("exact mode turns off" if KERNELS == kernels.EXACT and config.flash_attn == "auto"
-                                   else "--flash-attn off turns off") + ": use --cache-type-v f16")
-        cparams.type_k, cparams.type_v = CACHE_TYPES[config.type_k], CACHE_TYPES[config.type_v]
+        cparams.type_k, cparams.type_v = cell_types(config, flash)
         self.footprint = held(model, config, flash, n_vocab, n_seq)    # (bytes held, of them on a GPU)
         with interrupts_deferred():
             self._ctx = llama_cpp.llama_init_from_model(model.handle, cparams)
