@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flylocal.errors import FlylocalError
+
+# The KV cache's cell types a context takes (--cache-type-k / --cache-type-v): llama.cpp's ggml
+# type ids by name (their sizes: flylocal.llama.memory.CELL_BYTES).
+CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q5_1": 7, "q5_0": 6, "q4_1": 3, "q4_0": 2, "iq4_nl": 20}
+FLOAT_TYPES = ("f32", "f16", "bf16")
+
 
 @dataclass(frozen=True)
 class RuntimeConfig:
@@ -34,3 +41,14 @@ class RuntimeConfig:
     # more context, and a prompt cache's entries shrink with it (flylocal.llama.context.CACHE_TYPES).
     type_k: str = "f16"
     type_v: str = "f16"
+
+
+def cell_types(config: RuntimeConfig, flash: bool, exact: bool) -> tuple[int, int]:
+    """The KV cache's (key, value) ggml types for --cache-type-k/v; FlylocalError for a quantized
+    value cache without flash attention, which llama.cpp refuses (`exact`: the exact build, whose
+    `auto` turns flash attention off)."""
+    if config.type_v not in FLOAT_TYPES and not flash:
+        raise FlylocalError(f"--cache-type-v {config.type_v} needs flash attention, which "
+                            + ("exact mode turns off" if exact and config.flash_attn == "auto"
+                               else "--flash-attn off turns off") + ": use --cache-type-v f16")
+    return CACHE_TYPES[config.type_k], CACHE_TYPES[config.type_v]

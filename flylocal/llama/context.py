@@ -36,18 +36,13 @@ from flylocal.decoding.contracts import cost_curve, equal_split, reusable_prefix
 from flylocal.errors import FlylocalError, ModelError
 from flylocal.llama import kernels
 from flylocal.llama.binding import KERNELS, interrupts_deferred, last_error, llama_cpp, logits_address
-from flylocal.llama.config import RuntimeConfig
+from flylocal.llama.config import RuntimeConfig, cell_types
 from flylocal.llama.devices import gpu_offload, system_info
 from flylocal.llama.model import Model, footprint, memory_problem
 from flylocal.gguf_info import read_layout
 from flylocal.llama import placement
 from flylocal.host import MIN_WALL, CpuLoad, usable_cores
 from flylocal.llama.threads import ThreadControl, candidates, keep_count, known_count
-
-# The KV cache's cell types a context takes (--cache-type-k / --cache-type-v): llama.cpp's ggml
-# type ids by name (their sizes: flylocal.llama.memory.CELL_BYTES).
-CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q5_1": 7, "q5_0": 6, "q4_1": 3, "q4_0": 2, "iq4_nl": 20}
-FLOAT_TYPES = ("f32", "f16", "bf16")
 
 CONTROL_ROWS = 32     # decodes up to this many rows steer --threads auto (a round, a draft step)
 LOAD_PERIOD = 1.0     # seconds over which --threads auto reads how busy other processes keep the cores
@@ -61,16 +56,6 @@ def flash_attn_type(mode: str, remote: bool = False) -> int:
     if mode == "off" or remote or KERNELS == kernels.EXACT:
         return llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     return llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
-
-
-def cell_types(config: RuntimeConfig, flash: bool) -> tuple[int, int]:
-    """The KV cache's (key, value) ggml types for --cache-type-k/v; FlylocalError for a quantized
-    value cache without flash attention, which llama.cpp refuses."""
-    if config.type_v not in FLOAT_TYPES and not flash:
-        raise FlylocalError(f"--cache-type-v {config.type_v} needs flash attention, which "
-                            + ("exact mode turns off" if KERNELS == kernels.EXACT and config.flash_attn == "auto"
-                               else "--flash-attn off turns off") + ": use --cache-type-v f16")
-    return CACHE_TYPES[config.type_k], CACHE_TYPES[config.type_v]
 
 
 def held(model: Model, config: RuntimeConfig, flash: bool, n_vocab: int, n_seq: int) -> tuple[int, int]:
@@ -142,11 +127,10 @@ class Context:
         cparams.kv_unified = self.unified
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
-        # A full-size sliding-window cache keeps every position, so rolling back a draft
-        # never needs a position the window already evicted (Gemma 3).
+        # A full-size sliding-window cache keeps every position a rollback may need (Gemma 3).
         cparams.swa_full = True
         cparams.no_perf = True
-        cparams.type_k, cparams.type_v = cell_types(config, flash)
+        cparams.type_k, cparams.type_v = cell_types(config, flash, exact=KERNELS == kernels.EXACT)
         self.footprint = held(model, config, flash, n_vocab, n_seq)    # (bytes held, of them on a GPU)
         with interrupts_deferred():
             self._ctx = llama_cpp.llama_init_from_model(model.handle, cparams)
