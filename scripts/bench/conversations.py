@@ -95,6 +95,8 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--configs", default="cache,no-cache")
     ap.add_argument("--llama-server", default=None)
+    ap.add_argument("--llama-server-args", default="", help="more options for llama-server (e.g. '-fa off' "
+                                                             "beside an exact build of it)")
     ap.add_argument("--json", default=None)
     ap.add_argument("serve", nargs="*", help="extra flylocal serve options (after --)")
     args = ap.parse_args()
@@ -114,7 +116,7 @@ def main() -> int:
     commands = {"cache": fly, "no-cache": fly + ["--cache-ram", "0"]}
     if args.llama_server:
         commands["llama-server"] = [args.llama_server, "-m", path, "--port", "{port}", "--host", "127.0.0.1",
-                                    "-c", str(args.ctx), "--no-webui"]
+                                    "-c", str(args.ctx), "--no-webui", *args.llama_server_args.split()]
     interleaved = [c for _ in range(args.rounds) for c in range(3)]
     grouped = [c for c in range(3) for _ in range(args.rounds)]
     results = {}
