@@ -98,9 +98,9 @@ class PromptCache:
 
     # ----- what the server asks -----
     def seat(self, free: list[int], prompt: np.ndarray) -> int:
-        """The free slot for `prompt`: the one whose cells keep most of it, unless an entry keeps
-        enough more to pay for its copy (`_pays`), which is then restored into the free slot
-        holding least. What the
+        """The free slot for `prompt`: the one whose cells keep most of it (REUSE_MIN tokens at
+        least; else the spare one: empty, else used longest ago), unless an entry keeps enough
+        more to pay for its copy (`_pays`), which is then restored into the spare slot. What the
         slot held that the request will not keep is kept as an entry first."""
         self.clock += 1
         prompt = np.asarray(prompt, dtype=np.int32)
