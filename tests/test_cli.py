@@ -388,3 +388,14 @@ def test_lookup_corpus_drafts_from_a_file(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"ok \xff\xfe")
     assert_one_line_error(flylocal(*args, "--lookup-corpus", str(bad)), "not valid UTF-8")
+
+
+def test_prompt_cache_options_are_checked_before_anything_loads(tmp_path):
+    """A --prompt-cache folder that cannot be written, a negative --cache-ram, an unknown cell
+    type: one line each, before a model loads or a port is taken."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert_one_line_error(flylocal("serve", "--prompt-cache", str(blocker / "cache")), "--prompt-cache")
+    assert_one_line_error(flylocal("serve", "--cache-ram", "-1"), "--cache-ram", "below 0")
+    assert_one_line_error(flylocal("serve", "--cache-ram", "lots"), "--cache-ram", "neither auto nor a size")
+    assert_one_line_error(flylocal("generate", "hi", "--cache-type-k", "q3_0"), "--cache-type-k")
