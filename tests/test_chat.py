@@ -264,15 +264,16 @@ def test_the_asd_ledger_carries_from_turn_to_turn_until_reset(smol, smol_draft):
 def test_a_saved_conversation_resumes_without_evaluating_it_again(tmp_path):
     """/save NAME keeps the conversation and its cells; --resume NAME continues it with everything
     it had in the cache (its next turn evaluates only the new message, and answers as the
-    conversation never closed would); cells of another context size are not loaded, in one line,
+    conversation never closed would, strict in exact mode); cells of another context size are not loaded, in one line,
     and the turn evaluates the conversation instead; a bad name or a missing conversation is a
     one-line error."""
     env = {"FLYLOCAL_CHATS": str(tmp_path)}
-    done = chat_pipe(["Hello! My name is Ada.", "/save ada", "What is my name?"], "--system", "Be brief.", env=env)
+    done = chat_pipe(["Hello! My name is Ada.", "/save ada", "What is my name?"], "--system", "Be brief.",
+                     "--verifier", "strict", env=env)
     assert done.returncode == 0 and "saved as 'ada'" in done.stderr
     (_, _, _, _), (_, _, reused_on, evaluated_on) = turns(done.stderr)
     assert (tmp_path / "ada.json").exists() and (tmp_path / "ada.prompt").exists()
-    resumed = chat_pipe(["What is my name?"], "--resume", "ada", env=env)
+    resumed = chat_pipe(["What is my name?"], "--resume", "ada", "--verifier", "strict", env=env)
     assert resumed.returncode == 0 and "resumed 'ada': 1 turns" in resumed.stderr and "already in the cache" in resumed.stderr
     ((_, _, reused, evaluated),) = turns(resumed.stderr)
     assert (reused, evaluated) == (reused_on, evaluated_on)

@@ -165,3 +165,22 @@ def test_a_restarted_cache_continues_from_the_disk_tier_and_skips_what_it_must_n
     files[0].write_bytes(data[: len(data) // 2])              # cut short: deleted when indexed
     fresh, c, said = restart()
     assert not c.entries and not files[0].exists() and any("damaged" in line for line in said)
+
+
+def test_a_short_conversation_continues_in_its_own_slot_and_a_new_one_takes_an_empty_slot():
+    """Slot choice with a cache: a prompt that continues all a slot holds takes that slot, however
+    short; a prompt sharing little with every slot takes an empty one rather than displacing
+    another conversation, then the one used longest ago."""
+    target = FakeSequences(LM, 3, N_CTX, 64, fixed_costs(0.1, rows=64))
+    cache = PromptCache([target], 1 << 20)
+    short = np.arange(1, 11, dtype=np.int32)
+    assert cache.seat([0, 1, 2], short) == 0
+    target.sequence(0).decode(short)
+    assert cache.seat([0, 1, 2], np.concatenate([short, [3, 4]])) == 0        # continues it
+    other = np.arange(20, 30, dtype=np.int32)
+    assert cache.seat([0, 1, 2], other) == 1                                   # an empty slot
+    target.sequence(1).decode(other)
+    third = np.arange(5, 9, dtype=np.int32) % 31 + 1
+    assert cache.seat([0, 1, 2], third) == 2
+    target.sequence(2).decode(third)
+    assert cache.seat([0, 1, 2], np.full(12, 7, dtype=np.int32)) == 0         # the one used longest ago

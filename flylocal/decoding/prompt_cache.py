@@ -99,17 +99,19 @@ class PromptCache:
     # ----- what the server asks -----
     def seat(self, free: list[int], prompt: np.ndarray) -> int:
         """The free slot for `prompt`: the one whose cells keep most of it (REUSE_MIN tokens at
-        least; else the spare one: empty, else used longest ago), unless an entry keeps enough
+        least, or all it holds; else the spare one: empty, else used longest ago), unless an entry keeps enough
         more to pay for its copy (`_pays`), which is then restored into the spare slot. What the
         slot held that the request will not keep is kept as an entry first."""
         self.clock += 1
         prompt = np.asarray(prompt, dtype=np.int32)
         target = self.models[0]
         kept = {s: reusable_prefix(target.cached(s), prompt) for s in free}
-        # Where nothing worth keeping is shared, the slot that loses least: an empty one (the
-        # lowest: neighbouring slots decode together), else the one used longest ago.
+        # A slot worth taking keeps REUSE_MIN tokens, or all it holds (the prompt continues it).
+        # Where none is, the slot that loses least: an empty one (the lowest: neighbouring slots
+        # decode together), else the one used longest ago.
         spare = min(free, key=lambda s: (len(target.cached(s)) > 0, self.seated.get(s, 0), s))
-        seq = max(free, key=lambda s: kept[s]) if max(kept.values()) >= REUSE_MIN else spare
+        worth = [s for s in free if kept[s] >= REUSE_MIN or 0 < kept[s] == len(target.cached(s))]
+        seq = max(worth, key=lambda s: kept[s]) if worth else spare
         best, reach = None, 0
         for e in self.entries:
             n = reusable_prefix(e.key, prompt)
