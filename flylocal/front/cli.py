@@ -268,12 +268,12 @@ def serve(host, port, api_key, max_queue, cors_origins, allowed_hosts, parallel,
     settings = dataclasses.replace(settings_from(opts), parallel=parallel, kv_unified=kv_unified,
                                    calibration_wait=WAIT)
     check(settings)
+    cache = CacheOptions(cache_ram, usable_folder(prompt_cache, "--prompt-cache") if prompt_cache else None,
+                         prompt_cache_size)
     for name in (settings.target, settings.draft):     # a bad model is one line before anything listens
         if name:
             registry.resolve(name, note)
     embedder = (embedding_model, registry.resolve(embedding_model, note)) if embedding_model else None
-    cache = CacheOptions(cache_ram, usable_folder(prompt_cache, "--prompt-cache") if prompt_cache else None,
-                         prompt_cache_size)
     server.serve(lambda: Session(load(settings, log=note)), settings, host, port, api_key or None, max_queue,
                  cors_origins, note, allowed_hosts=allowed_hosts, quiet=quiet, embedding_model=embedder,
                  prompt_cache=cache)
