@@ -78,10 +78,11 @@ def read_header(f, keys: list[dict] | None) -> dict:
     raw = f.read(n) if n <= MAX_HEADER else b""
     try:
         header = json.loads(raw)
-        sizes, tokens = header["sizes"], header["tokens"]
+        header["sizes"] = sizes = [int(n) for n in header["sizes"]]
+        header["tokens"] = tokens = [np.asarray(t, dtype=np.int32).reshape(-1) for t in header["tokens"]]
         if len(sizes) != len(tokens) or not isinstance(header["sha256"], str):
             raise ValueError
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OverflowError):
         raise Unusable("its header is damaged") from None
     if keys is not None and key_text(header["key"]) != key_text(keys):
         raise Unusable("it was made by another model, build or context size", foreign=True)
@@ -105,7 +106,7 @@ def read(path: Path, keys: list[dict]) -> tuple[list[np.ndarray], list[bytes | N
             digest.update(d)
     if digest.hexdigest() != header["sha256"]:
         raise Unusable("its bytes do not match its digest")
-    return [np.asarray(t, dtype=np.int32) for t in header["tokens"]], data
+    return header["tokens"], data
 
 
 def read_into_map(f, n: int):
@@ -142,7 +143,7 @@ class Shelf:
                     damaged += 1
                     path.unlink(missing_ok=True)
                 continue
-            tokens = [np.asarray(t, dtype=np.int32) for t in header["tokens"]]
+            tokens = header["tokens"]
             found.append(Entry(tokens, None, sum(max(n, 0) for n in header["sizes"]), 0, path=path))
         if foreign:
             self.log(f"prompt cache: {foreign} entries in {self.folder} are of another model, build or context: "

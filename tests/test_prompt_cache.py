@@ -184,3 +184,22 @@ def test_a_short_conversation_continues_in_its_own_slot_and_a_new_one_takes_an_e
     assert cache.seat([0, 1, 2], third) == 2
     target.sequence(2).decode(third)
     assert cache.seat([0, 1, 2], np.full(12, 7, dtype=np.int32)) == 0         # the one used longest ago
+
+
+def test_a_file_with_a_hostile_header_is_deleted_not_a_traceback(tmp_path):
+    """A header that parses as JSON but holds no token ids or sizes is a damaged entry: deleted
+    with one line when the folder is read."""
+    import json
+    import struct
+
+    from flylocal.prompt_files import MAGIC
+
+    target = FakeSequences(LM, 1, N_CTX, 64, fixed_costs(0.1, rows=64))
+    for header in ({"key": [target.state_key()], "tokens": [["a"]], "sizes": [4], "sha256": ""},
+                   {"key": [target.state_key()], "tokens": [[1]], "sizes": ["x"], "sha256": ""}):
+        raw = json.dumps(header).encode()
+        (tmp_path / "bad.prompt").write_bytes(MAGIC + struct.pack("<Q", len(raw)) + raw + b"1234")
+        said = []
+        cache = PromptCache([target], 1 << 20, Shelf(tmp_path, 1 << 20, [target.state_key()], said.append), said.append)
+        assert not cache.entries and not (tmp_path / "bad.prompt").exists()
+        assert any("damaged" in line for line in said)
