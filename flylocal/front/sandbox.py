@@ -162,7 +162,8 @@ def run_python(program: str, timeout: float) -> Outcome:
     try:
         path = Path(root, "program.py")
         path.write_text(program, encoding="utf-8")
-        env = {"HOME": root, "TMPDIR": root, "PATH": SAFE_PATH, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+        env = {"HOME": root, "TMPDIR": root, "PATH": SAFE_PATH, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
+               "FLYLOCAL_SANDBOX": root}     # a program can check that it runs here (bench's code task does)
         nproc = _user_tasks(os.getuid()) + EXTRA_PROCESSES
         log = open(Path(root, ".output"), "w+b")
         try:

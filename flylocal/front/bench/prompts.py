@@ -35,6 +35,12 @@ class Prompt:
     source: str = ""                 # where it came from, for messages: FILE:LINE, FILE or a task id
     turns: list[str] | None = None   # every user turn, the first being `text` (Spec-Bench)
     category: str | None = None
+    raw_reference: list | None = None   # Spec-Bench's "reference", as its file has it
+    task: str | None = None             # the scored task it belongs to (flylocal.front.bench.tasks)
+    reference: list[str] | None = None  # ... and what its scorer compares the answer with
+    stops: tuple[str, ...] = ()         # strings that end the answer (a base model's question form)
+    seed: int | None = None             # the sampling seed it runs under, where a run has several
+    max_tokens: int | None = None       # its own limit (a task's), in place of the run's
 
     @property
     def group(self) -> str | None:
@@ -87,7 +93,9 @@ def load_prompts(path: str) -> list[Prompt]:
                 raise FlylocalError(f"{path}:{lineno}: \"turns\" must be a non-empty list of strings "
                                     "(and \"category\" a string)")
             pid = str(row.get("question_id", row.get("id", lineno)))
-            prompt = Prompt(pid, turns[0], source=f"{path}:{lineno}", turns=list(turns), category=category)
+            reference = row.get("reference")
+            prompt = Prompt(pid, turns[0], source=f"{path}:{lineno}", turns=list(turns), category=category,
+                            raw_reference=reference if isinstance(reference, list) else None)
         else:
             answers = row.get("answers") if isinstance(row, dict) else None
             if (not isinstance(row, dict) or not isinstance(row.get("prompt"), str)

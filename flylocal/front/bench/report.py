@@ -29,6 +29,8 @@ class Row:
     passed: dict = field(default_factory=dict)     # prompt id -> HumanEval tests passed (with execute)
     failures: list = field(default_factory=list)   # {"prompt", "repeat", "error"} per failed prompt
     valid: dict = field(default_factory=dict)      # prompt id -> the answer is valid under --json-schema
+    scores: dict = field(default_factory=dict)     # prompt id -> its task's score of the answer, 0-100
+    loose: dict = field(default_factory=dict)      # prompt id -> output positions accepted loosely (first turn)
 
 
 def _mean(values) -> float | None:
@@ -202,7 +204,9 @@ def per_prompt(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
             out.append({"prompt": p.id, "category": p.category, "method": m, "tokens": mine["tokens"],
                         **_ratios(mine, r),
                         "mean_accepted_length": round(mine["emitted_in_rounds"] / mine["rounds"], 3) if mine["rounds"] else None,
-                        "wall_s": round(mine["wall_s"], 4), "answer": row.outputs[p.id][1]})
+                        "wall_s": round(mine["wall_s"], 4), "answer": row.outputs[p.id][1],
+                        **({"task": p.task, "seed": p.seed, "score": round(row.scores[p.id], 2),
+                            "loose": row.loose.get(p.id, [])} if p.id in row.scores else {})})
     return out
 
 
@@ -259,6 +263,8 @@ def summary(results: dict) -> list[str]:
 
 
 def report_md(results: dict) -> str:
+    from flylocal.front.bench.scores import quality_md       # it reads this module's figures
+
     first = ["method", "e2e_speedup", "speedup", "e2e_tokens_per_s", "mean_accepted_length", "changed", "loose_rate",
              "repeated_4grams", "target_nll", "accuracy", "pass_at_1", "valid"]
     later = ["tokens_per_s", "acceptance", "agreement", "first_divergence", "forced_per_round", "mask_ms_per_round",
@@ -304,6 +310,7 @@ def report_md(results: dict) -> str:
                  "repeated 4-grams: the share of an answer's 4-grams that already occurred in it (a speedup "
                  "bought by repetition shows here). target NLL: the target's own mean negative log-likelihood "
                  "of the answer's tokens.",
+             *quality_md(results.get("tasks") or []),
              "", "## Details", "", *table(detail_cols),
              "", "acceptance: committed draft tokens over drafted ones. agreement: the share of answers identical "
                  "to plain decoding's; first divergence: the median token where the others first differ. "
@@ -336,12 +343,12 @@ def report_md(results: dict) -> str:
     if rows:
         lines += ["", "## Per prompt", "",
                   "| prompt | category | method | tokens | tokens/s | speedup | e2e tokens/s | e2e speedup | "
-                  "mean accepted length |", "|" + " --- |" * 9]
+                  "mean accepted length | score |", "|" + " --- |" * 10]
         for r in rows:
             lines.append("| " + " | ".join(
                 "–" if r.get(k) is None else (f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]))
                 for k in ("prompt", "category", "method", "tokens", "tokens_per_s", "speedup", "e2e_tokens_per_s",
-                          "e2e_speedup", "mean_accepted_length")) + " |")
+                          "e2e_speedup", "mean_accepted_length", "score")) + " |")
     if failures:
         lines += ["", "## Failures", "",
                   "Metrics of a method cover only the prompts it completed.", ""]
@@ -405,4 +412,9 @@ def write_results(out: Path, results: dict) -> tuple[str, Path | None]:
                 f.write(text)
         except OSError as e:
             raise FlylocalError(f"cannot write {path}: {e.strerror or e}") from None
-    return report, plot(results, out)
+    png = plot(results, out)
+    if results.get("tasks"):
+        from flylocal.front.bench.scores import quality_plot
+
+        quality_plot(results["tasks"], out)
+    return report, png

@@ -28,6 +28,7 @@ from flylocal.errors import FlylocalError
 from flylocal.front.bench.methods import METHODS, parse_methods
 from flylocal.front.bench.prompts import (Prompt, encode_all, humaneval_prompts, load_prompts, of_categories, passes,
                                           per_group, standin_prompts, stop_code, valid_json)
+from flylocal.front.bench.tasks import TASKS, answer, cut, parse_tasks, task_prompts
 from flylocal.front.bench.report import COUNTS, Row, machine_info, metrics, per_prompt, write_results
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
     HumanEval completions are run against their tests (in flylocal.front.sandbox). With a JSON
     `schema`, every answer is generated under it, and checked against it. `progress(step,
     total, what)` is told of each step before it runs."""
-    from flylocal.decoding.engine import generate_all
+    from flylocal.decoding.engine import LOOSE
     from flylocal.decoding.quality import target_nll
 
     target, draft = models.target, models.draft
@@ -97,15 +98,22 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
         if draft is not None:
             draft.reset()
 
-    def one_turn(m: str, ids, fresh: bool):
-        """(token ids, text, {COUNTS but wall_s}, ASD regret spent or None) of method m on prompt ids."""
+    def one_turn(m: str, p: Prompt, ids, fresh: bool):
+        """(token ids, text, {COUNTS but wall_s}, ASD regret spent or None, output positions
+        accepted loosely) of method m on prompt ids. A task's question generates until its
+        answer is complete (flylocal.front.bench.tasks.cut), at its own max_tokens and seed."""
         method = METHODS[m]
+        s = settings
+        if p.max_tokens is not None:
+            s = dataclasses.replace(s, max_tokens=p.max_tokens)
+        if p.seed is not None:
+            s = dataclasses.replace(s, sampling=dataclasses.replace(s.sampling, seed=p.seed))
         if method.baseline:
-            text, n, _, decode_s = baselines[m].generate(ids, settings.max_tokens, settings.sampling, reuse=not fresh)
+            text, n, _, decode_s = baselines[m].generate(ids, s.max_tokens, s.sampling, reuse=not fresh)
             tokens = list(target.tokenize(text, add_special=False, parse_special=False)) if text else []
             return tokens, text, dict(tokens=n, emitted_in_rounds=n, decode_tokens=max(n - 1, 0), decode_s=decode_s, rounds=0, loose=0, verify_s=0.0,
-                                      drafted=0, accepted=0, forced=0, mask_s=0.0), None
-        s = dataclasses.replace(settings, verifier=method.verifier, drafter=method.drafter)
+                                      drafted=0, accepted=0, forced=0, mask_s=0.0), None, []
+        s = dataclasses.replace(s, verifier=method.verifier, drafter=method.drafter)
         if method.within_round:
             fly = dataclasses.replace(s.verifiers.fly, across=False, candidates=False)
             s = dataclasses.replace(s, verifiers=dataclasses.replace(s.verifiers, fly=fly))
@@ -114,11 +122,23 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
             if draft is not None:
                 draft.reset()
         # Each run searches the --lookup-corpus file alone, never what other runs generated.
-        tokens, stats, _ = generate_all(models.engine(s, private=True), ids, grammar)
+        gen = models.engine(s, private=True).generate(ids, grammar=grammar)
+        tokens, loose, ends = gen.tokens, [], bool(p.stops) or (p.task == "humaneval" and p.raw)
+        try:
+            for event in gen:
+                loose += [len(tokens) - len(event.tokens) + j for j, kind in enumerate(event.kinds) if kind == LOOSE]
+                if ends and cut(p, target.detokenize(tokens)) is not None:
+                    break
+        finally:
+            gen.close()
+        stats, text = gen.stats, target.detokenize(tokens)
+        if ends and (done := cut(p, text)) is not None:      # the tokens the answer needed, no more
+            keep = next(n for n in range(len(tokens) + 1) if len(target.detokenize(tokens[:n])) >= len(done))
+            tokens, text, loose = tokens[:keep], done, [j for j in loose if j < keep]
         counts = dict(tokens=stats.emitted, emitted_in_rounds=stats.emitted_in_rounds, decode_tokens=stats.decode_tokens, decode_s=stats.decode_s, rounds=stats.rounds, loose=stats.loose,
                       verify_s=stats.verify_s, drafted=stats.drafted, accepted=stats.accepted, forced=stats.forced,
                       mask_s=stats.mask_s)
-        return tokens, target.detokenize(tokens), counts, stats.budget_spent
+        return list(tokens), text, counts, stats.budget_spent, loose
 
     total = repeat * len(prompts) * len(methods)
     step = 0
@@ -133,7 +153,7 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
                     progress(step, total, f"{m} on {p.id}" + (f" (repeat {r + 1}/{repeat})" if repeat > 1 else ""))
                 turns = p.turns or [p.text]
                 messages: list[dict] = []
-                outputs, sums, spent = [], dict.fromkeys(COUNTS, 0), None
+                outputs, sums, spent, loose = [], dict.fromkeys(COUNTS, 0), None, []
                 try:
                     for i, turn in enumerate(turns):
                         if i == 0:
@@ -145,7 +165,9 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
                             if len(ids) >= target.n_ctx:
                                 raise FlylocalError(f"turn {i + 1} is {len(ids)} tokens, longer than --ctx {target.n_ctx}")
                         t0 = time.perf_counter()
-                        tokens, text, counts, budget = one_turn(m, ids, fresh=i == 0)
+                        tokens, text, counts, budget, where = one_turn(m, p, ids, fresh=i == 0)
+                        if i == 0:
+                            loose = where
                         counts["wall_s"] = time.perf_counter() - t0
                         for key, v in counts.items():
                             sums[key] += v
@@ -161,6 +183,7 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
                     mine[key] += v
                 if r == repeat - 1:
                     row.outputs[p.id] = outputs[0]
+                    row.loose[p.id] = loose
                     row.later[p.id] = [t for t, _ in outputs[1:]]
                     if spent is not None:
                         row.spent[p.id] = spent
@@ -171,7 +194,12 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
             tokens, text = row.outputs[p.id]
             try:
                 row.nll[p.id] = target_nll(target, encoded[p.id], tokens)
-                if execute and p.test is not None:
+                if p.task is not None:
+                    row.scores[p.id] = TASKS[p.task].score(p, answer(p, text))
+                    row.loose[p.id] = [{"at": j, "token": target.detokenize(tokens[j:j + 1]),
+                                        "before": target.detokenize(tokens[max(0, j - 8):j])}
+                                       for j in row.loose.get(p.id, []) if j < len(tokens)]
+                elif execute and p.test is not None:
                     row.passed[p.id] = passes(p, stop_code(text))
                 if schema is not None:
                     row.valid[p.id] = valid_json(text, schema)
@@ -181,19 +209,10 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
     return rows
 
 
-def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, humaneval_limit: int | None,
-         category: str | None, per_category: int | None, execute: bool, out_dir: str, methods: str | None, repeat: int, raw: bool,
-         schema: tuple[str, str] | None = None,
-         note: Callable[[str], None], progress: Progress | None = None,
-         warn: Callable[[str], None] = lambda s: None, preset: str | None = None) -> str:
-    """`flylocal bench`: check everything that can be checked before a model loads, load the
-    models through the loader like every command, run, and write the results. Returns the
-    report's text."""
-    from flylocal.host import CpuLoad
-    from flylocal.loader import load, runtime_config
-
+def _prompts(prompts_path, humaneval, humaneval_limit, category, per_category, execute, preset) -> tuple[list[Prompt], str]:
+    """The prompts of a run without --tasks, and how to name where they came from."""
     if execute and not humaneval:
-        raise FlylocalError("--execute runs HumanEval completions; it needs --humaneval")
+        raise FlylocalError("--execute runs model-written code: it goes with --humaneval or --tasks")
     if preset is not None:            # its own prompts: Spec-Bench's (--prompts, or the project's) as questions
         if humaneval:
             raise FlylocalError("--preset standin has prompts of its own; it takes no --humaneval")
@@ -201,14 +220,62 @@ def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, human
         source = f"the {preset} preset ({prompts_path or 'data/spec_bench'} as questions, and copy-heavy edits)"
     else:
         if (prompts_path is None) == (not humaneval):
-            raise FlylocalError("give --prompts FILE_OR_DIR or --humaneval (one of them)")
+            raise FlylocalError("give --prompts FILE_OR_DIR, --humaneval or --tasks (one of them)")
         prompts = humaneval_prompts(humaneval_limit) if humaneval else load_prompts(prompts_path)
         source = "HumanEval" if humaneval else prompts_path
     if category is not None:
         prompts = of_categories(prompts, category, source)
     if per_category is not None and preset is None:
         prompts = per_group(prompts, per_category)
+    return prompts, source
+
+
+def _task_prompts(settings: Settings, spec: str, per_task: int | None, seeds: int | None, execute: bool,
+                  own_max_tokens: bool, base: bool, others: dict, say: Callable[[str], None]) -> tuple[list[Prompt], str]:
+    """The questions of --tasks (a base model's question form with `base`), each at its task's
+    max_tokens where `own_max_tokens`, once per seed with --seeds; and how to name them."""
+    given = [f"--{k.replace('_', '-').replace('-path', '')}" for k, v in others.items() if v]
+    if given:
+        raise FlylocalError(f"--tasks has questions of its own; it takes no {given[0]}")
+    chosen = parse_tasks(spec, execute, say)
+    seed_list = None
+    if seeds is not None:
+        if settings.sampling.temperature <= 0:
+            raise FlylocalError("--seeds runs each question under several seeds: it needs --temperature above 0")
+        first = settings.sampling.seed if settings.sampling.seed is not None else 0
+        seed_list = list(range(first, first + seeds))
+    elif settings.sampling.temperature > 0 and settings.sampling.seed is None:
+        raise FlylocalError("--tasks at --temperature above 0 needs --seed (or --seeds N), so that every method "
+                            "samples with the same randomness")
+    prompts = task_prompts(chosen, per_task, base, seed_list)
+    if own_max_tokens:
+        prompts = [dataclasses.replace(p, max_tokens=TASKS[p.task].max_tokens) for p in prompts]
+    form = "a base model's question form" if base else "as asked"
+    return prompts, f"tasks {', '.join(t.name for t in chosen)} ({form})"
+
+
+def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, humaneval_limit: int | None,
+         category: str | None, per_category: int | None, execute: bool, out_dir: str, methods: str | None, repeat: int, raw: bool,
+         schema: tuple[str, str] | None = None,
+         note: Callable[[str], None], progress: Progress | None = None,
+         warn: Callable[[str], None] = lambda s: None, preset: str | None = None, tasks: str | None = None,
+         per_task: int | None = None, seeds: int | None = None, task_max_tokens: bool = True) -> str:
+    """`flylocal bench`: check everything that can be checked before a model loads, load the
+    models through the loader like every command, run, and write the results. Returns the
+    report's text and the results (results.json's content)."""
+    from flylocal.host import CpuLoad
+    from flylocal.loader import load, runtime_config
+
     notes = []                        # said once every check has passed, so that an error stays one line
+    if tasks is not None:
+        prompts, source = _task_prompts(settings, tasks, per_task, seeds, execute, task_max_tokens,
+                                        base=raw or preset is not None, others=dict(
+                                            prompts_path=prompts_path, humaneval=humaneval, category=category,
+                                            per_category=per_category), say=notes.append)
+    else:
+        if seeds is not None or per_task is not None:
+            raise FlylocalError(f"{'--seeds' if seeds is not None else '--per-task'} goes with --tasks")
+        prompts, source = _prompts(prompts_path, humaneval, humaneval_limit, category, per_category, execute, preset)
     chosen = parse_methods(methods, settings.draft is not None, notes.append)
     schema_source = None
     if schema is not None:            # (its text, how to name it)
@@ -268,12 +335,19 @@ def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, human
                        "category": category, "per_category": per_category, "max_tokens": settings.max_tokens, "repeat": repeat,
                        "k": settings.k, "ctx": settings.ctx, "exact": settings.exact, "threads": settings.threads,
                        "target_rpc": list(settings.target_rpc), "draft_rpc": list(settings.draft_rpc),
-                       "methods": chosen, "executed": execute if humaneval else None, "json_schema": schema_source},
+                       "methods": chosen, "executed": execute if humaneval or tasks else None, "json_schema": schema_source,
+                       "tasks": sorted({p.task for p in prompts if p.task}, key=list(TASKS).index) or None,
+                       "per_task": per_task, "seeds": sorted({p.seed for p in prompts if p.seed is not None}) or None,
+                       "temperature": settings.sampling.temperature},
         }
+        if tasks is not None:
+            from flylocal.front.bench.scores import task_results
+
+            results["tasks"] = task_results(rows, prompts)
         report, png = write_results(out, results)
         if png is None:
             note("matplotlib is not installed: no plot (pip install 'flylocal[plot]')")
-        return report
+        return report, results
     finally:
         for x in baselines.values():
             x.close()
