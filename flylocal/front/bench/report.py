@@ -262,6 +262,36 @@ def summary(results: dict) -> list[str]:
     return lines
 
 
+def category_tables(results: dict) -> list[str]:
+    """The report's speed-up tables by category, end to end and decode, in Spec-Bench's layout."""
+    lines: list[str] = []
+    groups = [g for g in GROUP_ORDER if any(g in r.get("categories", {}) for r in results["methods"])]
+    groups += sorted({g for r in results["methods"] for g in r.get("categories", {})} - set(groups))
+    if groups:
+        for title, key in (("end to end", "e2e_speedup"), ("decode", "speedup")):
+            lines += ["", f"## Speedup by category, {title} (Spec-Bench's layout)", "",
+                      "| method | " + " | ".join(groups) + " | overall | mean accepted length |",
+                      "|" + " --- |" * (len(groups) + 3)]
+            flagged = False
+            for r in results["methods"]:
+                c = r.get("categories", {})
+                cells = []
+                for g in groups:
+                    cell_ = _ratio(c[g].get(key), c[g].get(f"{key}_ci")) if g in c else "–"
+                    tau_g = c.get(g, {}).get("mean_accepted_length")
+                    if r["method"] != "autoregressive" and tau_g is not None and tau_g < NEAR_ONE and c[g].get(key):
+                        cell_ += " †"
+                        flagged = True
+                    cells.append(cell_)
+                overall = _ratio(r.get(key), r.get(f"{key}_ci"))
+                tau = f"{r['mean_accepted_length']:.2f}" if r.get("mean_accepted_length") else "–"
+                lines.append(f"| {r['method']} | " + " | ".join(cells) + f" | {overall} | {tau} |")
+            if flagged:
+                lines += ["", f"† mean accepted length below {NEAR_ONE} there: the speed difference does not "
+                              "come from speculation (it is noise, or the machine's drift)."]
+    return lines
+
+
 def report_md(results: dict) -> str:
     from flylocal.front.bench.scores import quality_md       # it reads this module's figures
 
@@ -315,30 +345,7 @@ def report_md(results: dict) -> str:
              "", "acceptance: committed draft tokens over drafted ones. agreement: the share of answers identical "
                  "to plain decoding's; first divergence: the median token where the others first differ. "
                  "verify share: the verifier's share of decoding time."]
-    groups = [g for g in GROUP_ORDER if any(g in r.get("categories", {}) for r in results["methods"])]
-    groups += sorted({g for r in results["methods"] for g in r.get("categories", {})} - set(groups))
-    if groups:
-        for title, key in (("end to end", "e2e_speedup"), ("decode", "speedup")):
-            lines += ["", f"## Speedup by category, {title} (Spec-Bench's layout)", "",
-                      "| method | " + " | ".join(groups) + " | overall | mean accepted length |",
-                      "|" + " --- |" * (len(groups) + 3)]
-            flagged = False
-            for r in results["methods"]:
-                c = r.get("categories", {})
-                cells = []
-                for g in groups:
-                    cell_ = _ratio(c[g].get(key), c[g].get(f"{key}_ci")) if g in c else "–"
-                    tau_g = c.get(g, {}).get("mean_accepted_length")
-                    if r["method"] != "autoregressive" and tau_g is not None and tau_g < NEAR_ONE and c[g].get(key):
-                        cell_ += " †"
-                        flagged = True
-                    cells.append(cell_)
-                overall = _ratio(r.get(key), r.get(f"{key}_ci"))
-                tau = f"{r['mean_accepted_length']:.2f}" if r.get("mean_accepted_length") else "–"
-                lines.append(f"| {r['method']} | " + " | ".join(cells) + f" | {overall} | {tau} |")
-            if flagged:
-                lines += ["", f"† mean accepted length below {NEAR_ONE} there: the speed difference does not "
-                              "come from speculation (it is noise, or the machine's drift)."]
+    lines += category_tables(results)
     rows = results.get("prompts", [])
     if rows:
         lines += ["", "## Per prompt", "",

@@ -65,51 +65,40 @@ def one_line(e: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def run(settings: Settings, models: Models, baselines: dict, prompts: list[Prompt], methods: list[str],
-        repeat: int, progress: Progress | None = None, raw: bool = False, *, encoded: dict | None = None,
-        execute: bool = False, warn: Callable[[str], None] = lambda s: None, schema: dict | None = None) -> dict[str, Row]:
-    """Run every method on every prompt, `repeat` times, interleaved. `settings` carries the
-    engine settings shared by all methods; each method sets its verifier and drafter.
-    `encoded` is encode_all's result (computed here if not given). A method that raises on a
-    prompt gets a failure recorded for it and is not run on that prompt again. With `execute`,
-    HumanEval completions are run against their tests (in flylocal.front.sandbox). With a JSON
-    `schema`, every answer is generated under it, and checked against it. `progress(step,
-    total, what)` is told of each step before it runs."""
-    from flylocal.decoding.engine import LOOSE
-    from flylocal.decoding.quality import target_nll
+class _Turns:
+    """One method's turns on one prompt, and what the run keeps of them; the state the methods
+    share: settings, models, baselines, the grammar."""
 
-    target, draft = models.target, models.draft
-    rows = {m: Row(m) for m in methods}
-    grammar = None
-    if schema is not None:
-        from flylocal.decoding import grammar as G
+    def __init__(self, settings: Settings, models: Models, baselines: dict, grammar, warn: Callable[[str], None]):
+        self.settings, self.models, self.baselines, self.grammar, self.warn = settings, models, baselines, grammar, warn
+        self.target, self.draft = models.target, models.draft
 
-        grammar = G.Grammar(target, G.json_output(schema)[1], "the JSON schema")
-    if encoded is None:
-        encoded = encode_all(target, prompts, raw)
+    def reset(self) -> None:
+        self.target.reset()
+        if self.draft is not None:
+            self.draft.reset()
 
-    def fail(row: Row, p: Prompt, r: int, e: Exception) -> None:
+    def fail(self, row: Row, p: Prompt, r: int, e: Exception) -> None:
         message = one_line(e)
         row.failures.append({"prompt": p.id, "repeat": r, "error": message})
         row.outputs.pop(p.id, None)
         row.per_prompt.pop(p.id, None)
-        warn(f"{row.method} failed on {p.id}: {message}")
-        target.reset()                # a failed decode leaves no half-known cache behind
-        if draft is not None:
-            draft.reset()
+        self.warn(f"{row.method} failed on {p.id}: {message}")
+        self.reset()                  # a failed decode leaves no half-known cache behind
 
-    def one_turn(m: str, p: Prompt, ids, fresh: bool):
+    def one(self, m: str, p: Prompt, ids, fresh: bool):
         """(token ids, text, {COUNTS but wall_s}, ASD regret spent or None, output positions
         accepted loosely) of method m on prompt ids. A task's question generates until its
         answer is complete (flylocal.front.bench.tasks.cut), at its own max_tokens and seed."""
-        method = METHODS[m]
-        s = settings
+        from flylocal.decoding.engine import LOOSE
+
+        method, s, target = METHODS[m], self.settings, self.target
         if p.max_tokens is not None:
             s = dataclasses.replace(s, max_tokens=p.max_tokens)
         if p.seed is not None:
             s = dataclasses.replace(s, sampling=dataclasses.replace(s.sampling, seed=p.seed))
         if method.baseline:
-            text, n, _, decode_s = baselines[m].generate(ids, s.max_tokens, s.sampling, reuse=not fresh)
+            text, n, _, decode_s = self.baselines[m].generate(ids, s.max_tokens, s.sampling, reuse=not fresh)
             tokens = list(target.tokenize(text, add_special=False, parse_special=False)) if text else []
             return tokens, text, dict(tokens=n, emitted_in_rounds=n, decode_tokens=max(n - 1, 0), decode_s=decode_s, rounds=0, loose=0, verify_s=0.0,
                                       drafted=0, accepted=0, forced=0, mask_s=0.0), None, []
@@ -118,11 +107,9 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
             fly = dataclasses.replace(s.verifiers.fly, across=False, candidates=False)
             s = dataclasses.replace(s, verifiers=dataclasses.replace(s.verifiers, fly=fly))
         if fresh:
-            target.reset()
-            if draft is not None:
-                draft.reset()
+            self.reset()
         # Each run searches the --lookup-corpus file alone, never what other runs generated.
-        gen = models.engine(s, private=True).generate(ids, grammar=grammar)
+        gen = self.models.engine(s, private=True).generate(ids, grammar=self.grammar)
         tokens, loose, ends = gen.tokens, [], bool(p.stops) or (p.task == "humaneval" and p.raw)
         try:
             for event in gen:
@@ -140,6 +127,72 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
                       mask_s=stats.mask_s)
         return list(tokens), text, counts, stats.budget_spent, loose
 
+    def all(self, m: str, p: Prompt, first_ids) -> tuple[list, dict, float | None, list]:
+        """Every turn of prompt p with method m: ([(token ids, text)] a turn, summed counts,
+        ASD regret spent or None, the first turn's loose positions). A later turn follows the
+        method's own answers."""
+        target = self.target
+        messages: list[dict] = []
+        outputs, sums, spent, loose = [], dict.fromkeys(COUNTS, 0), None, []
+        for i, turn in enumerate(p.turns or [p.text]):
+            if i == 0:
+                ids = first_ids
+            else:
+                ids = target.tokenize_chat(messages + [{"role": "user", "content": turn}])
+                if ids is None:
+                    raise FlylocalError(f"{target.name} has no chat template for a second turn")
+                if len(ids) >= target.n_ctx:
+                    raise FlylocalError(f"turn {i + 1} is {len(ids)} tokens, longer than --ctx {target.n_ctx}")
+            t0 = time.perf_counter()
+            tokens, text, counts, budget, where = self.one(m, p, ids, fresh=i == 0)
+            counts["wall_s"] = time.perf_counter() - t0
+            loose = where if i == 0 else loose
+            for key, v in counts.items():
+                sums[key] += v
+            if budget is not None:
+                spent = (spent or 0.0) + budget
+            outputs.append((list(tokens), text))
+            messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": text}]
+        return outputs, sums, spent, loose
+
+    def judge(self, row: Row, p: Prompt, ids, execute: bool, schema: dict | None) -> None:
+        """The quality figures of row's answer to p: the target's NLL, the task's score and the
+        loose tokens in it, HumanEval's tests, validity under the schema."""
+        from flylocal.decoding.quality import target_nll
+
+        tokens, text = row.outputs[p.id]
+        target = self.target
+        row.nll[p.id] = target_nll(target, ids, tokens)
+        if p.task is not None:
+            row.scores[p.id] = TASKS[p.task].score(p, answer(p, text))
+            row.loose[p.id] = [{"at": j, "token": target.detokenize(tokens[j:j + 1]),
+                                "before": target.detokenize(tokens[max(0, j - 8):j])}
+                               for j in row.loose.get(p.id, []) if j < len(tokens)]
+        elif execute and p.test is not None:
+            row.passed[p.id] = passes(p, stop_code(text))
+        if schema is not None:
+            row.valid[p.id] = valid_json(text, schema)
+
+
+def run(settings: Settings, models: Models, baselines: dict, prompts: list[Prompt], methods: list[str],
+        repeat: int, progress: Progress | None = None, raw: bool = False, *, encoded: dict | None = None,
+        execute: bool = False, warn: Callable[[str], None] = lambda s: None, schema: dict | None = None) -> dict[str, Row]:
+    """Run every method on every prompt, `repeat` times, interleaved. `settings` carries the
+    engine settings shared by all methods; each method sets its verifier and drafter.
+    `encoded` is encode_all's result (computed here if not given). A method that raises on a
+    prompt gets a failure recorded for it and is not run on that prompt again. With `execute`,
+    HumanEval completions are run against their tests (in flylocal.front.sandbox). With a JSON
+    `schema`, every answer is generated under it, and checked against it. `progress(step,
+    total, what)` is told of each step before it runs."""
+    rows = {m: Row(m) for m in methods}
+    grammar = None
+    if schema is not None:
+        from flylocal.decoding import grammar as G
+
+        grammar = G.Grammar(models.target, G.json_output(schema)[1], "the JSON schema")
+    if encoded is None:
+        encoded = encode_all(models.target, prompts, raw)
+    turns = _Turns(settings, models, baselines, grammar, warn)
     total = repeat * len(prompts) * len(methods)
     step = 0
     for r in range(repeat):
@@ -151,61 +204,26 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
                     continue
                 if progress is not None:
                     progress(step, total, f"{m} on {p.id}" + (f" (repeat {r + 1}/{repeat})" if repeat > 1 else ""))
-                turns = p.turns or [p.text]
-                messages: list[dict] = []
-                outputs, sums, spent, loose = [], dict.fromkeys(COUNTS, 0), None, []
                 try:
-                    for i, turn in enumerate(turns):
-                        if i == 0:
-                            ids = encoded[p.id]
-                        else:      # a later turn follows this method's own answers
-                            ids = target.tokenize_chat(messages + [{"role": "user", "content": turn}])
-                            if ids is None:
-                                raise FlylocalError(f"{target.name} has no chat template for a second turn")
-                            if len(ids) >= target.n_ctx:
-                                raise FlylocalError(f"turn {i + 1} is {len(ids)} tokens, longer than --ctx {target.n_ctx}")
-                        t0 = time.perf_counter()
-                        tokens, text, counts, budget, where = one_turn(m, p, ids, fresh=i == 0)
-                        if i == 0:
-                            loose = where
-                        counts["wall_s"] = time.perf_counter() - t0
-                        for key, v in counts.items():
-                            sums[key] += v
-                        if budget is not None:
-                            spent = (spent or 0.0) + budget
-                        outputs.append((list(tokens), text))
-                        messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": text}]
+                    outputs, sums, spent, loose = turns.all(m, p, encoded[p.id])
                 except Exception as e:  # noqa: BLE001 - any failure is recorded, and the run goes on
-                    fail(row, p, r + 1, e)
+                    turns.fail(row, p, r + 1, e)
                     continue
                 mine = row.per_prompt.setdefault(p.id, dict.fromkeys(COUNTS, 0))
                 for key, v in sums.items():
                     mine[key] += v
                 if r == repeat - 1:
-                    row.outputs[p.id] = outputs[0]
-                    row.loose[p.id] = loose
-                    row.later[p.id] = [t for t, _ in outputs[1:]]
+                    row.outputs[p.id], row.later[p.id], row.loose[p.id] = outputs[0], [t for t, _ in outputs[1:]], loose
                     if spent is not None:
                         row.spent[p.id] = spent
     for p in prompts:                 # prompt-major: the target's cache keeps the prompt between methods
-        for m, row in rows.items():
-            if p.id not in row.outputs:
-                continue
-            tokens, text = row.outputs[p.id]
-            try:
-                row.nll[p.id] = target_nll(target, encoded[p.id], tokens)
-                if p.task is not None:
-                    row.scores[p.id] = TASKS[p.task].score(p, answer(p, text))
-                    row.loose[p.id] = [{"at": j, "token": target.detokenize(tokens[j:j + 1]),
-                                        "before": target.detokenize(tokens[max(0, j - 8):j])}
-                                       for j in row.loose.get(p.id, []) if j < len(tokens)]
-                elif execute and p.test is not None:
-                    row.passed[p.id] = passes(p, stop_code(text))
-                if schema is not None:
-                    row.valid[p.id] = valid_json(text, schema)
-            except Exception as e:  # noqa: BLE001
-                row.nll.pop(p.id, None)
-                fail(row, p, repeat, e)
+        for row in rows.values():
+            if p.id in row.outputs:
+                try:
+                    turns.judge(row, p, encoded[p.id], execute, schema)
+                except Exception as e:  # noqa: BLE001
+                    row.nll.pop(p.id, None)
+                    turns.fail(row, p, repeat, e)
     return rows
 
 
@@ -254,6 +272,36 @@ def _task_prompts(settings: Settings, spec: str, per_task: int | None, seeds: in
     return prompts, f"tasks {', '.join(t.name for t in chosen)} ({form})"
 
 
+def _without_baselines(chosen: list[str], why: str, because: str, say: Callable[[str], None]) -> list[str]:
+    """The methods but llama-cpp-python's own generation, which `why` leaves out, said once."""
+    local = [m for m in chosen if METHODS[m].baseline]
+    if local:
+        say(f"{why}: skipping {', '.join(local)} ({because})")
+    chosen = [m for m in chosen if m not in local]
+    if not chosen:
+        raise FlylocalError("no methods left to run")
+    return chosen
+
+
+def _check_schema(chosen: list[str], schema: tuple[str, str] | None, say: Callable[[str], None]):
+    """(methods, the schema as a dict, how to name it) for --json-schema's (text, name), checked
+    by the grammar engine and by jsonschema; (methods, None, None) without one."""
+    if schema is None:
+        return chosen, None, None
+    import jsonschema
+
+    from flylocal.decoding import grammar as G
+
+    text, source = schema
+    G.json_output(text, source)
+    parsed = json.loads(text)
+    try:                              # the answers are checked against it with jsonschema too
+        jsonschema.validators.validator_for(parsed).check_schema(parsed)
+    except jsonschema.SchemaError as e:
+        raise FlylocalError(f"{source} is not valid: {e.message}") from None
+    return _without_baselines(chosen, "--json-schema", "flylocal's grammar engine runs the schema", say), parsed, source
+
+
 def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, humaneval_limit: int | None,
          category: str | None, per_category: int | None, execute: bool, out_dir: str, methods: str | None, repeat: int, raw: bool,
          schema: tuple[str, str] | None = None,
@@ -277,33 +325,10 @@ def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, human
             raise FlylocalError(f"{'--seeds' if seeds is not None else '--per-task'} goes with --tasks")
         prompts, source = _prompts(prompts_path, humaneval, humaneval_limit, category, per_category, execute, preset)
     chosen = parse_methods(methods, settings.draft is not None, notes.append)
-    schema_source = None
-    if schema is not None:            # (its text, how to name it)
-        import jsonschema
-
-        from flylocal.decoding import grammar as G
-
-        text, schema_source = schema
-        G.json_output(text, schema_source)
-        schema = json.loads(text)
-        try:                          # the answers are checked against it with jsonschema too
-            jsonschema.validators.validator_for(schema).check_schema(schema)
-        except jsonschema.SchemaError as e:
-            raise FlylocalError(f"{schema_source} is not valid: {e.message}") from None
-        local = [m for m in chosen if METHODS[m].baseline]
-        if local:
-            notes.append(f"--json-schema: skipping {', '.join(local)} (flylocal's grammar engine runs the schema)")
-            chosen = [m for m in chosen if m not in local]
-        if not chosen:
-            raise FlylocalError("no methods left to run")
+    chosen, schema, schema_source = _check_schema(chosen, schema, notes.append)
     if settings.target_rpc:
-        local = [m for m in chosen if METHODS[m].baseline]
-        if local:
-            notes.append(f"--target-rpc: skipping {', '.join(local)} (llama-cpp-python's own generation runs the "
-                         "target here)")
-            chosen = [m for m in chosen if m not in local]
-        if not chosen:
-            raise FlylocalError("no methods left to run")
+        chosen = _without_baselines(chosen, "--target-rpc", "llama-cpp-python's own generation runs the target here",
+                                    notes.append)
     out = prepare_out(out_dir)
     if humaneval and not execute:
         notes.append("HumanEval completions will not be run (no pass@1); --execute runs them, see --help")
