@@ -90,7 +90,8 @@ def quality_md(tasks: list[dict]) -> list[str]:
             if "diff" in r:
                 ci = r["diff_ci"]
                 delta = f"{r['diff']:+.1f}" + (f" ({ci[0]:+.1f} to {ci[1]:+.1f})" if ci else "")
-                verdict = "**loses**" if r["loses"] else "keeps" if r["keeps"] else "loses under the interval"
+                verdict = ("keeps" if not r["loses"] else
+                           f"**loses** (under {KEEP_POINTS:g} point: kept)" if r["keeps"] else "**loses**")
                 counts = f"{r['lost']} / {r['gained']}"
             else:
                 delta = verdict = counts = "reference" if r["method"] == t["reference"] else "–"
