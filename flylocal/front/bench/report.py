@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flylocal.errors import FlylocalError
+from flylocal.front.bench.figures import pyplot, save
 from flylocal.front.bench.prompts import GROUP_ORDER, Prompt
 
 
@@ -372,11 +373,8 @@ def report_md(results: dict) -> str:
 
 
 def plot(results: dict, out: Path) -> Path | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     rows = [r for r in results["methods"] if r["method"] != "autoregressive"] or results["methods"]
     groups = [g for g in GROUP_ORDER if any(g in r.get("categories", {}) for r in rows)]
@@ -398,14 +396,7 @@ def plot(results: dict, out: Path) -> Path | None:
     ax.set_title("speed over plain decoding, with 95% intervals over prompts")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = out / "speedup.png"
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as e:
-        raise FlylocalError(f"cannot write {path}: {e.strerror or e}") from None
-    finally:
-        plt.close(fig)
-    return path
+    return save(fig, out / "speedup.png")
 
 
 def write_results(out: Path, results: dict) -> tuple[str, Path | None]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from flylocal.errors import FlylocalError
+from flylocal.front.bench.figures import pyplot, save
 from flylocal.front.bench.methods import METHODS
 from flylocal.front.bench.paired import KEEP_POINTS, compare
 from flylocal.front.bench.prompts import Prompt
@@ -118,11 +118,8 @@ def quality_md(tasks: list[dict]) -> list[str]:
 def quality_plot(tasks: list[dict], out: Path) -> Path | None:
     """quality.png: score against speed, one panel per task, one point per method with its
     intervals (the score's: the reference's score plus Δ's interval; the speed's)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     if not tasks:
         return None
@@ -152,11 +149,4 @@ def quality_plot(tasks: list[dict], out: Path) -> Path | None:
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
-    path = out / "quality.png"
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as e:
-        raise FlylocalError(f"cannot write {path}: {e.strerror or e}") from None
-    finally:
-        plt.close(fig)
-    return path
+    return save(fig, out / "quality.png")
