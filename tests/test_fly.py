@@ -152,6 +152,44 @@ def test_the_gate_never_opens_over_the_targets_end_of_generation():
     assert fly_across(d, a, z, A, open_window=(0, 0), ends=ends).settled == RETRACTED   # inside a window: as any mismatch
 
 
+def test_the_gate_never_opens_for_a_token_that_repeats_the_answer():
+    # The target is unsure at 1 and the window after it is full, but the draft's 9 at 1 ends the
+    # 4-gram (2, 8, 1, 9) the answer already holds: a copy of the answer's own text (prompt
+    # lookup proposing it), which the target goes on to follow, and the answer loops.
+    d, a, z = case([1, 2, 3, 4, 5, 6, 7], [1, 9, 3, 4, 5, 6], unsure={1})
+    z[1, 9] = 1.1                                                      # one of its top 3
+    looped = np.array([2, 8, 1, 9, 3, 2, 8], dtype=np.int32)           # ... then 1 from the draft
+    assert fly(d, a, z, P).loose == (1,)                               # nothing to repeat
+    dec = fly(d, a, z, P, output=looped)
+    assert (dec.accepted, dec.loose) == (1, ()) and np.isnan(dec.entropy[1])
+    assert fly_across(d, a, z, A, output=looped).accepted == 1
+    assert fly(d, a, z, replace(P, echo=5), output=looped).loose == (1,)     # a 5-gram it does not hold
+    assert fly(d, a, z, replace(P, echo=0), output=looped).loose == (1,)     # the rule off
+    assert fly(d, a, z, replace(P, candidates=False), output=looped).loose == (1,)   # the reference's gate
+    # the same 4-gram in the prompt is not the answer's: only the output counts
+    assert fly(d, a, z, P, output=looped[4:]).loose == (1,)
+
+
+def test_repeats_looks_at_the_output_and_the_draft_before_the_token():
+    from flylocal.decoding.verifiers.fly import repeats
+
+    out = np.array([5, 6, 7, 5, 6], dtype=np.int32)
+    assert repeats(out, np.array([7, 1], dtype=np.int32), 0, 3)            # 5 6 7 again
+    assert not repeats(out, np.array([1, 7], dtype=np.int32), 1, 3)        # 6 1 7: new
+    assert repeats(np.zeros(0, dtype=np.int32), np.array([4, 4, 4, 4], dtype=np.int32), 3, 3)   # within the draft
+    assert not repeats(out, np.array([7], dtype=np.int32), 0, 0)
+
+
+def test_the_verifier_sees_the_answer_the_engine_gives_it():
+    v = Fly(P)
+    d, a, z = case([1, 2, 3, 4, 5, 6, 7], [1, 9, 3, 4, 5, 6], unsure={1})
+    z[1, 9] = 1.1
+    v.see(np.array([2, 8, 1, 9, 3, 2, 8], dtype=np.int32))
+    assert v.decide(d, a, z).accepted == 1
+    v.see(np.zeros(0, dtype=np.int32))
+    assert v.decide(d, a, z).loose == (1,)
+
+
 # ---------------------------------------------------------------- the window across rounds
 
 A = FlyParams(window=3, entropy=0.3, topk=3)          # across rounds: the default

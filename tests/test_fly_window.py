@@ -22,7 +22,8 @@ def across_case(seed: int, **kw):
     case = random_case(seed, verifier="fly", **kw)
     rng = np.random.default_rng([seed, 7])
     fly = FlyParams(window=int(rng.integers(1, 9)), entropy=float(rng.choice([0.0, 0.1, 0.3, 0.6, math.inf])),
-                    topk=int(rng.integers(1, 5)), across=True, candidates=bool(rng.random() < 0.5))
+                    topk=int(rng.integers(1, 5)), across=True, candidates=bool(rng.random() < 0.5),
+                    echo=int(rng.choice([0, 2, 4])))      # 2: the echo rule fires often
     return replace(case, fly=fly)
 
 
@@ -32,6 +33,11 @@ def gate_open(z: np.ndarray, token: int, p: FlyParams) -> bool:
     m-th choice."""
     unsure = topk_entropy(z, p.topk) >= p.entropy
     return unsure and (not p.candidates or z[token] >= np.sort(z)[-min(p.topk, len(z))])
+
+
+def echoes(seq: list[int], n: int) -> bool:
+    """Whether the last n tokens of `seq` already occur earlier in it (the gate's echo rule)."""
+    return n > 0 and len(seq) > n and any(seq[i:i + n] == seq[-n:] for i in range(len(seq) - n))
 
 
 def reference(case, drafts: list[list[int]]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
@@ -85,7 +91,8 @@ def reference(case, drafts: list[list[int]]) -> tuple[list[int], list[int], list
                     seq = seq[: window[0] - len(base)] + [window[1]]
                     window = None
                 break
-            if (p.candidates and lm.is_eog(a)) or not gate_open(lm.logits(prefix_hash(base + draft[:j])), d, p):
+            if (p.candidates and (lm.is_eog(a) or echoes((base + draft[: j + 1])[prompt:], p.echo))) \
+                    or not gate_open(lm.logits(prefix_hash(base + draft[:j])), d, p):
                 seq.append(a)                   # rejected: the target's token
                 break
             seq.append(d)
@@ -135,7 +142,9 @@ def test_the_engine_follows_the_reference_and_keeps_only_what_the_rule_allows():
         for P, token in kept:
             h = prefix_hash(run.context[:P])
             target = lm.next_token(h)
-            if token == target or (case.fly.candidates and lm.is_eog(target)) or not gate_open(lm.logits(h), token, case.fly):
+            echo = case.fly.candidates and echoes(run.context[n_prompt:P + 1], case.fly.echo)
+            if token == target or (case.fly.candidates and lm.is_eog(target)) or echo \
+                    or not gate_open(lm.logits(h), token, case.fly):
                 failures.append(f"{where}: the token at {P} was kept loose without an open gate")
         made = run.context[n_prompt:]
         if run.tokens != made[: len(run.tokens)]:

@@ -331,6 +331,10 @@ class Verifier(Protocol):
         """The target's end-of-generation ids ([n_vocab] bool), given once by the engine before
         any round: a lossy verifier never overrides the target's choice to end."""
 
+    def see(self, output: np.ndarray) -> None:
+        """The answer so far (output [m] int32, the committed tokens after the prompt; a view,
+        valid until the round commits), given by the engine before each `decide`."""
+
     def begin(self) -> None:
         """Decoding goes on from committed tokens with nothing provisional among them: a new
         request, or the engine took back a provisional token whose window the generation's end

@@ -349,6 +349,7 @@ class Engine:
         else:
             positions = np.arange(req.n, req.n + len(r.draft) + 1)
             r.target = sample_targets(r.draft, r.logits, history, sampling, position_noise(req.seed, positions))
+        self.verifier.see(history[len(req.prompt):])
         r.decision = self.verifier.decide(r.draft, r.target, r.logits)
         r.emitted = emitted_tokens(r.draft, r.target, r.decision.accepted)             # [L+1]
         r.decide_s = self.clock() - t0

@@ -2,7 +2,8 @@
 
 A draft token the target would not have chosen is still accepted ("loose") when
 1. the target was unsure at that position: its top-m entropy h_j >= theta, the draft's token is
-   one of those m, and the target's own token does not end the generation (the gate;
+   one of those m, the target's own token does not end the generation, and the draft's token
+   does not repeat the answer (the n-gram it ends is not already in the output) (the gate;
    `candidates=False` lets any token through, at any position, as the reference does),
 2. the target did not "self-correct" afterwards: W-1 draft tokens after it match natively
    before any mismatch.
@@ -38,8 +39,10 @@ class FlyParams:
     topk: int = 3              # m: how many of the largest probabilities the entropy sums
     use_window: bool = True    # False: the no-window ablation, accept a gated-open mismatch at once
     across: bool = True        # the window may close in a later round; False: within the round (j + W < k)
-    candidates: bool = True    # the gate opens only for a draft token among the target's top m, and never over the
-                               # target's end of generation; False: for any token anywhere (the reference's)
+    candidates: bool = True    # the gate opens only for a draft token among the target's top m, never over the
+                               # target's end of generation, nor for a token that repeats the answer; False: for
+                               # any token anywhere (the reference's)
+    echo: int = 4              # n: a draft token ending an n-gram the output already holds repeats the answer
 
 
 def topk_entropy(z: np.ndarray, m: int) -> float:
@@ -54,15 +57,28 @@ def topk_entropy(z: np.ndarray, m: int) -> float:
 
 
 NO_ENDS = np.zeros(0, dtype=bool)
+NO_OUTPUT = np.zeros(0, dtype=np.int32)
 
 
-def gate_open(z: np.ndarray, token: int, target: int, params: FlyParams, ends: np.ndarray = NO_ENDS) -> tuple[float, bool]:
+def repeats(output: np.ndarray, draft: np.ndarray, j: int, n: int) -> bool:
+    """Whether draft token j ends an n-gram that already occurs in the answer: the output so far
+    (output [m] int32) followed by draft[:j+1] (draft [k] int32)."""
+    text = np.concatenate([output, draft[: j + 1]])                 # [m + j + 1]
+    if n <= 0 or len(text) <= n:
+        return False
+    earlier = np.lib.stride_tricks.sliding_window_view(text[:-1], n)   # [m + j + 1 - n, n]
+    return bool((earlier == text[-n:]).all(axis=1).any())
+
+
+def gate_open(z: np.ndarray, token: int, target: int, params: FlyParams, ends: np.ndarray = NO_ENDS,
+              echo: bool = False) -> tuple[float, bool]:
     """(top-m entropy, whether the gate opens) for a mismatch with draft token `token` where the
     target chose `target`, at a position with raw logits z [n_vocab]. With `candidates`, the
-    target's token must not end the generation (`ends` [n_vocab] bool; no entropy is computed
-    then: nan), and the draft's token must be one of the m the entropy counts (ties included):
-    one of the target's own plausible choices."""
-    if params.candidates and target < len(ends) and ends[target]:
+    target's token must not end the generation (`ends` [n_vocab] bool), the draft's token must
+    not repeat the answer (`echo`, from `repeats`; no entropy is computed in either case: nan),
+    and it must be one of the m the entropy counts (ties included): one of the target's own
+    plausible choices."""
+    if params.candidates and ((target < len(ends) and ends[target]) or echo):
         return math.nan, False
     h = topk_entropy(z, params.topk)
     if h < params.entropy:
@@ -71,9 +87,10 @@ def gate_open(z: np.ndarray, token: int, target: int, params: FlyParams, ends: n
 
 
 def fly(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray, params: FlyParams = FlyParams(),
-        ends: np.ndarray = NO_ENDS) -> Decision:
+        ends: np.ndarray = NO_ENDS, output: np.ndarray = NO_OUTPUT) -> Decision:
     """draft [k] int32, target_argmax [k+1] int32, logits [k+1, n_vocab] float32; ends [n_vocab]
-    bool: the target's end-of-generation ids (none by default)."""
+    bool: the target's end-of-generation ids (none by default); output [m] int32: the answer so
+    far (none by default)."""
     k = len(draft)
     native = draft == target_argmax[:k]                    # [k] bool
     entropy = np.full(k, np.nan)                           # [k] float64
@@ -89,7 +106,8 @@ def fly(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray, params
         if params.use_window and (j + W >= k or not native[j + 1 : j + W].all()):
             accepted = j                                   # window unobservable, or spoiled
             break
-        entropy[j], open_ = gate_open(logits[j], int(draft[j]), int(target_argmax[j]), params, ends)
+        entropy[j], open_ = gate_open(logits[j], int(draft[j]), int(target_argmax[j]), params, ends,
+                                      repeats(output, draft, j, params.echo))
         if not open_:
             accepted = j                                   # the target is confident: keep its token
             break
@@ -99,7 +117,8 @@ def fly(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray, params
 
 
 def fly_across(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray, params: FlyParams = FlyParams(),
-               open_window: tuple[int, int] | None = None, ends: np.ndarray = NO_ENDS) -> Decision:
+               open_window: tuple[int, int] | None = None, ends: np.ndarray = NO_ENDS,
+               output: np.ndarray = NO_OUTPUT) -> Decision:
     """FLy with a window that may close in a later round. `open_window`: (native matches, rounds
     that drafted nothing) since a token accepted provisionally in an earlier round, or None.
     Arrays as in `fly`. The decision's `settled` says what became of the open window,
@@ -140,7 +159,8 @@ def fly_across(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray,
         j += run
         if j == k:
             break
-        entropy[j], open_ = gate_open(logits[j], int(draft[j]), int(target_argmax[j]), params, ends)
+        entropy[j], open_ = gate_open(logits[j], int(draft[j]), int(target_argmax[j]), params, ends,
+                                      repeats(output, draft, j, params.echo))
         if not open_:
             return done(j)                                 # the target is confident: keep its token
         if need == 0:
@@ -166,15 +186,19 @@ class Fly(Verifier):
         self.params = params
         self.open: tuple[int, int] | None = None
         self.ends = NO_ENDS
+        self.output = NO_OUTPUT
 
     def bind(self, eog_mask: np.ndarray) -> None:
         self.ends = eog_mask
 
+    def see(self, output: np.ndarray) -> None:
+        self.output = output
+
     def decide(self, draft, target_argmax, logits) -> Decision:
         p = self.params
         if p.across and p.use_window:
-            return fly_across(draft, target_argmax, logits, p, self.open, self.ends)
-        return fly(draft, target_argmax, logits, p, self.ends)
+            return fly_across(draft, target_argmax, logits, p, self.open, self.ends, self.output)
+        return fly(draft, target_argmax, logits, p, self.ends, self.output)
 
     def commit(self, decision: Decision, n: int) -> Decision:
         cut = decision.provisional is not None and decision.provisional >= n     # the end came first
