@@ -377,12 +377,17 @@ OPTIONS = {o.name: o for o in [
            "rejected. 0: no gate; inf: strict.", type=Number(min=0.0, allow_inf=True), to="fly", field="entropy"),
     Option("fly_topk", ("--fly-topk",), "FLy: m, the number of largest probabilities the entropy sums over.",
            type=click.IntRange(min=1), to="fly", field="topk"),
+    Option("fly_echo", ("--fly-echo",),
+           "FLy: n; the gate stays shut for a draft token that ends an n-gram the answer already holds (a "
+           "copy of the answer's own text, where an answer starts to loop). 0: off.",
+           type=click.IntRange(min=0), to="fly", field="echo"),
     Option("fly_no_window", ("--fly-no-window",),
            "FLy ablation: accept a gated-open mismatch at once, without the window.", is_flag=True, to="fly",
            field="use_window", invert=True),
     Option("fly_any_token", ("--fly-any-token",),
            "FLy: let the gate open for any draft token where the target is unsure, as in the reference "
-           "implementation. Default: only for one of the target's own top m (--fly-topk) tokens.",
+           "implementation. Default: only for one of the target's own top m (--fly-topk) tokens, never over its "
+           "end of generation, nor for a token that repeats the answer (--fly-echo).",
            is_flag=True, to="fly", field="candidates", invert=True),
     Option("fly_within_round", ("--fly-within-round",),
            "FLy: the window must close in the round that drafted the mismatch (j + W < k), as in the reference "
@@ -435,7 +440,7 @@ MODEL = ("target", "draft", "draft_vocab", "target_rpc", "draft_rpc", "tensor_sp
 METHOD = ("drafter", "verifier")
 DRAFTING = ("k", "draft_p_min", "lookup_corpus", "pld_ngram", "pld_tokens", "max_tokens")
 LLAMA = ("ctx", "batch_size", "gpu_layers", "flash_attn", "cache_type_k", "cache_type_v", "threads", "exact", "recalibrate")
-VERIFIER_PARAMS = ("fly_window", "fly_entropy", "fly_topk", "fly_no_window", "fly_within_round", "fly_any_token", "asd_gate", "asd_cap",
+VERIFIER_PARAMS = ("fly_window", "fly_entropy", "fly_topk", "fly_echo", "fly_no_window", "fly_within_round", "fly_any_token", "asd_gate", "asd_cap",
                    "asd_budget")
 SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty",
             "seed")

@@ -29,8 +29,10 @@ def help_records() -> dict[str, dict[str, tuple]]:
 
 
 def test_a_shared_option_reads_the_same_in_every_commands_help():
-    # --host and --port are each server's own address (serve and rpc-server), with its own default.
-    shared = {flag: per for flag, per in help_records().items() if len(per) > 1 and flag not in ("--host", "--port")}
+    # --host and --port are each server's own address (serve and rpc-server), with its own default;
+    # --json each command's own document (generate's answer, bench's results).
+    shared = {flag: per for flag, per in help_records().items()
+              if len(per) > 1 and flag not in ("--host", "--port", "--json")}
     assert {"--max-tokens", "--ctx", "--k", "--threads", "--exact", "--temperature", "--target"} <= set(shared)
     for flag, per in shared.items():
         assert len(set(per.values())) == 1, f"{flag} differs between commands: {per}"
@@ -80,3 +82,10 @@ def test_fly_within_round_and_the_draft_length_it_asks_for():
     reference = settings_from(cmd.make_context("generate", ["hi", "--fly-within-round", "--fly-any-token"]).params)
     assert across.verifiers.fly.candidates and not reference.verifiers.fly.candidates
     assert not reference.verifiers.fly.across
+
+
+def test_fly_echo_sets_the_n_gram_of_the_echo_rule():
+    cmd = COMMANDS["generate"]
+    assert settings_from(cmd.make_context("generate", ["hi"]).params).verifiers.fly.echo == 4
+    assert settings_from(cmd.make_context("generate", ["hi", "--fly-echo", "0"]).params).verifiers.fly.echo == 0
+    assert settings_from(cmd.make_context("generate", ["hi", "--fly-echo", "6"]).params).verifiers.fly.echo == 6
