@@ -26,8 +26,12 @@ choose_cmake_args() {
     targets=$(rocminfo | grep -o 'gfx[0-9a-f]*' | grep -v '^gfx0*$' | sort -u | paste -sd';' -)
     echo "-DGGML_HIP=ON -DAMDGPU_TARGETS=$targets"; return
   fi
-  if command -v nvcc >/dev/null 2>&1 && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; then
+  if [ -n "${FLYLOCAL_CUDA_ARCHS:-}" ]; then      # setup.sh --cuda ARCHS: asked for, GPU or not
+    echo "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$FLYLOCAL_CUDA_ARCHS"; return
+  fi
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; then
     # Only this machine's architectures ("8.9" -> 89): a build for every one takes far longer.
+    # CUDA's compiler is the toolkit's where nvcc is found, else NVIDIA's wheels (cuda_from_pypi).
     local archs
     archs=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | tr -d ' .' \
             | grep -E '^[0-9]+$' | sort -u | paste -sd';' - || true)
@@ -72,4 +76,43 @@ hip_env() {
   if [[ "$1" == *GGML_HIP=ON* ]] && command -v hipconfig >/dev/null 2>&1; then
     echo "HIPCXX=$(hipconfig -l)/clang HIP_PATH=$(hipconfig -R)"
   fi
+}
+
+# CUDA's compiler, runtime and cuBLAS from PyPI, for a CUDA build on a machine without a toolkit
+# (docs/design.md, "Builds"). Only CUDA 13's wheels hold a whole compiler (nvcc, cicc, the
+# headers); CUDA 12's nvcc wheel holds ptxas alone. 13.0, the oldest 13, runs on every driver
+# that runs CUDA 13 (580 on). The wheels go to .venv/cuda, kept apart from site-packages.
+CUDA_WHEELS="nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cublas==13.0.2.14 nvidia-cuda-cccl==13.0.85"
+CUDA_MIN_ARCH=75           # CUDA 13 builds for Turing and newer only
+
+cuda_from_pypi() {
+  # Whether these flags build CUDA on a machine without nvcc: then the compiler comes from PyPI.
+  [[ "$1" == *GGML_CUDA=ON* ]] && ! command -v nvcc >/dev/null 2>&1
+}
+
+cuda_pypi_root() { echo "$PWD/.venv/cuda/nvidia/cu13"; }
+
+cuda_pypi_args() {
+  # What CMake needs to build with the toolkit the wheels make. No libcuda stub comes in them,
+  # so ggml's use of the driver's virtual memory API is left out (GGML_CUDA_NO_VMM): its CUDA
+  # pool is then cudaMalloc's.
+  local root
+  root=$(cuda_pypi_root)
+  echo "-DCUDAToolkit_ROOT=$root -DCMAKE_CUDA_COMPILER=$root/bin/nvcc -DGGML_CUDA_NO_VMM=ON"
+}
+
+cuda_pypi_refusal() {
+  # One line saying why the wheels cannot serve these flags on this machine, or nothing.
+  local driver a
+  driver=$(nvidia-smi 2>/dev/null | grep -o 'CUDA Version: *[0-9]*' | grep -o '[0-9]*$' || true)
+  if [ -n "$driver" ] && [ "$driver" -lt 13 ]; then
+    echo "this NVIDIA driver runs CUDA $driver at most, and the CUDA compiler on PyPI is CUDA 13 (driver 580 or newer): install CUDA's toolkit (nvcc), or a newer driver"
+    return
+  fi
+  for a in $(echo "$1" | grep -o 'CMAKE_CUDA_ARCHITECTURES=[^ ]*' | cut -d= -f2 | tr ';' ' '); do
+    if [ "${a%%[!0-9]*}" -lt "$CUDA_MIN_ARCH" ]; then
+      echo "compute capability ${a%%[!0-9]*} is older than CUDA 13 builds for ($CUDA_MIN_ARCH on); install CUDA 12's toolkit (nvcc)"
+      return
+    fi
+  done
 }

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up flylocal on a fresh machine:
 #   1. create .venv;
-#   2. build llama-cpp-python for this machine (HIP where ROCm is present, CUDA where nvcc and an
-#      NVIDIA GPU are, Metal on macOS, otherwise CPU flags that run here), with llama.cpp's fast
+#   2. build llama-cpp-python for this machine (HIP where ROCm is present, CUDA where an NVIDIA GPU
+#      is: with the toolkit's nvcc where there is one, else with CUDA 13's compiler, runtime and
+#      cuBLAS from PyPI, into .venv/cuda; Metal on macOS, otherwise CPU flags that run here), with llama.cpp's fast
 #      default kernels, and a batch-invariant CPU variant of the same source for --exact, whose
 #      libraries go to .venv/flylocal-exact. Where the fast build is a CPU one, the variant
 #      shares all of it but ggml's CPU backend, which alone is built again with the invariant
@@ -18,8 +19,9 @@
 # one). A working build with the same flags is never rebuilt, and built wheels are kept in
 # ~/.cache/flylocal/wheels keyed by version and flags.
 #
-# Usage: scripts/setup.sh [--no-models] [--plan] [MODEL ...]
+# Usage: scripts/setup.sh [--no-models] [--plan] [--cuda ARCHS] [MODEL ...]
 #   --plan: print which builds it would make, with which flags, and change nothing
+#   --cuda ARCHS: a CUDA build for these compute capabilities ("90", "86;89"), GPU or not
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,19 +30,32 @@ PYTHON=${PYTHON:-python3}
 fetch_models=1
 plan=0
 models=()
-for arg in "$@"; do
-  case "$arg" in
+while [ $# -gt 0 ]; do
+  case "$1" in
     --no-models) fetch_models=0 ;;
     --plan) plan=1 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
-    *) models+=("$arg") ;;
+    --cuda)
+      [[ "${2:-}" =~ ^[0-9]+[a-z]?(-real|-virtual)?(\;[0-9]+[a-z]?(-real|-virtual)?)*$ ]] \
+        || { echo "setup: --cuda needs compute capabilities such as 90 or \"86;89\", not '${2:-}'" >&2; exit 2; }
+      export FLYLOCAL_CUDA_ARCHS=$2; shift ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -*) echo "setup: unknown option $1 (see --help)" >&2; exit 2 ;;
+    *) models+=("$1") ;;
   esac
+  shift
 done
 
 # ---- the plan: which builds, with which flags (also what --plan prints)
 # shellcheck source=scripts/build_flags.sh
 source scripts/build_flags.sh
 args=$(with_rpc "$(choose_cmake_args)")
+cuda_pypi=0
+if cuda_from_pypi "$args" && [[ "$args" != *CMAKE_CUDA_COMPILER* ]]; then
+  why=$(cuda_pypi_refusal "$args")
+  [ -z "$why" ] || { echo "setup: $why" >&2; exit 1; }
+  cuda_pypi=1
+  args="$args $(cuda_pypi_args)"
+fi
 if [ -z "${FLYLOCAL_EXACT_CMAKE_ARGS:-}" ] && cpu_only "$args"; then
   exact_args="$args $invariant"             # the fast build's flags, with invariant CPU kernels
   exact_shared=1
@@ -51,6 +66,7 @@ fi
 build_env=$(hip_env "$args")
 if [ "$plan" = 1 ]; then
   echo "fast build: CMAKE_ARGS=\"$args\"${build_env:+ with $build_env}"
+  if [ "$cuda_pypi" = 1 ]; then echo "cuda: no nvcc here: CUDA 13.0's compiler, runtime and cuBLAS from PyPI, into .venv/cuda"; fi
   if [ "$exact_shared" = 1 ]; then
     echo "exact build: ggml's CPU backend alone, CMAKE_ARGS=\"$exact_args\" (the rest shared with the fast build)"
   else
@@ -151,7 +167,25 @@ wait_deps() {
   rm -f "$deps_log" "$deps_log.list"
 }
 
+cuda_wheels() {
+  # CUDA's compiler, runtime and cuBLAS from PyPI into .venv/cuda, shaped as a toolkit CMake
+  # and nvcc find their way in: lib64 beside lib, and the unversioned names the linker asks for.
+  local root lib
+  root=$(cuda_pypi_root)
+  if [ "$(cat .venv/cuda/wheels.txt 2>/dev/null)" = "$CUDA_WHEELS" ] && [ -x "$root/bin/nvcc" ]; then
+    say "CUDA's wheels already in .venv/cuda"; return
+  fi
+  say "installing CUDA 13.0's compiler, runtime and cuBLAS from PyPI into .venv/cuda (no toolkit here; about 1 GB)"
+  rm -rf .venv/cuda
+  # shellcheck disable=SC2086 # the wheels are words
+  "${PIP[@]}" install --no-compile --target .venv/cuda $CUDA_WHEELS >&2
+  ln -sfn lib "$root/lib64"
+  for lib in cudart cublas cublasLt; do ln -sfn "lib$lib.so.13" "$root/lib/lib$lib.so"; done
+  echo "$CUDA_WHEELS" > .venv/cuda/wheels.txt
+}
+
 stamp="llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION CMAKE_ARGS=$args"
+if [ "$cuda_pypi" = 1 ]; then cuda_wheels; fi
 if [ "$(cat .venv/flylocal-build.txt 2>/dev/null)" = "$stamp" ] \
    && .venv/bin/python -c "import llama_cpp" >/dev/null 2>&1; then
   say "llama-cpp-python already built ($stamp)"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 SETUP = Path(__file__).resolve().parent.parent / "scripts" / "setup.sh"
-TOOLS = ("bash", "dirname", "grep", "sort", "paste", "tr", "uname", "cat", "sed")
+TOOLS = ("bash", "dirname", "grep", "sort", "paste", "tr", "uname", "cat", "sed", "cut")
 
 
 def rocminfo(gpu: str, isa: str, marketing: str) -> str:
@@ -77,12 +77,24 @@ def fake_path(tmp_path: Path, answers: dict[str, str]) -> str:
     return f"{fake}:{base}"
 
 
-def plan(tmp_path: Path, answers: dict[str, str], **env) -> list[str]:
+def run_plan(tmp_path: Path, answers: dict[str, str], *args: str, **env) -> subprocess.CompletedProcess:
     environ = {"PATH": fake_path(tmp_path, answers), "HOME": str(tmp_path), **env}
-    done = subprocess.run([shutil.which("bash"), str(SETUP), "--plan"], capture_output=True, text=True,
+    return subprocess.run([shutil.which("bash"), str(SETUP), "--plan", *args], capture_output=True, text=True,
                           env=environ, timeout=60)
+
+
+def plan(tmp_path: Path, answers: dict[str, str], *args: str, **env) -> list[str]:
+    done = run_plan(tmp_path, answers, *args, **env)
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
+
+
+def smi(cuda: str) -> str:
+    """nvidia-smi's header, which names the newest CUDA its driver runs."""
+    return f"| NVIDIA-SMI 580.95.05    Driver Version: 580.95.05    CUDA Version: {cuda}     |"
+
+
+WHEELS = str(SETUP.parent.parent / ".venv" / "cuda" / "nvidia" / "cu13")
 
 
 def test_an_rx_7900_xtx_gets_a_hip_build_for_gfx1100_with_rocms_compiler(tmp_path):
@@ -103,6 +115,42 @@ def test_an_rtx_4090_gets_a_cuda_build_for_its_architecture_only(tmp_path):
     assert '"-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=89 -DGGML_RPC=ON -DLLAVA_BUILD=OFF"' in fast
     assert "HIPCXX" not in fast
     assert exact.startswith("exact build: a CPU build of its own") and "CUDA" not in exact
+
+
+def test_a_gpu_without_a_toolkit_gets_cuda_13s_compiler_from_pypi(tmp_path):
+    gpu = {k: v for k, v in MACHINES["rtx4090"].items() if not k.startswith("nvcc")} | {"nvidia-smi": smi("13.0")}
+    fast, cuda, exact, _ = plan(tmp_path, gpu)
+    assert fast.startswith('fast build: CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=89 -DGGML_RPC=ON')
+    assert f"-DCUDAToolkit_ROOT={WHEELS} -DCMAKE_CUDA_COMPILER={WHEELS}/bin/nvcc -DGGML_CUDA_NO_VMM=ON" in fast
+    assert cuda.startswith("cuda: no nvcc here: CUDA 13.0's compiler, runtime and cuBLAS from PyPI")
+    assert exact.startswith("exact build: a CPU build of its own") and "CUDA" not in exact
+
+
+def test_a_driver_too_old_for_cuda_13_is_told_what_to_install(tmp_path):
+    gpu = {k: v for k, v in MACHINES["rtx4090"].items() if not k.startswith("nvcc")} | {"nvidia-smi": smi("12.4")}
+    done = run_plan(tmp_path, gpu)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and not done.stdout
+    assert "runs CUDA 12 at most" in lines[0] and "install CUDA's toolkit (nvcc), or a newer driver" in lines[0]
+
+
+def test_cuda_asked_for_on_a_machine_without_a_gpu(tmp_path):
+    fast, cuda, _, _ = plan(tmp_path, {}, "--cuda", "90")
+    assert '"-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_RPC=ON -DLLAVA_BUILD=OFF' in fast and WHEELS in fast
+    assert cuda.startswith("cuda: no nvcc here")
+    # with a toolkit, it is the toolkit's compiler, as without --cuda
+    (tmp_path / "t").mkdir()
+    fast, exact, _ = plan(tmp_path / "t", {"nvcc --version": MACHINES["rtx4090"]["nvcc --version"]}, "--cuda", "86;89")
+    assert fast == 'fast build: CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=86;89 -DGGML_RPC=ON -DLLAVA_BUILD=OFF"'
+
+
+@pytest.mark.parametrize("archs, code, says", [("61", 1, "compute capability 61 is older than CUDA 13 builds for"),
+                                               ("sm90", 2, "--cuda needs compute capabilities such as 90"),
+                                               ("", 2, "--cuda needs compute capabilities")])
+def test_cuda_archs_it_cannot_build_for_are_refused_in_one_line(tmp_path, archs, code, says):
+    done = run_plan(tmp_path, {}, "--cuda", archs)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == code and len(lines) == 1 and says in lines[0], done.stderr
 
 
 def test_nvcc_without_a_gpu_and_rocm_without_a_gpu_agent_are_cpu_builds(tmp_path):
@@ -138,5 +186,5 @@ def test_the_device_check_says_how_it_is_used_and_refuses_unknown_options():
     done = subprocess.run([shutil.which("bash"), str(SETUP.parent / "device_check.sh"), "--nonsense"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    for call in ("--prepare", "--receive", "--cpu", 'carry=[".device"]', 'carry=[".device-first"]'):
+    for call in ("--prepare", "--dry-run", "--cpu", "--measure", 'carry=[".device"]'):
         assert call in done.stdout

@@ -15,7 +15,7 @@ drafting mode is also set against flylocal's own plain mode, question by questio
 flylocal's against llama-server's best speculative mode. `--modes` runs some of the modes only.
 
 A base model (the bandwidth-bound stand-in) answers raw completions, `Question: ...\nAnswer:`
-(`--raw`); an instruct model answers chat requests. The draft-model modes (flylocal's fly-mla,
+(`--raw`); an instruct model answers chat requests. The draft-model modes (flylocal's strict-mla and fly-mla,
 llama-server's draft-simple) need `--draft`. `--threads` gives every server the same threads.
 
 The fast kernels are not batch-invariant, so two servers' greedy answers part at near-ties and
@@ -45,10 +45,11 @@ from harness import end_tokens, flylocal_serve, interval, servers, spec_bench_qu
 FLYLOCAL_MODES = {"flylocal plain": ["--drafter", "none", "--verifier", "strict"],
                   "flylocal strict-pld": ["--drafter", "pld", "--verifier", "strict"],
                   "flylocal fly-pld": ["--drafter", "pld", "--verifier", "fly"],    # the default method
+                  "flylocal strict-mla": ["--drafter", "mla", "--verifier", "strict", "--draft", "{draft}"],
                   "flylocal fly-mla": ["--drafter", "mla", "--verifier", "fly", "--draft", "{draft}"]}
 LLAMA_MODES = {"llama-server plain": [], "llama-server ngram-mod": ["--spec-type", "ngram-mod"],
                "llama-server draft": ["-md", "{draft}", "--spec-type", "draft-simple"]}
-NEEDS_DRAFT = ("flylocal fly-mla", "llama-server draft")
+NEEDS_DRAFT = ("flylocal strict-mla", "flylocal fly-mla", "llama-server draft")
 
 
 def ask(url: str, question: str, max_tokens: int, banned: list[int] = (), raw: bool = False) -> dict:

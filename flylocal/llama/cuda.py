@@ -1,0 +1,83 @@
+"""CUDA's runtime and cuBLAS where they came from PyPI (docs/design.md, "Builds":
+CUDA without a toolkit).
+
+`scripts/setup.sh` builds llama.cpp's CUDA backend with NVIDIA's compiler wheels when a machine
+has an NVIDIA GPU (or `--cuda ARCHS` asks) and no toolkit. The build's `libggml-cuda` then
+needs `libcudart.so.13`, `libcublas.so.13` and `libcublasLt.so.13`, which live in the virtual
+environment (`site-packages/nvidia/cu13/lib`), where the dynamic loader does not look. They are
+loaded here first, by path, before llama.cpp: the loader then finds each by its name among the
+libraries already in the process. A machine with a toolkit, or a CPU build, loads nothing here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import re
+import sys
+from pathlib import Path
+
+# The libraries in the order they need each other (cuBLAS needs cuBLASLt; both need the runtime).
+ORDER = ("cudart", "cublasLt", "cublas")
+_NEEDED = re.compile(rb"lib(cudart|cublasLt|cublas)\.so\.(\d+)\x00")
+_loaded: list[Path] = []
+
+
+def needed(lib_dir: Path) -> dict[str, str]:
+    """{name: soname} of the CUDA libraries the build in `lib_dir` links to (read off its
+    libggml-cuda's dynamic string table); {} for a build without CUDA."""
+    found: dict[str, str] = {}
+    for lib in sorted(lib_dir.glob("libggml-cuda.so*")):
+        try:
+            with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                for m in _NEEDED.finditer(data):
+                    found[m.group(1).decode()] = m.group(0)[:-1].decode()
+        except (OSError, ValueError):
+            continue
+        break
+    return found
+
+
+def wheel_dirs(paths: list[str] | None = None) -> list[Path]:
+    """The folders NVIDIA's wheels put libraries in, on the import path: `nvidia/cu13/lib`
+    (CUDA 13's wheels share it) and CUDA 12's one folder per package."""
+    out = []
+    for entry in sys.path if paths is None else paths:
+        base = Path(entry or ".") / "nvidia"
+        if not base.is_dir():
+            continue
+        out += sorted(p for p in base.glob("*/lib") if p.is_dir())
+    return out
+
+
+def preload(lib_dir: Path, paths: list[str] | None = None) -> list[Path]:
+    """Load, by path, each CUDA library the build in `lib_dir` needs that a wheel holds; return
+    the paths loaded. One the wheels do not hold is left to the system's loader (a toolkit)."""
+    want = needed(lib_dir)
+    if not want:
+        return []
+    dirs = wheel_dirs(paths)
+    loaded = []
+    for name in ORDER:
+        soname = want.get(name)
+        hit = next((d / soname for d in dirs if soname and (d / soname).is_file()), None)
+        if hit is None or hit in _loaded:
+            continue
+        ctypes.CDLL(str(hit), mode=ctypes.RTLD_GLOBAL)
+        _loaded.append(hit)
+        loaded.append(hit)
+    return loaded
+
+
+def llama_lib_dir() -> Path | None:
+    """Where llama-cpp-python will load llama.cpp from: LLAMA_CPP_LIB_PATH, else its package's
+    lib folder (found without importing it)."""
+    import importlib.util
+    import os
+
+    if os.environ.get("LLAMA_CPP_LIB_PATH"):
+        return Path(os.environ["LLAMA_CPP_LIB_PATH"])
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).parent / "lib"
