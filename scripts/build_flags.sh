@@ -95,10 +95,10 @@ cuda_pypi_root() { echo "$PWD/.venv/cuda/nvidia/cu13"; }
 cuda_pypi_args() {
   # What CMake needs to build with the toolkit the wheels make. No libcuda stub comes in them,
   # so ggml's use of the driver's virtual memory API is left out (GGML_CUDA_NO_VMM): its CUDA
-  # pool is then cudaMalloc's.
+  # pool is then cudaMalloc's. A program linked to ggml-cuda finds cuBLAS through -rpath-link.
   local root
   root=$(cuda_pypi_root)
-  echo "-DCUDAToolkit_ROOT=$root -DCMAKE_CUDA_COMPILER=$root/bin/nvcc -DGGML_CUDA_NO_VMM=ON"
+  echo "-DCUDAToolkit_ROOT=$root -DCMAKE_CUDA_COMPILER=$root/bin/nvcc -DGGML_CUDA_NO_VMM=ON -DCMAKE_EXE_LINKER_FLAGS=-Wl,-rpath-link,$root/lib"
 }
 
 cuda_pypi_refusal() {

@@ -107,7 +107,8 @@ build_here() {
   # shellcheck disable=SC2086 # the flags are words
   { cmake -G Ninja -S "$src" -B "$out/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF \
-      -DCUDAToolkit_ROOT="$root" -DCMAKE_CUDA_COMPILER="$root/bin/nvcc" $FLAGS \
+      -DCUDAToolkit_ROOT="$root" -DCMAKE_CUDA_COMPILER="$root/bin/nvcc" -DCMAKE_EXE_LINKER_FLAGS="-Wl,-rpath-link,$root/lib" \
+      $FLAGS \
     && ninja -C "$out/build" llama llama-server; } > "$out/build.log" 2>&1 \
     || { tail -30 "$out/build.log" >&2; say "the build failed (the lines above)"; exit 1; }
   echo "$(( $(date +%s) - start )) s on $(nproc) cores" > "$out/done"

@@ -149,9 +149,11 @@ wheel_dir() {
   if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     say "building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION with CMAKE_ARGS=\"$1\" (several minutes)"
     rm -rf "$wheels.tmp" && mkdir -p "$wheels.tmp"
+    local start=$SECONDS
     # shellcheck disable=SC2086 # the variables are words
     env $(hip_env "$1") CMAKE_ARGS="$1" "${PIP[@]}" wheel --no-deps --no-cache-dir -w "$wheels.tmp" "$(llama_source "$1")" >&2
     rm -rf "$wheels" && mv "$wheels.tmp" "$wheels"
+    say "built in $((SECONDS - start)) s: $(du -sh "$wheels"/llama_cpp_python-*.whl | cut -f1)"
   else
     say "using the llama-cpp-python wheel built earlier with CMAKE_ARGS=\"$1\" ($wheels)"
   fi

@@ -122,6 +122,7 @@ def test_a_gpu_without_a_toolkit_gets_cuda_13s_compiler_from_pypi(tmp_path):
     fast, cuda, exact, _ = plan(tmp_path, gpu)
     assert fast.startswith('fast build: CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=89 -DGGML_RPC=ON')
     assert f"-DCUDAToolkit_ROOT={WHEELS} -DCMAKE_CUDA_COMPILER={WHEELS}/bin/nvcc -DGGML_CUDA_NO_VMM=ON" in fast
+    assert f"-Wl,-rpath-link,{WHEELS}/lib" in fast
     assert cuda.startswith("cuda: no nvcc here: CUDA 13.0's compiler, runtime and cuBLAS from PyPI")
     assert exact.startswith("exact build: a CPU build of its own") and "CUDA" not in exact
 
