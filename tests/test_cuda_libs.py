@@ -64,3 +64,10 @@ def test_cuda_12_wheels_one_folder_a_package_and_a_toolkit_left_to_the_system(tm
     loaded = cuda.preload(build, [str(site)])      # cuBLAS is not among the wheels: the system's loader finds it or not
     assert [p.name for p in loaded] == ["libcudart.so.12"]
     assert cuda.wheel_dirs([str(site), str(tmp_path / "none")]) == [site / "nvidia" / "cuda_runtime" / "lib"]
+
+
+def test_the_venvs_own_cuda_folder_is_searched_first(tmp_path, monkeypatch):
+    """scripts/setup.sh puts the wheels in <venv>/cuda, which is not on the import path."""
+    monkeypatch.setattr(cuda.sys, "prefix", str(tmp_path / "venv"))
+    lib = shared_lib(tmp_path / "venv" / "cuda" / "nvidia" / "cu13" / "lib" / "libcudart.so.13")
+    assert cuda.wheel_dirs()[0] == lib.parent

@@ -51,6 +51,10 @@ def build_report() -> list[str]:
         f"system: {system}",
         f"build flags: {flags}",
     ]
+    from flylocal.llama.binding import CUDA_LOADED
+
+    if CUDA_LOADED:                  # CUDA's runtime and cuBLAS from NVIDIA's wheels (flylocal.llama.cuda)
+        lines.append(f"cuda: {', '.join(p.name for p in CUDA_LOADED)} from {CUDA_LOADED[0].parent}")
     hints = []
     if "LLAMAFILE=1" in system.replace(" ", ""):
         hints.append("llamafile kernels are on: batched logits may differ from single-token logits")

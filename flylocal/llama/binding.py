@@ -24,7 +24,7 @@ from flylocal.llama import cuda, kernels
 KERNELS = kernels.activate()     # fast or exact: which llama.cpp library is loaded just below
 try:
     _lib_dir = cuda.llama_lib_dir()
-    _cuda = cuda.preload(_lib_dir) if _lib_dir is not None else []     # CUDA's libraries from PyPI, if the build needs them
+    CUDA_LOADED = cuda.preload(_lib_dir) if _lib_dir is not None else []   # CUDA's libraries from PyPI, if the build needs them
 except OSError as _e:
     raise FlylocalError(f"cannot load CUDA's libraries for the {KERNELS} llama.cpp build: {str(_e).strip()}; "
                         "run scripts/setup.sh again") from None

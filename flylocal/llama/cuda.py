@@ -4,7 +4,7 @@ CUDA without a toolkit).
 `scripts/setup.sh` builds llama.cpp's CUDA backend with NVIDIA's compiler wheels when a machine
 has an NVIDIA GPU (or `--cuda ARCHS` asks) and no toolkit. The build's `libggml-cuda` then
 needs `libcudart.so.13`, `libcublas.so.13` and `libcublasLt.so.13`, which live in the virtual
-environment (`site-packages/nvidia/cu13/lib`), where the dynamic loader does not look. They are
+environment (`.venv/cuda/nvidia/cu13/lib`), where the dynamic loader does not look. They are
 loaded here first, by path, before llama.cpp: the loader then finds each by its name among the
 libraries already in the process. A machine with a toolkit, or a CPU build, loads nothing here.
 """
@@ -39,10 +39,11 @@ def needed(lib_dir: Path) -> dict[str, str]:
 
 
 def wheel_dirs(paths: list[str] | None = None) -> list[Path]:
-    """The folders NVIDIA's wheels put libraries in, on the import path: `nvidia/cu13/lib`
-    (CUDA 13's wheels share it) and CUDA 12's one folder per package."""
+    """The folders NVIDIA's wheels put libraries in: `nvidia/cu13/lib` (CUDA 13's wheels share
+    it) and CUDA 12's one folder per package, under `<venv>/cuda` (where scripts/setup.sh
+    installs them) and on the import path."""
     out = []
-    for entry in sys.path if paths is None else paths:
+    for entry in [str(Path(sys.prefix) / "cuda"), *sys.path] if paths is None else paths:
         base = Path(entry or ".") / "nvidia"
         if not base.is_dir():
             continue
