@@ -1,15 +1,14 @@
 """A test-only API dialect, written as docs/design.md "Adding an API dialect" says: POST /plain
 with {"prompt", "max_tokens"} is answered as plain text, streamed as it is generated, and a last
-line "[FINISH, N tokens]". A parser and a renderer: everything else is the server's."""
+line "[FINISH, N tokens]". A parser (`read`: the request in the server's terms) and a renderer:
+everything else, settings, checks, the prompt and its fit included, is the server's."""
 
 from __future__ import annotations
-
-import dataclasses
 
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
-from flylocal.front.serve.app import ApiError, Ask, Endpoint, Exchange
+from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Neutral
 from flylocal.front.serve.events import Done, Text
 
 
@@ -29,11 +28,9 @@ class Plain(Endpoint):
     def streams(self, body) -> bool:
         return True
 
-    def job(self, x: Exchange) -> Ask:
-        ids = x.session.target.tokenize(x.body.prompt)
-        self.server.check_fits(ids, x.session, "prompt")
-        settings = self.server.settings
-        return Ask(dataclasses.replace(settings, max_tokens=x.body.max_tokens or settings.max_tokens), ids)
+    def read(self, x: Exchange) -> Neutral:
+        given = {"max_tokens": x.body.max_tokens} if x.body.max_tokens is not None else {}
+        return Neutral(given, "prompt", text=x.body.prompt)
 
     async def chunks(self, x: Exchange, events):
         async for event in events:

@@ -450,9 +450,10 @@ def ollama_request(raw: bytes, n_ctx: int = 1024):
     """An /api/generate body, parsed and turned into settings as the server does."""
     from flylocal.front.serve.app import parse_request
     from flylocal.front.serve.ollama import GenerateRequest
+    from flylocal.settings import settings_from
 
     req = parse_request(GenerateRequest, raw)
-    return req, req.settings(Settings(), n_ctx)[0]
+    return req, settings_from(req.params(n_ctx)[0], Settings())
 
 
 @pytest.mark.parametrize("raw,field", [

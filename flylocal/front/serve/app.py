@@ -4,7 +4,8 @@ the Endpoint a dialect writes, and the Server, whose `handle` takes every reques
 one pipeline:
 
     authorize -> body -> parse (the endpoint's request model) -> model check
-              -> job: an Ask (a generation), a Compute (embeddings) or the reply itself
+              -> job: an Ask (a generation: the parser's Neutral, through Server.ask), a Compute
+                 (embeddings) or the reply itself
               -> start -> whole or stream (the endpoint renders) -> failure -> log line
 
 A dialect is a parser and a renderer (docs/design.md, "Adding an API dialect")."""
@@ -127,6 +128,36 @@ def check_fields(req, checked: dict[str, str]) -> None:
 
 
 @dataclass(frozen=True)
+class Prompt:
+    """A prompt's ids; for a conversation that can call tools, the tools' grammar and how a
+    call begins (Server.prompt)."""
+    ids: np.ndarray                           # [n] int32
+    grammar: tuple[str, str] | None = None
+    calls: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Neutral:
+    """A request of any dialect in the server's own terms, as the dialect's parser reads it,
+    before anything but its fields' types and ranges is checked. Server.ask turns it into the
+    worker's Ask: one way for every dialect (docs/design.md, "One request shape")."""
+    params: dict                              # option -> value, through the option table (settings_from);
+                                              # logprobs among them, as --logprobs
+    where: str                                # the field the prompt came in, named by its errors
+    messages: list[dict] | None = None        # a conversation (OpenAI's message shapes) ...
+    text: str | None = None                   # ... or a prompt's text (plain text, after the model's BOS)
+    prompt: Prompt | None = None              # ... or a prompt encoded already (a continued context)
+    tools: tuple = ()                         # the tools a conversation offers, and its choice among them
+    tool_choice: Any = "auto"
+    grammar: tuple[str, str] | None = None    # a format the answer must follow where no tool is called
+    stops: tuple[str, ...] = ()
+    tokens: bool = False                      # per-token details with the text (a stream's kinds, a context)
+    options: str | None = None                # where a settings error points (Ollama's "options"); None: the option's own field
+    hints: tuple[str, ...] = ()               # Ollama's loading options given, which change nothing: logged once
+    blame: Callable[[str], str] | None = None  # the field an encoding error is about (None: `where`)
+
+
+@dataclass(frozen=True)
 class Ask:
     """What a request of any dialect asks the worker for, checked."""
     settings: Settings
@@ -172,7 +203,9 @@ class Endpoint:
       names none), required
       when `model_required`, looked up without ollama's ":latest" when `latest`, and `listed`
       where the models are listed;
-    - `job(x)`: the request as an Ask, a Compute, or the reply itself (a dict, a pydantic model, a
+    - `read(x)`: a generation's request in the server's terms (Neutral: its parser), which the
+      server turns into an Ask, or the reply itself;
+    - `job(x)`: what isn't a generation: a Compute, or the reply itself (a dict, a pydantic model, a
       Response); an ApiError refuses it;
     - `whole(x, result)`: the reply to a whole answer (a Whole) or to a Compute (its value);
     - `chunks(x, events)`: a streamed answer's text pieces, from its events (Text ... Done |
@@ -199,8 +232,13 @@ class Endpoint:
     def streams(self, body) -> bool:
         return bool(body is not None and body.stream)
 
-    def job(self, x: Exchange) -> Any:
+    def read(self, x: Exchange) -> Any:
         raise NotImplementedError
+
+    def job(self, x: Exchange) -> Any:
+        """A generation's request as the worker's Ask, the same way for every dialect."""
+        n = self.read(x)
+        return self.server.ask(x.session, n) if isinstance(n, Neutral) else n
 
     def whole(self, x: Exchange, result) -> Any:
         raise NotImplementedError
@@ -395,16 +433,45 @@ class Server:
                                 "(--ctx), with room for at least one generated token",
                            param=param, code="context_length_exceeded")
 
-    # ----- prompts -----
-    def chat_prompt(self, session: Session, turns: list[dict], offered: list, choice) -> Ask:
-        """The ids of a conversation (OpenAI's message shapes) that offers `offered` tools, and,
-        when they can be called, the tools' grammar and how a call begins: an Ask without its
-        settings (FlylocalError for a conversation or tools the template cannot take)."""
-        plan = tools.plan(turns, offered, choice, session.target.tools_template())
+    # ----- requests -----
+    def prompt(self, session: Session, turns: list[dict], offered, choice) -> Prompt:
+        """A conversation (OpenAI's message shapes) that offers `offered` tools, encoded
+        (FlylocalError for a conversation or tools the template cannot take)."""
+        plan = tools.plan(turns, list(offered), choice, session.target.tools_template())
         ids = session.encode(plan.messages, plan.tools)
         if plan.grammar is None:
-            return Ask(self.settings, ids)
-        return Ask(self.settings, ids, grammar=("the tools' grammar", plan.grammar), calls=plan.call_starts)
+            return Prompt(ids)
+        return Prompt(ids, ("the tools' grammar", plan.grammar), plan.call_starts)
+
+    def settings_of(self, n: Neutral) -> Settings:
+        """The server's settings with the request's applied, checked: a 400 naming the field at
+        fault for settings no engine can run."""
+        from flylocal.front.serve.ollama_options import hinted
+        from flylocal.settings import settings_from
+
+        settings = settings_from(n.params, self.settings)
+        self.check_settings(settings, param=n.options)
+        hinted(self, n.hints)
+        return settings
+
+    def ask(self, session: Session, n: Neutral) -> Ask:
+        """A request in neutral terms, checked, as the worker's job: its settings, its prompt
+        encoded (with the tools' grammar, or else its format's), and checked to fit."""
+        settings = self.settings_of(n)
+        try:
+            if n.prompt is not None:
+                prompt = n.prompt
+            elif n.messages is not None:
+                prompt = self.prompt(session, n.messages, n.tools, n.tool_choice)
+            else:
+                if not n.text:
+                    raise ApiError(400, f"the {n.where} is empty", param=n.where)
+                prompt = Prompt(session.target.tokenize(n.text, add_special=True, parse_special=False))
+        except FlylocalError as e:
+            raise ApiError(400, str(e), param=n.blame(str(e)) if n.blame else n.where) from None
+        self.check_fits(prompt.ids, session, n.where)
+        return Ask(settings, prompt.ids, n.stops, prompt.grammar or n.grammar, prompt.calls,
+                   tokens=n.tokens or settings.logprobs is not None)
 
     # ----- running a job -----
     def start(self, ask: Ask) -> Answer:

@@ -30,10 +30,10 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from flylocal.front.serve import tools
 from flylocal.front.serve.answer import Whole, logprob_entries, stats_report
-from flylocal.front.serve.app import ApiError, Ask, Endpoint, Exchange, Server, check_fields
+from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Neutral, Prompt, Server, check_fields
 from flylocal.front.serve.events import Done, Text
-from flylocal.front.serve.ollama_options import SAMPLING_OPTIONS, checked_keep_alive, hinted, read_options
-from flylocal.settings import Settings, settings_from
+from flylocal.front.serve.ollama_options import SAMPLING_OPTIONS, checked_keep_alive, read_options
+from flylocal.settings import Settings
 
 VERSION = "0.6.0"              # the Ollama API this dialect follows
 
@@ -164,13 +164,13 @@ class Generation(BaseModel):
             return None
         return json_output() if self.format == "json" else json_output(self.format, "format")
 
-    def settings(self, base: Settings, n_ctx: int) -> tuple[Settings, tuple[str, ...], tuple[str, ...]]:
-        """The server's settings with the request's options applied (through the command line's
-        option table), its stop strings, and the hints among its options."""
+    def params(self, n_ctx: int) -> tuple[dict, tuple[str, ...], tuple[str, ...]]:
+        """The request's options as the command line's (for settings_from), its stop strings,
+        and the hints among its options."""
         check_fields(self, {"verifier": "verifier", "drafter": "drafter"})
         given = read_options(self.options, n_ctx)
         params = {k: v for k, v in (("verifier", self.verifier), ("drafter", self.drafter)) if v is not None}
-        return settings_from(params | given.params, base), given.stops, given.hints
+        return params | given.params, given.stops, given.hints
 
 
 class ChatRequest(Generation):
@@ -423,37 +423,30 @@ class Generate(Ollama):
     role, model_required, media_type, stream_headers = "target", True, "application/x-ndjson", {}
     chat = True
 
-    def job(self, x: Exchange) -> Ask | JSONResponse:
-        """The request, checked, as the worker's job; a load-only reply when it has no prompt
-        (ollama's way to load a model, which is loaded already)."""
-        req, session, server = x.body, x.session, self.server
-        run, stops, hints = req.settings(server.settings, session.target.n_ctx)
-        server.check_settings(run, param="options")
-        hinted(server, hints)
-        grammar = req.grammar()
+    def read(self, x: Exchange) -> Neutral | JSONResponse:
+        """The request in the server's terms; a load-only reply, its settings checked, when it has
+        no prompt (ollama's way to load a model, which is loaded already)."""
+        req, session = x.body, x.session
+        params, stops, hints = req.params(session.target.n_ctx)
+        top = req.logprobs_wanted()
+        n = Neutral(params | ({"logprobs": top} if top is not None else {}), "prompt", stops=stops,
+                    grammar=req.grammar(), options="options", hints=hints)
         if self.chat:
             if req.messages is None:
                 raise ApiError(400, "messages must be a list")
             if not req.messages:
-                return self.load_only()
-            if req.tools and grammar is not None:
+                return self.load_only(n)
+            if req.tools and n.grammar is not None:
                 raise ApiError(400, "format and tools: flylocal constrains an answer to one of them")
             turns = [m.turn() for m in req.messages if m.role != "thinking"]
-            ask = server.chat_prompt(session, turns, req.tools or [], "auto")
-            if ask.grammar is None:
-                ask = dataclasses.replace(ask, grammar=grammar)
-        else:
-            if not req.prompt:
-                return self.load_only()
-            # the answer's tokens too: its `context` holds them
-            ask = Ask(server.settings, generate_ids(session, req), grammar=grammar, tokens=True)
-        server.check_fits(ask.ids, session, "prompt")
-        top = req.logprobs_wanted()
-        if top is not None:
-            run = dataclasses.replace(run, logprobs=top)
-        return dataclasses.replace(ask, settings=run, stops=stops, tokens=ask.tokens or top is not None)
+            return dataclasses.replace(n, messages=turns, tools=tuple(req.tools or ()))
+        if not req.prompt:
+            return self.load_only(n)
+        # the answer's tokens too: its `context` holds them
+        return dataclasses.replace(n, prompt=Prompt(generate_ids(session, req)), tokens=True)
 
-    def load_only(self) -> JSONResponse:
+    def load_only(self, n: Neutral) -> JSONResponse:
+        self.server.settings_of(n)
         head = {"model": self.server.settings.target, "created_at": now(), "done": True, "done_reason": "load"}
         return JSONResponse(head | ({"message": {"role": "assistant", "content": ""}} if self.chat
                                     else {"response": ""}))

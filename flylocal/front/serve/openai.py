@@ -7,7 +7,6 @@ Its requests are pydantic models (flylocal.front.serve.openai_requests); answers
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 import uuid
@@ -19,11 +18,10 @@ from flylocal.decoding.engine import KIND_LETTERS
 from flylocal.errors import FlylocalError
 from flylocal.front.serve import tools
 from flylocal.front.serve.answer import Whole, logprob_entries, stats_report
-from flylocal.front.serve.app import ApiError, Ask, Endpoint, Exchange, Server
+from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Neutral, Server
 from flylocal.front.serve.events import Done, Text
-from flylocal.front.serve.ollama_options import hinted
 from flylocal.front.serve.openai_requests import (CHECKED, ChatRequest, CompletionRequest, logprobs_wanted,
-                                                  request_settings)
+                                                  request_params)
 from flylocal.settings import Settings
 
 # ----- responses: OpenAI's shapes -----
@@ -186,31 +184,23 @@ class Generate(Endpoint):
     checked = CHECKED
     chat = True
 
-    def job(self, x: Exchange) -> Ask:
-        """The request, checked, as the worker's job."""
-        req, session, server, chat = x.body, x.session, self.server, self.chat
-        run_settings = request_settings(server.settings, req, session.target.n_vocab)
-        server.check_settings(run_settings)
-        hinted(server, req.ollama_hints)
+    def read(self, x: Exchange) -> Neutral:
+        """The request in the server's terms."""
+        req, chat = x.body, self.chat
+        top = logprobs_wanted(req, chat)
+        params = request_params(req, x.session.target.n_vocab) | ({"logprobs": top} if top is not None else {})
+        stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        # A stream always carries how each token came (stream_kinds); logprobs only when asked.
+        common = dict(params=params, stops=stops, tokens=req.stream, hints=req.ollama_hints,
+                      blame=lambda message: e_param(message, chat))
+        if not chat:
+            return Neutral(where="prompt", text=req.prompt if isinstance(req.prompt, str) else req.prompt[0], **common)
         try:
-            if chat:
-                ask = server.chat_prompt(session, [m.turn() for m in req.messages], req.tools or [], req.tool_choice)
-                if ask.grammar is None and req.response_format is not None:
-                    ask = dataclasses.replace(ask, grammar=req.response_format.grammar())
-            else:
-                text = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
-                if not text:
-                    raise ApiError(400, "the prompt is empty", param="prompt")
-                ask = Ask(server.settings, session.target.tokenize(text, add_special=True, parse_special=False))
+            grammar = req.response_format.grammar() if req.response_format is not None else None
         except FlylocalError as e:
             raise ApiError(400, str(e), param=e_param(str(e), chat)) from None
-        server.check_fits(ask.ids, session, "messages" if chat else "prompt")
-        top = logprobs_wanted(req, chat)
-        if top is not None:
-            run_settings = dataclasses.replace(run_settings, logprobs=top)
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        # A stream always carries how each token came (stream_kinds); logprobs only when asked.
-        return dataclasses.replace(ask, settings=run_settings, stops=tuple(stops), tokens=top is not None or req.stream)
+        return Neutral(where="messages", messages=[m.turn() for m in req.messages], tools=tuple(req.tools or ()),
+                       tool_choice=req.tool_choice, grammar=grammar, **common)
 
     def head(self, x: Exchange) -> dict:
         return {"id": ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),

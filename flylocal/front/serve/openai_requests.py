@@ -351,9 +351,13 @@ def parse(model: type[BaseModel], raw: bytes) -> Any:
 
 
 def request_settings(base: Settings, req: Own, n_vocab: int | None = None) -> Settings:
-    """The server's settings with a request's fields applied, through the command line's
-    option table (CHECKED names the option each field sets; a later field wins:
-    max_completion_tokens over max_tokens)."""
+    """The server's settings with a request's fields applied (request_params)."""
+    return settings_from(request_params(req, n_vocab), base)
+
+
+def request_params(req: Own, n_vocab: int | None = None) -> dict:
+    """A request's fields as the command line's options (CHECKED names the option each field
+    sets; a later field wins: max_completion_tokens over max_tokens), for settings_from."""
     given = type(req).model_fields
     params = {option: getattr(req, name) for name, option in CHECKED.items()
               if name in given and getattr(req, name) is not None}
@@ -363,7 +367,7 @@ def request_settings(base: Settings, req: Own, n_vocab: int | None = None) -> Se
             raise ApiError(400, f"logit_bias: token id {bias[-1][0]} is not in the vocabulary (0..{n_vocab - 1})",
                            param="logit_bias")
         params["logit_bias"] = bias
-    return settings_from(params, base)
+    return params
 
 
 def logprobs_wanted(req: Common, chat: bool) -> int | None:

@@ -3,8 +3,8 @@
 
 The same generation path as chat completions: the request's `input` items become a
 conversation (messages, earlier function calls and their outputs), `instructions` its system
-turn, `tools` the functions offered and `text.format` the output's grammar; the Server's
-`chat_prompt` and `start` do the rest. The answer is one output item: a `message` with its
+turn, `tools` the functions offered and `text.format` the output's grammar, in the server's
+terms (Neutral); the Server's `ask` and `start` do the rest. The answer is one output item: a `message` with its
 `output_text`, or one `function_call`.
 
 Responses are kept in memory for the server's life, the last MAX_STORED of them (`store`,
@@ -17,7 +17,6 @@ refused by name; fields at their do-nothing values are accepted.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import time
 import uuid
@@ -29,10 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from flylocal.errors import FlylocalError
 from flylocal.front.serve.answer import Whole, logprob_entries, stats_report
 from flylocal.front.serve import tools
-from flylocal.front.serve.app import ApiError, Ask, Endpoint, Exchange, Server
+from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Neutral, Prompt, Server
 from flylocal.front.serve.events import Done, Text
 from flylocal.front.serve.openai_requests import (CHECKED, EFFORTS, Own, checked_identifier, checked_metadata,
-                                                  request_settings)
+                                                  request_params)
 
 MAX_STORED = 256           # responses kept for previous_response_id, the newest
 
@@ -365,11 +364,12 @@ class Create(Endpoint):
         super().__init__(server)
         self.kept = kept
 
-    def job(self, x: Exchange) -> Ask:
-        """The request, checked, as the worker's job."""
+    def read(self, x: Exchange) -> Neutral:
+        """The request in the server's terms: its conversation encoded (truncated first with
+        `truncation: "auto"`), and what its renderer keeps."""
         req, session, server = x.body, x.session, self.server
-        run_settings = request_settings(server.settings, req, session.target.n_vocab)
-        server.check_settings(run_settings)
+        top = req.logprobs()
+        params = request_params(req, session.target.n_vocab) | ({"logprobs": top} if top is not None else {})
         offered, choice = chat_tools(req.tools), chat_choice(req.tool_choice)
         fmt = req.text.format if req.text is not None else None
         if offered and choice != "none" and fmt is not None and fmt.type != "text":
@@ -377,38 +377,34 @@ class Create(Endpoint):
                            param="text.format")
         for i, item in enumerate(req.include or ()):
             check_include(item, f"include[{i}]")
+        grammar = None
         try:
             history = self.kept.find(req.previous_response_id, "previous_response_id").turns \
                 if req.previous_response_id is not None else []
             items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
             system = [{"role": "system", "content": req.instructions}] if req.instructions else []
             turns = history + turns_of(items)
-            ask = server.chat_prompt(session, system + turns, offered, choice)
+            prompt = server.prompt(session, system + turns, offered, choice)
             n_ctx = session.target.n_ctx
-            room = n_ctx - min(run_settings.max_tokens, n_ctx // 2)
-            if req.truncation == "auto" and len(ask.ids) > room:
-                history, items, turns, ask = self.truncated(session, system, history, items, offered, choice, room)
-            if ask.grammar is None and fmt is not None and fmt.type != "text":
+            room = n_ctx - min(params.get("max_tokens", server.settings.max_tokens), n_ctx // 2)
+            if req.truncation == "auto" and len(prompt.ids) > room:
+                history, items, turns, prompt = self.truncated(session, system, history, items, offered, choice, room)
+            if fmt is not None and fmt.type != "text":
                 from flylocal.decoding.grammar import json_output
 
                 grammar = json_output() if fmt.type == "json_object" else \
                     json_output(fmt.schema_, f"text.format {fmt.name!r}")
-                ask = dataclasses.replace(ask, grammar=grammar)
         except FlylocalError as e:
             raise ApiError(400, str(e), param=param_of(str(e))) from None
-        server.check_fits(ask.ids, session, "input")
         x.kept = Kept(new_id("resp"), time.time(), turns, input_items(items))
-        top = req.logprobs()
-        if top is not None:
-            run_settings = dataclasses.replace(run_settings, logprobs=top)
-        return dataclasses.replace(ask, settings=run_settings, tokens=top is not None)
+        return Neutral(params, "input", prompt=prompt, grammar=grammar, tokens=top is not None, blame=param_of)
 
     def truncated(self, session, system: list[dict], history: list[dict], items: list[dict], offered, choice,
-                  room: int) -> tuple[list[dict], list[dict], list[dict], Ask]:
+                  room: int) -> tuple[list[dict], list[dict], list[dict], Prompt]:
         """`truncation: "auto"`: the conversation without its oldest turns (the earlier
         responses' first, then the input's items), as few as leave `room` tokens to answer (as
         `flylocal chat` drops them; a binary search). The instructions and the last item stay;
-        a function's output whose call went goes with it. (history, items, turns, its Ask)."""
+        a function's output whose call went goes with it. (history, items, turns, its Prompt)."""
         def without(n: int):
             h, i = history[n:], items[max(0, n - len(history)):]
             while h and h[0]["role"] == "tool":
@@ -416,7 +412,7 @@ class Create(Endpoint):
             while not h and len(i) > 1 and i[0].get("type") == "function_call_output":
                 i = i[1:]
             turns = h + turns_of(i)
-            return h, i, turns, self.server.chat_prompt(session, system + turns, offered, choice)
+            return h, i, turns, self.server.prompt(session, system + turns, offered, choice)
 
         low, high = 1, len(history) + len(items) - 1       # the fewest that may fit; the most that may go
         best = without(high)
