@@ -10,8 +10,14 @@ sequence; with --kv-unified every decode is one computation. Printed: each shape
 milliseconds per layout and its ratio to one row of one sequence, in rounds that alternate the
 layouts.
 
-    .venv/bin/python scripts/bench/shapes.py [--target gemma-3-270m-f32] [--threads 2]
+    .venv/bin/python scripts/experiments/shapes.py [--target gemma-3-270m-f32] [--threads 2]
         [--shapes "1;4;1x4;9,9,1,1"] [--sequences 4] [--prompt 200] [--rounds 3]
+
+Answered (docs/benchmarks.md, "Serving under load", 2026-12-05): on two cores four sequences'
+single rows cost 1.83 single steps; an uneven shared decode costs more with a cell stream per
+sequence than with --kv-unified (5,1,1,1: 3.80 against 2.27 steps), an even one the same;
+padding drafts to even lengths buys nothing here, and a prompt token costs the same in any
+chunk on the default target.
 """
 
 from __future__ import annotations

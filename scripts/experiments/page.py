@@ -17,7 +17,10 @@ exactly, at a speed that is not the page's default.
 Printed: medians over the questions and their ratio, and the median of each question's own
 ratio (its turns ran back to back, so a machine drifting between questions moves it less).
 
-    .venv/bin/python scripts/bench/page.py [--questions 8] [--max-tokens 128] [--drafter pld] [--k N]
+    .venv/bin/python scripts/experiments/page.py [--questions 8] [--max-tokens 128] [--drafter pld] [--k N]
+
+Answered (docs/benchmarks.md, "What does the chat page cost?", 2026-12-02): read through the
+page, the server decoded at 0.984x of its speed for curl (per question 0.960x).
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ import signal
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 import tempfile
 import time
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # scripts/bench's shared helpers (harness)
 from harness import ROOT, free_port, questions, wait_ready
 
 sys.path.insert(0, str(ROOT / "tests"))          # the tests' headless Chromium

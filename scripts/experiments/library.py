@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How long `flylocal models list` takes over 50 local GGUF files, cold and warm.
 
-    .venv/bin/python scripts/bench/library.py [--files 50] [--repeat 3]
+    .venv/bin/python scripts/experiments/library.py [--files 50] [--repeat 3]
 
 Links (hard links where it can, never copies) the four registry models into a temporary folder
 on FLYLOCAL_MODEL_PATH, 50 names in turn, and times `flylocal models list` in a fresh process:
@@ -10,6 +10,9 @@ The registry's own rows are left out (FLYLOCAL_MODELS points at an empty folder)
 hashes registry files by design, which is a separate cost. HOME is a temporary folder too, so no
 other tool's models join in. Also times reading one header in process, Gemma's 262k vocabulary
 being the slowest. The aim: a listing reads metadata only, 50 files in under a second.
+
+Answered (docs/benchmarks.md, "Memory, and listing local models", 2026-11-30): 50 files listed
+in 0.935 s cold and 0.251 s warm; one header 8 ms (SmolLM2) to 20 ms (Gemma 3).
 """
 
 from __future__ import annotations

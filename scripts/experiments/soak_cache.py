@@ -7,7 +7,11 @@ Reports the server's RSS after its first answer (models and slots), the most it 
 /api/ps says it holds, the cache's entries, hits and evictions, and how many answers differ
 from the reference (in exact mode, strict: none may).
 
-    FLYLOCAL_EXACT=1 .venv/bin/python scripts/bench/soak_cache.py [--conversations 100] [--cache-ram 64]
+    FLYLOCAL_EXACT=1 .venv/bin/python scripts/experiments/soak_cache.py [--conversations 100] [--cache-ram 64]
+
+Answered (docs/benchmarks.md, "Conversations taking turns: the prompt cache", bounds): 100
+conversations of 2 turns with --cache-ram 64 grew the server by at most 90 MiB over 200 turns,
+every answer equal to the server's without a cache, once entries lived in anonymous memory maps.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # scripts/bench's shared helpers (harness)
 from harness import servers, spec_bench_questions
 
 

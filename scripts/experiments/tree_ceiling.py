@@ -2,7 +2,7 @@
 rounds, timed on the target's measured cost curve.
 
 Strict decoding is deterministic, so with the target's greedy answer known each round of a
-prompt-lookup run is replayed without the model (scripts/bench/replay.py). At each position,
+prompt-lookup run is replayed without the model (scripts/experiments/replay.py). At each position,
 prompt lookup finds every earlier occurrence of the context's longest suffix n-gram (up to
 `--branches` of the most recent); their continuations, merged into a trie, are the tree's
 nodes. A chain is the most recent occurrence's continuation alone, as flylocal drafts today. A
@@ -26,8 +26,14 @@ from one teacher-forced pass (exact while its drafts agree with the answer, whic
 oracle drafts); a chain follows its first choice, a tree also its second wherever that is the
 answer's token. A round of a draft tokens costs a draft steps, t_d(1) each, and t(a + 1).
 
-    .venv/bin/python scripts/bench/tree_ceiling.py [--target NAME] [--raw] [--per-category 8]
+    .venv/bin/python scripts/experiments/tree_ceiling.py [--target NAME] [--raw] [--per-category 8]
         [--skip 8] [--max-tokens 128] [--rows 33] [--row-cost X] [--shorter N] [--draft NAME] [--answers FILE.npz] [--exact]
+
+Answered (docs/benchmarks.md, "Could tree drafts pay?", 2026-12-05): on the stand-in, trees of
+prompt-lookup drafts reached 2.693x plain decoding against the chain's 2.648 by expected gain
+(oracles 3.574 and 3.245: 1.10x), a draft model's oracles 1.04x; on the default target trees
+came in 0.1% of rounds. Under the 1.15x a tree would have to reach, trees are not built
+(docs/design.md, "Tree drafts: measured, not built").
 """
 
 from __future__ import annotations
@@ -35,9 +41,12 @@ from __future__ import annotations
 import argparse
 import collections
 import heapq
+import sys
+from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # scripts/bench's shared helpers (harness)
 import replay
 
 

@@ -3,13 +3,18 @@ constrained answer is generated once, then rounds of k draft tokens along it are
 through the constraint: masks computed along the draft and applied to k+1 rows of logits
 (Constraint.restrict), the draft checked (allowed) and the round committed.
 
-    .venv/bin/python scripts/bench/masks.py [--schema data/structured/long_keys.json] [--k 8]
+    .venv/bin/python scripts/experiments/masks.py [--schema data/structured/long_keys.json] [--k 8]
 
 Prints, per model: its vocabulary, the tokenizer's build time, and the median per round and
 per row of restrict and of allowed.
+
+Answered (docs/benchmarks.md, "Structured output", 2026-12-02): masks of 9 rows took 1.6 ms on
+SmolLM2 and 3.9 ms on Gemma 3 (a busy machine), small beside a round.
 """
 
 from __future__ import annotations
+
+import sys
 
 import argparse
 import json
@@ -17,6 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # scripts/bench's shared helpers (harness)
 from harness import ROOT     # first: puts this checkout on sys.path
 
 
