@@ -79,7 +79,7 @@ hip_env() {
 }
 
 # CUDA's compiler, runtime and cuBLAS from PyPI, for a CUDA build on a machine without a toolkit
-# (docs/design.md, "Builds"). Only CUDA 13's wheels hold a whole compiler (nvcc, cicc, the
+# (docs/operations.md, "Builds"). Only CUDA 13's wheels hold a whole compiler (nvcc, cicc, the
 # headers); CUDA 12's nvcc wheel holds ptxas alone. 13.0, the oldest 13, runs on every driver
 # that runs CUDA 13 (580 on). The wheels go to .venv/cuda, kept apart from site-packages.
 CUDA_WHEELS="nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cublas==13.0.2.14 nvidia-cuda-cccl==13.0.85"

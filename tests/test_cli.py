@@ -37,7 +37,7 @@ def test_json_output_contract():
     out = json.loads(done.stdout)
     assert set(out) == {"text", "tokens", "prompt_tokens", "build", "threads", "thread_use", "stats"}
     assert 1 <= out["threads"] <= len(os.sched_getaffinity(0))
-    use = out["thread_use"]           # --threads auto: what it used and why (docs/design.md, "Threads")
+    use = out["thread_use"]           # --threads auto: what it used and why (docs/operations.md, "Threads")
     assert use["count"] == out["threads"] and use["moves"] and all(m["why"] for m in use["moves"])
     assert sum(use["decodes"].values()) > 0 and all(1 <= int(c) <= len(os.sched_getaffinity(0)) for c in use["decodes"])
     assert out["text"] and len(out["tokens"]) <= 24 and out["prompt_tokens"] > 5

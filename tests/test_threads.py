@@ -1,4 +1,4 @@
-"""The --threads auto controller on made-up timings (docs/design.md, "Threads").
+"""The --threads auto controller on made-up timings (docs/operations.md, "Threads").
 
 A simulated 2-core (or 8-core) machine: a single-row step on c threads takes BASE / c seconds
 when idle; with `busy` cores taken by other work, each thread beyond the free cores stalls the
@@ -305,7 +305,7 @@ def test_a_fresh_process_measures_before_its_first_prompt_and_the_next_starts_th
         assert again.n_threads == kept and not again.thread_control.speed
 
 
-# ---- load the scheduler moves between cores (docs/design.md, "Threads")
+# ---- load the scheduler moves between cores (docs/operations.md, "Threads")
 
 def shared_step(threads: int, cores: int, others: float, rng: random.Random) -> float:
     """A single-row step with `others` cores' worth of runnable work the scheduler moves

@@ -1,4 +1,4 @@
-"""CUDA's runtime and cuBLAS where they came from PyPI (docs/design.md, "Builds":
+"""CUDA's runtime and cuBLAS where they came from PyPI (docs/operations.md, "Builds":
 CUDA without a toolkit).
 
 `scripts/setup.sh` builds llama.cpp's CUDA backend with NVIDIA's compiler wheels when a machine

@@ -1,4 +1,4 @@
-"""What a context will take, checked before llama.cpp allocates it (docs/design.md, "Memory").
+"""What a context will take, checked before llama.cpp allocates it (docs/operations.md, "Memory").
 
 llama.cpp sizes a context's buffers for the whole `--ctx` when it creates it, and a context too
 big for the machine is not refused: it is killed by the kernel later, with no message. So the

@@ -1,4 +1,4 @@
-"""`--gpu-layers auto`: which layers of the target and the draft go on the GPU (docs/design.md,
+"""`--gpu-layers auto`: which layers of the target and the draft go on the GPU (docs/operations.md,
 "GPU offload").
 
 On a build with a GPU backend, a model goes on the GPU whole when it fits in what the devices

@@ -1,5 +1,5 @@
 """`--threads auto`: a context's CPU thread count chosen from how fast its decodes run now
-(docs/design.md, "Threads").
+(docs/operations.md, "Threads").
 
 llama.cpp's CPU threads spin while they wait for each other, so on a busy desktop one thread
 the OS deschedules stalls them all: with a busy loop on one of 2 cores, 2 threads ran at 0.61 of
