@@ -18,26 +18,22 @@ import statistics
 import sys
 import time
 
-import flylocal.llama.binding  # noqa: F401 - llama.cpp before numpy (flylocal/launch.py says why)
-import numpy as np  # noqa: E402
-
-from flylocal import models  # noqa: E402
-from flylocal.llama.devices import gpu_offload, local_devices  # noqa: E402
-from flylocal.llama.placement import ALL, fit  # noqa: E402
-from flylocal.llama.runtime import Runtime, RuntimeConfig  # noqa: E402
-
 GiB = float(1 << 30)
 
 
 def gpu_free() -> int | None:
     """Free bytes summed over the GPUs; None without one."""
+    from flylocal.llama.devices import gpu_offload, local_devices
+
     gpus = [d for d in local_devices() if d.name != "CPU"] if gpu_offload() else []
     return sum(d.free for d in gpus) if gpus else None
 
 
-def curve(rt: Runtime, rows: int, repeats: int = 5) -> list[float]:
+def curve(rt, rows: int, repeats: int = 5) -> list[float]:
     """t(1..rows): the median seconds of a decode of n rows with logits for each, after the
     context, each rolled back."""
+    import numpy as np
+
     n_past, out = rt.n_past, []
     for n in range(1, rows + 1):
         batch = np.full(n, 300, dtype=np.int32)
@@ -52,6 +48,10 @@ def curve(rt: Runtime, rows: int, repeats: int = 5) -> list[float]:
 
 
 def measure(path: str, ctx: int, rows: int) -> None:
+    from flylocal import models
+    from flylocal.llama.placement import ALL, fit
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
+
     layout = models.read_layout(path)
     before = gpu_free()
     rt = Runtime(path, RuntimeConfig(n_ctx=ctx, n_gpu_layers=ALL))
@@ -80,6 +80,8 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--rows", type=int, default=33)
     args = ap.parse_args()
+    import flylocal.llama.binding  # noqa: F401 - llama.cpp before numpy (flylocal/launch.py says why)
+
     for path in args.models:
         measure(path, args.ctx, args.rows)
     return 0

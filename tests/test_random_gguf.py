@@ -16,13 +16,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import random_gguf as R  # noqa: E402
 
-from flylocal.decoding.drafters import make_drafter  # noqa: E402
-from flylocal.decoding.engine import Engine, EngineConfig, generate_all  # noqa: E402
-from flylocal.decoding.verifiers.strict import Strict  # noqa: E402
-from flylocal.llama.runtime import Runtime, RuntimeConfig  # noqa: E402
-
 VOCAB = R.SHAPES["tiny"][5]
 AGREE = 0.7
+
+
+def runtime(path, n_ctx: int):
+    from flylocal.llama.runtime import Runtime, RuntimeConfig     # llama.cpp: the slow tests only
+
+    return Runtime(path, RuntimeConfig(n_ctx=n_ctx))
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +31,13 @@ def models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("successor")
     R.write(str(folder / "target.gguf"), "tiny", "Q8_0", seed=3)
     R.write(str(folder / "draft.gguf"), "tiny", "Q4_1", seed=3, agree=AGREE)
-    target = Runtime(folder / "target.gguf", RuntimeConfig(n_ctx=1024))
-    draft = Runtime(folder / "draft.gguf", RuntimeConfig(n_ctx=1024))
+    target, draft = runtime(folder / "target.gguf", 1024), runtime(folder / "draft.gguf", 1024)
     yield target, draft
     target.close()
     draft.close()
 
 
+@pytest.mark.slow
 def test_greedy_decoding_follows_the_cycle_from_any_prompt(models):
     target, _ = models
     nxt = R.successor(VOCAB, 3, None)
@@ -60,7 +61,12 @@ def test_a_draft_agrees_on_its_share_and_nowhere_else():
                                                                         == target[R.FIRST:]).any()
 
 
+@pytest.mark.slow
 def test_strict_accepts_each_drafted_token_with_the_agreed_probability(models):
+    from flylocal.decoding.drafters import make_drafter
+    from flylocal.decoding.engine import Engine, EngineConfig, generate_all
+    from flylocal.decoding.verifiers.strict import Strict
+
     target, draft = models
     ids = target.tokenize("Question: what is the capital of France?\nAnswer:")
     engine = Engine(target, make_drafter("model", target, draft), Strict(), EngineConfig(max_tokens=400, k=1))
@@ -74,10 +80,11 @@ def test_strict_accepts_each_drafted_token_with_the_agreed_probability(models):
     assert stats.drafted > 200 and abs(rate - AGREE) < 0.1, (stats.accepted, stats.drafted)
 
 
+@pytest.mark.slow
 def test_text_takes_about_as_many_tokens_as_a_real_vocabulary_gives(tmp_path):
     R.write(str(tmp_path / "m.gguf"), "tiny", "Q8_0", vocab=49152)          # SmolLM2's vocabulary size
     text = "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences."
-    with Runtime(tmp_path / "m.gguf", RuntimeConfig(n_ctx=256)) as rt:
+    with runtime(tmp_path / "m.gguf", 256) as rt:
         tokens = rt.tokenize(text, add_special=False)
         assert len(tokens) <= 1.6 * len(text.split()) and rt.detokenize(tokens).strip() == text
 
