@@ -27,11 +27,28 @@ def shared_lib(path: Path, body: str = "int stand_in(void) { return 7; }") -> Pa
 
 
 def cuda_build(folder: Path, needs: tuple[str, ...]) -> Path:
-    """A llama.cpp build folder whose libggml-cuda names `needs` in its dynamic string table."""
-    names = ", ".join(f'"{n}"' for n in needs)
-    shared_lib(folder / "libggml-cuda.so.0", f"const char *needed[] = {{{names}}};")
+    """A llama.cpp build folder whose libggml-cuda is linked to libraries with the sonames
+    `needs` (stand-ins built beside it): its DT_NEEDED entries name them, as a real one's do."""
+    stubs = folder.parent / "link-stubs"
+    for name in needs:
+        shared_lib(stubs / name)
+    (folder / "x.c").parent.mkdir(parents=True, exist_ok=True)
+    (folder / "x.c").write_text("int ggml_cuda_stand_in(void) { return 1; }")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(folder / "libggml-cuda.so.0"), str(folder / "x.c"),
+                    "-Wl,--no-as-needed", f"-L{stubs}", *(f"-l:{n}" for n in needs)], check=True)
     (folder / "libggml-cuda.so").symlink_to("libggml-cuda.so.0")
     return folder
+
+
+def test_the_needed_libraries_are_read_off_the_dynamic_section(tmp_path):
+    build = cuda_build(tmp_path / "build", ("libcudart.so.13", "libcublas.so.13"))
+    assert cuda.elf_needed(build / "libggml-cuda.so")[:2] == ["libcudart.so.13", "libcublas.so.13"]
+    # a string that merely reads like a soname is not a need
+    shared_lib(tmp_path / "other" / "libggml-cuda.so", 'const char *s = "libcudart.so.13";')
+    assert cuda.needed(tmp_path / "other") == {}
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "libggml-cuda.so").write_text("not a library")
+    assert cuda.needed(tmp_path / "text") == {}
 
 
 def test_a_cpu_build_needs_and_loads_nothing(tmp_path):

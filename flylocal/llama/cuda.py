@@ -12,30 +12,56 @@ libraries already in the process. A machine with a toolkit, or a CPU build, load
 from __future__ import annotations
 
 import ctypes
-import mmap
 import re
+import struct
 import sys
 from pathlib import Path
 
 # The libraries in the order they need each other (cuBLAS needs cuBLASLt; both need the runtime).
 ORDER = ("cudart", "cublasLt", "cublas")
-_NEEDED = re.compile(rb"lib(cudart|cublasLt|cublas)\.so\.(\d+)\x00")
+_NEEDED = re.compile(r"lib(cudart|cublasLt|cublas)\.so\.(\d+)")
 _loaded: list[Path] = []
 
 
+def elf_needed(path: Path) -> list[str]:
+    """The libraries a 64-bit little-endian ELF file names as needed (its DT_NEEDED entries),
+    read from its dynamic section alone; [] for anything else."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+        if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+            return []
+        shoff, = struct.unpack_from("<Q", head, 0x28)
+        shentsize, shnum = struct.unpack_from("<HH", head, 0x3A)
+        f.seek(shoff)
+        table = f.read(shentsize * shnum)
+        sections = [struct.unpack_from("<IIQQQQIIQQ", table, i * shentsize) for i in range(len(table) // shentsize)]
+        dynamic = next((s for s in sections if s[1] == 6), None)          # SHT_DYNAMIC
+        if dynamic is None or dynamic[6] >= len(sections):
+            return []
+        f.seek(dynamic[4])
+        entries = f.read(dynamic[5])
+        strtab = sections[dynamic[6]]
+        f.seek(strtab[4])
+        strings = f.read(strtab[5])
+    out = []
+    for tag, value in struct.iter_unpack("<qQ", entries[: len(entries) // 16 * 16]):
+        if tag == 0:                                                      # DT_NULL: the end
+            break
+        if tag == 1:                                                      # DT_NEEDED
+            out.append(strings[value:strings.index(b"\0", value)].decode("utf-8", "replace"))
+    return out
+
+
 def needed(lib_dir: Path) -> dict[str, str]:
-    """{name: soname} of the CUDA libraries the build in `lib_dir` links to (read off its
-    libggml-cuda's dynamic string table); {} for a build without CUDA."""
-    found: dict[str, str] = {}
+    """{name: soname} of the CUDA libraries the build in `lib_dir` links to (its libggml-cuda's
+    DT_NEEDED entries); {} for a build without CUDA."""
     for lib in sorted(lib_dir.glob("libggml-cuda.so*")):
         try:
-            with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                for m in _NEEDED.finditer(data):
-                    found[m.group(1).decode()] = m.group(0)[:-1].decode()
-        except (OSError, ValueError):
+            names = elf_needed(lib)
+        except (OSError, ValueError, struct.error):
             continue
-        break
-    return found
+        return {m.group(1): m.group(0) for m in map(_NEEDED.fullmatch, names) if m}
+    return {}
 
 
 def wheel_dirs(paths: list[str] | None = None) -> list[Path]:
