@@ -25,7 +25,7 @@ import numpy as np
 from flylocal.decoding.adaptive import timed_decode
 from flylocal.decoding.contracts import EMPTY, KEPT, NO_DRAFT, RETRACTED, Drafter, Target, Verifier
 from flylocal.decoding.costs import Source
-from flylocal.decoding.round import Round
+from flylocal.decoding.round import Round, Window
 from flylocal.decoding.sampling import SamplingParams, position_noise, sample_targets, target_argmax, token_logprobs
 from flylocal.decoding.stats import Stats
 from flylocal.decoding.trace import trace_row
@@ -83,10 +83,7 @@ class Request:
         self.started = 0.0
         # A token accepted provisionally (FLy's window across rounds) and what follows it are
         # committed to the caches but held back from the output until the window closes.
-        self.window: tuple | None = None        # (P, the target's token at P, its logprobs entry): the
-                                                # provisional token's position in `context`
-        self.held: list[tuple] = []             # (token, kind, logprobs entry) committed from P on
-        self.window_accepted = 0                # draft tokens accepted from P on
+        self.window = Window()
         self.gen = gen
         self.source: str | None = None          # where the target's cost curve came from (`Engine.prefill`)
         self.closed = False                     # `Engine.stop` has run
@@ -387,25 +384,23 @@ class Engine:
             logprob = (token_logprobs(r.target[j : j + 1], r.logits[j : j + 1],
                                       np.concatenate([req.context[:n0], r.draft[:j]]), self.config.sampling,
                                       self.config.logprobs)[0] if self.config.logprobs is not None else None)
-            req.window = (n0 + j, token, logprob)
-            req.window_accepted = r.accepted - j
+            req.window.opens(n0 + j, (token, logprob), r.accepted - j)
         elif decision.settled == KEPT:
-            req.window = None
-        elif req.window is not None:
-            req.window_accepted += r.accepted
+            req.window.close()
+        elif req.window.open:
+            req.window.accepted += r.accepted
         r.commit_s = self.clock() - t0
 
     def _retract(self, req: Request, r: Round) -> None:
         """Take back the provisional token at P and everything after it: the caches roll back
         to P, and the target's own token goes there (docs/design.md, "FLy")."""
-        P, token, logprob = req.window
-        r.retracted, r.unaccepted, r.replacement = req.n - P, req.window_accepted, (token, logprob)
+        P, r.unaccepted, r.replacement = req.window.taken_back()
+        token, r.retracted = r.replacement[0], req.n - P
         self.target.truncate(P)
         if req.constraint is not None:
             req.constraint.truncate(P - len(req.prompt))
         req.context[P] = token
         req.n = P + 1
-        req.window, req.held = None, []
         r.ended = token in req.eog_ids
         if req.constraint is not None and not r.ended:
             req.constraint.commit([token])
@@ -415,7 +410,7 @@ class Engine:
         event that carries the round's output."""
         cfg, stats = self.config, req.stats
         out = [] if r.retracted else self._output(req, r)
-        if req.window is not None and (r.ended or req.produced >= cfg.max_tokens or req.n >= self.target.n_ctx):
+        if req.window.open and (r.ended or req.produced >= cfg.max_tokens or req.n >= self.target.n_ctx):
             self._retract(req, r)         # the end cuts its window short: the provisional token goes
             self.verifier.begin()
         if r.retracted:                   # the target's token where the provisional one stood
@@ -436,7 +431,7 @@ class Engine:
         tokens = tuple(t for t, _, _ in out)
         kinds = tuple(kind for _, kind, _ in out)
         logprobs = tuple(lp for _, _, lp in out) if cfg.logprobs is not None else None
-        trace = trace_row(r, grammar=req.constraint is not None, held=len(req.held)) if cfg.trace else None
+        trace = trace_row(r, grammar=req.constraint is not None, held=len(req.window.held)) if cfg.trace else None
         req.out.extend(tokens)
         # The stop is known before the event goes out: a consumer that closes the generation
         # right after it gets the real reason.
@@ -457,16 +452,15 @@ class Engine:
         logprobs = (token_logprobs(r.emitted[:shown], r.logits, req.context[: req.n - r.committed], cfg.sampling,
                                    cfg.logprobs) if cfg.logprobs is not None else [None] * shown)
         new = list(zip(tokens, kinds, logprobs))
-        out = []
-        if decision.settled == KEPT:
-            out, req.held = req.held, []
-        if req.window is None:
+        window = req.window
+        out = window.release() if decision.settled == KEPT else []
+        if not window.open:
             return out + new
         if j is not None and j < r.accepted:     # opened this round
             out += new[:j]
-            req.held = new[j:]
+            window.held = new[j:]
         else:
-            req.held.extend(new)
+            window.held.extend(new)
         return out
 
 

@@ -46,3 +46,45 @@ class Round:
         """Tokens the round added to the committed sequence: what it committed, less what it
         took back, plus the replacement of a retracted token."""
         return self.committed - self.retracted + (self.retracted > 0)
+
+
+class Window:
+    """FLy's window across rounds, for one request (docs/design.md, "FLy"): the token accepted
+    provisionally at position `at` of the context, the target's own token there (`recovered`,
+    with its logprobs entry: what goes in its place if the window is taken back), the output
+    held back from `at` on, and the draft tokens accepted from `at` on. The verifier decides
+    (Decision.provisional, Decision.settled); the engine records the decision here, and its
+    commit, retraction and accounts read it."""
+
+    __slots__ = ("at", "recovered", "held", "accepted")
+
+    def __init__(self):
+        self.at: int | None = None
+        self.recovered: tuple | None = None       # (token, logprobs entry)
+        self.held: list[tuple] = []               # (token, kind, logprobs entry) committed from `at` on
+        self.accepted = 0
+
+    @property
+    def open(self) -> bool:
+        return self.at is not None
+
+    def opens(self, at: int, recovered: tuple, accepted: int) -> None:
+        """A token accepted provisionally at `at`; `accepted` draft tokens from there on."""
+        self.at, self.recovered, self.accepted = at, recovered, accepted
+
+    def close(self) -> None:
+        """The window's token is kept for good (its held output is released by `release`)."""
+        self.at = self.recovered = None
+
+    def release(self) -> list[tuple]:
+        """What the window held back, now output."""
+        out, self.held = self.held, []
+        return out
+
+    def taken_back(self) -> tuple[int, int, tuple]:
+        """The window closed with its token taken back: (its position, the draft tokens it had
+        accepted, the recovered token and its logprobs entry); what it held is dropped."""
+        gone = (self.at, self.accepted, self.recovered)
+        self.at = self.recovered = None
+        self.held, self.accepted = [], 0
+        return gone
