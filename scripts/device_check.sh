@@ -32,7 +32,10 @@
 #   4. Spec-Bench questions through servers (scripts/bench/servers.py), one per mode: flylocal's
 #      plain, strict-pld, fly-pld, strict-mla and fly-mla beside llama-server's plain, ngram-mod
 #      and draft-simple, at each agreement.
-# The call, from this repository's root (.device is ignored by git and carried):
+# Everything it prints also goes to $OUT/device_check.txt where $OUT is set (the device tool's
+# folder that comes back). It keeps within FLYLOCAL_DEVICE_BUDGET seconds (400): a step that
+# would not fit is skipped, saying so. The call, from this repository's root (.device is
+# ignored by git and carried):
 #   run(command="scripts/device_check.sh", carry=[".device"], timeout_s=420)
 # Each step run out of order says in one line which step comes first. For its tests,
 # FLYLOCAL_DEVICE_DIR moves .device, FLYLOCAL_DEVICE_BUILD names a build folder to pack instead
@@ -244,6 +247,12 @@ environment() {
   fi
 }
 
+left() {
+  # Seconds left of the budget, less a margin for what follows (at least 1).
+  local n=$(( DEADLINE - SECONDS - 10 ))
+  echo $(( n > 1 ? n : 1 ))
+}
+
 step() {
   # A heading with the seconds since the last one.
   local now
@@ -276,13 +285,13 @@ measure() {
   done
   for m in "$models"/*.gguf; do echo "$(basename "$m") $(( $(stat -c %s "$m") / 1000000 )) MB"; done
   step "build"
-  if "$PY" -X faulthandler -m flylocal doctor --model "$models/target.gguf" > "$DEV/doctor.log" 2>&1; then
+  if timeout "$(left)" "$PY" -X faulthandler -m flylocal doctor --model "$models/target.gguf" > "$DEV/doctor.log" 2>&1; then
     sed -n '1,/^$/p' "$DEV/doctor.log"
   else
     tail -20 "$DEV/doctor.log"; say "flylocal doctor failed: the lines above; the measurements go on"
   fi
   step "memory and t(1..33), every layer offloaded"
-  "$PY" -X faulthandler scripts/device_measure.py "$small" "$models/target.gguf" "$models/draft-${agrees%% *}.gguf" \
+  timeout "$(left)" "$PY" -X faulthandler scripts/device_measure.py "$small" "$models/target.gguf" "$models/draft-${agrees%% *}.gguf" \
     ${FLYLOCAL_DEVICE_QUICK:+--rows 3} || say "scripts/device_measure.py failed; the measurements go on"
   per=1
   for p in $agrees; do
@@ -299,11 +308,16 @@ measure() {
        --max-tokens "$tokens" --pause 0.1 --modes "$modes")
     [ -z "$server" ] || [ ! -x "$server" ] || m+=(--llama-server "$server")
     [ "$1" = gpu ] || m+=(--threads "$(nproc)")
-    timeout 240 "$PY" scripts/bench/servers.py "${m[@]}" || say "the servers' run at $p failed or ran out of time"
+    if [ "$(left)" -lt 45 ]; then say "no time left for the servers' run at $p (FLYLOCAL_DEVICE_BUDGET)"; continue; fi
+    timeout "$(left)" "$PY" scripts/bench/servers.py "${m[@]}" || say "the servers' run at $p failed or ran out of time"
   done
   step ""
 }
 
+DEADLINE=$((SECONDS + ${FLYLOCAL_DEVICE_BUDGET:-400}))
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [[ "${1:-}" != --prepare && "${1:-}" != --dry-run ]]; then
+  exec > >(tee "$OUT/device_check.txt") 2>&1
+fi
 case "${1:-}" in
   --prepare) prepare ;;
   --dry-run) dry_run ;;
@@ -311,5 +325,5 @@ case "${1:-}" in
   --measure) [ -d "$DEV/lib" ] || first "scripts/device_check.sh" "no build in $DEV/lib (the first call unpacks it)"
              environment "$DEV/lib"; measure gpu ;;
   "") unpack && measure gpu ;;
-  *) sed -n '2,41p' "$0"; exit 2 ;;
+  *) sed -n '2,44p' "$0"; exit 2 ;;
 esac

@@ -154,3 +154,17 @@ def test_the_cpu_run_measures_each_step_in_order(tmp_path):
     assert "llama-server's modes are skipped" in done.stderr
     assert out.rstrip().endswith("s)")                               # the last step's seconds
     assert not (tmp_path / "dev" / "lib").exists()                    # --cpu runs this machine's own build
+
+
+def test_the_budget_skips_what_would_not_fit_and_the_output_comes_back_in_a_file(tmp_path):
+    """With no time left every timed step is cut short or skipped, each saying so in a line, and
+    the run still ends 0; where $OUT is set, all it printed is in $OUT/device_check.txt."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"FLYLOCAL_DEVICE_DIR": str(tmp_path / "dev"), "FLYLOCAL_DEVICE_QUICK": "1", "LLAMA_SERVER": "",
+           "FLYLOCAL_DEVICE_BUDGET": "0", "OUT": str(out)}
+    done = script("--cpu", env=env, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:]
+    text = (out / "device_check.txt").read_text()
+    assert "## models" in text and "## Spec-Bench through servers" in text
+    assert "no time left for the servers' run at 0.8" in text and "Traceback" not in text
