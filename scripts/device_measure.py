@@ -80,10 +80,13 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--rows", type=int, default=33)
     args = ap.parse_args()
-    import flylocal.llama.binding  # noqa: F401 - llama.cpp before numpy (flylocal/launch.py says why)
+    try:
+        import flylocal.llama.binding  # noqa: F401 - llama.cpp before numpy (flylocal/launch.py says why)
 
-    for path in args.models:
-        measure(path, args.ctx, args.rows)
+        for path in args.models:
+            measure(path, args.ctx, args.rows)
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 

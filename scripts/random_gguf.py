@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections import Counter
@@ -176,7 +177,15 @@ def main() -> int:
         ap.error(f"{args.shape}'s rows of {SHAPES[args.shape][1]} take no K-quant: give --type Q4_1 or Q8_0")
     if args.vocab is not None and args.vocab <= FIRST + 1:
         ap.error(f"--vocab must exceed {FIRST + 1}")
-    write(args.out, args.shape, args.kind, args.seed, args.agree, args.vocab)
+    part = f"{args.out}.part"                        # the file appears whole, or not at all
+    try:
+        write(part, args.shape, args.kind, args.seed, args.agree, args.vocab)
+        os.replace(part, args.out)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if os.path.exists(part):
+            os.remove(part)
     return 0
 
 
