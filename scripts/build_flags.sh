@@ -20,14 +20,14 @@ choose_cmake_args() {
   if [ -n "${CMAKE_ARGS:-}" ]; then
     echo "$CMAKE_ARGS"; return
   fi
+  if [ -n "${FLYLOCAL_CUDA_ARCHS:-}" ]; then      # setup.sh --cuda ARCHS: asked for, whatever GPU is here
+    echo "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$FLYLOCAL_CUDA_ARCHS"; return
+  fi
   if command -v rocminfo >/dev/null 2>&1 && rocminfo 2>/dev/null | grep -q 'gfx[1-9]'; then
     # The GPU agents' ISAs (gfx1100, gfx942, ...), each once; gfx000 is no GPU.
     local targets
     targets=$(rocminfo | grep -o 'gfx[0-9a-f]*' | grep -v '^gfx0*$' | sort -u | paste -sd';' -)
     echo "-DGGML_HIP=ON -DAMDGPU_TARGETS=$targets"; return
-  fi
-  if [ -n "${FLYLOCAL_CUDA_ARCHS:-}" ]; then      # setup.sh --cuda ARCHS: asked for, GPU or not
-    echo "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$FLYLOCAL_CUDA_ARCHS"; return
   fi
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; then
     # Only this machine's architectures ("8.9" -> 89): a build for every one takes far longer.

@@ -143,6 +143,10 @@ def test_cuda_asked_for_on_a_machine_without_a_gpu(tmp_path):
     (tmp_path / "t").mkdir()
     fast, exact, _ = plan(tmp_path / "t", {"nvcc --version": MACHINES["rtx4090"]["nvcc --version"]}, "--cuda", "86;89")
     assert fast == 'fast build: CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=86;89 -DGGML_RPC=ON -DLLAVA_BUILD=OFF"'
+    # asked for, it wins over the AMD GPU the machine also has
+    (tmp_path / "r").mkdir()
+    fast, _, _, _ = plan(tmp_path / "r", MACHINES["rx7900xtx"], "--cuda", "90")
+    assert "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90" in fast and "HIP" not in fast
 
 
 @pytest.mark.parametrize("archs, code, says", [("61", 1, "compute capability 61 is older than CUDA 13 builds for"),
