@@ -108,7 +108,7 @@ def check(settings: Settings, slots: int | None = None) -> None:
     """Refuse settings no engine can run, before any model is loaded. `slots`: the requests a
     server decodes together (default: --parallel as given, 1 for auto, which `load` fits to the
     draft length): a draft verified whole must fit a slot's share of a shared decode, so that
-    company never cuts it (docs/design.md, "Several requests at once")."""
+    company never cuts it (docs/serving.md, "Several requests in one decode")."""
     if settings.drafter_name in ("model", "mla") and not settings.draft:
         raise OptionError(f"--drafter {settings.drafter_name} needs a draft model (--draft NAME|PATH)", "drafter",
                           f"drafter {settings.drafter_name} needs a draft model: start the server with --draft")

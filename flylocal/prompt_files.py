@@ -1,5 +1,5 @@
 """Kept KV states on disk: the prompt cache's disk tier (`serve --prompt-cache DIR`) and chat's
-saved conversations (docs/design.md, "Prompt cache").
+saved conversations (docs/serving.md, "Prompt cache").
 
 A file holds one entry: each model's cells of one sequence (llama.cpp's per-sequence state) and
 the token ids they hold, under the key they were taken with (`Sequences.state_key`: the model

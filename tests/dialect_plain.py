@@ -1,4 +1,4 @@
-"""A test-only API dialect, written as docs/design.md "Adding an API dialect" says: POST /plain
+"""A test-only API dialect, written as docs/serving.md "Adding an API dialect" says: POST /plain
 with {"prompt", "max_tokens"} is answered as plain text, streamed as it is generated, and a last
 line "[FINISH, N tokens]". A parser (`read`: the request in the server's terms) and a renderer:
 everything else, settings, checks, the prompt and its fit included, is the server's."""

@@ -1,5 +1,5 @@
 """Several requests in one decode on real models (flylocal.decoding.batch over a Runtime with
-several sequences; docs/design.md, "Several requests at once").
+several sequences; docs/serving.md, "Several requests in one decode").
 
 Each sequence has cells of its own in llama.cpp (kv_unified off). Measured in the exact build,
 a sequence's logits are then bit for bit the same whatever other sequences share its decode, so

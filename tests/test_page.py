@@ -1,4 +1,4 @@
-"""The chat page (docs/design.md, "The chat page") in a real browser: Debian's headless Chromium,
+"""The chat page (docs/serving.md, "The chat page, inside") in a real browser: Debian's headless Chromium,
 driven by selenium through chromium-driver, against `flylocal serve` on SmolLM2 over loopback.
 
 The page is the server's own client: every check here goes through what a person does (type,

@@ -1,4 +1,4 @@
-"""The prompt cache (flylocal/decoding/prompt_cache.py, docs/design.md "Prompt cache") on the
+"""The prompt cache (flylocal/decoding/prompt_cache.py, docs/serving.md "Prompt cache") on the
 in-memory fake target: conversations taking turns on a few slots, their cells kept, evicted,
 moved to a disk tier and restored at random. Every answer must be what plain greedy decoding
 gives on a fresh target, whatever was kept, evicted or restored before it; the cache must

@@ -1,4 +1,4 @@
-"""The prompt cache on real models in exact mode (flylocal/decoding/prompt_cache.py, docs/design.md
+"""The prompt cache on real models in exact mode (flylocal/decoding/prompt_cache.py, docs/serving.md
 "Prompt cache"): conversations taking turns on fewer slots than there are conversations, their
 cells (the target's and the draft model's) kept, evicted to a disk tier and restored. Every
 strict answer equals plain greedy decoding on a fresh context, bit for bit, for every drafter;

@@ -419,7 +419,7 @@ def test_loose_tokens_are_marked_and_carry_the_targets_own_logprob(client):
 
 
 def test_each_streamed_chunk_says_how_its_tokens_came_and_where_they_end(client):
-    """The stream's extension (docs/design.md, "Server"): a letter per token, in the order of the
+    """The stream's extension (docs/serving.md, "Server"): a letter per token, in the order of the
     chunk's logprobs entries, and each token's characters, which cut the joined text into the
     tokens' own text; a stop string's cut leaves the tokens it cut out."""
     def stream(**extra):
@@ -459,7 +459,7 @@ def test_each_streamed_chunk_says_how_its_tokens_came_and_where_they_end(client)
 
 
 def test_a_stop_string_inside_a_token_ends_text_and_tokens_together(server):
-    """A stop string that begins and ends inside tokens (docs/design.md, "Server"): the text is cut
+    """A stop string that begins and ends inside tokens (docs/serving.md, "Server"): the text is cut
     where it begins; the answer's tokens end with the one that completes it, and logprobs,
     usage, the streamed chars and Ollama's context all count those tokens."""
     question, checked = "List five fruits, one per line.", 0

@@ -1,4 +1,4 @@
-"""The prompt cache through `flylocal serve` (docs/design.md "Prompt cache", docs/serving.md):
+"""The prompt cache through `flylocal serve` (docs/serving.md "Prompt cache", docs/serving.md):
 conversations taking turns on one slot keep what they had, through every dialect; the cache is
 visible in /metrics and /api/ps; a restarted server with --prompt-cache DIR continues where it
 was, and skips a damaged or foreign entry there in one line with a right answer; the same

@@ -1,4 +1,4 @@
-"""Several requests in one decode (docs/design.md, "Several requests at once").
+"""Several requests in one decode (docs/serving.md, "Several requests in one decode").
 
 Each member of a Batch is a request with an Engine of its own (its drafter, verifier, grammar
 state, seed, stop) on a sequence of its own in one shared cache (contracts.Sequences). A round:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from flylocal.decoding.costs import CostCurve
     from flylocal.decoding.grammar import Constraint, Grammar
 
-# How each committed token came to be, and the letter a stream marks it with (docs/design.md, "Server").
+# How each committed token came to be, and the letter a stream marks it with (docs/serving.md, "Server").
 ACCEPTED, LOOSE, TARGET = "accepted", "loose", "target"
 KIND_LETTERS = {ACCEPTED: "A", LOOSE: "L", TARGET: "T"}
 

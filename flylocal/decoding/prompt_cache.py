@@ -1,5 +1,5 @@
 """The prompt cache: what a slot computed is kept when the slot takes another prompt, so that no
-turn prefills again what the server already computed (docs/design.md, "Prompt cache").
+turn prefills again what the server already computed (docs/serving.md, "Prompt cache").
 
     a request's prompt -> seat(free slots, prompt):
         the free slot whose cells keep most of it, or an entry that keeps more (restored

@@ -1,6 +1,6 @@
 """A model's llama.cpp context: one sequence (0), or `n_seq` of them each in a cache of its own
 (a server's slots), decoded in batches that ask for logits only on the rows wanted, and rolled
-back (docs/design.md, "The round", "Several requests at once").
+back (docs/design.md, "The round"; docs/serving.md, "Several requests in one decode").
 
 - `decode(tokens, logits_from)`: one batched decode; the logits of the rows from `logits_from`
   on come back as a zero-copy numpy view;
@@ -188,7 +188,7 @@ class Context:
 
     def state_key(self) -> dict:
         """What a sequence's state (`state`) depends on: the model file, the build and backend, and
-        the cache's shape. A kept state under another key is never put back (docs/design.md,
+        the cache's shape. A kept state under another key is never put back (docs/serving.md,
         "Prompt cache")."""
         key = cost_key(self.model, self.config, 0, 0)
         for name in ("threads", "batch"):           # a state's cells do not follow either
@@ -511,7 +511,7 @@ class Context:
         llama_cpp.llama_memory_clear(self._mem, True)
         self._unsynced.clear()
 
-    # ----- a sequence's state, kept and put back (the prompt cache: docs/design.md, "Prompt cache") -----
+    # ----- a sequence's state, kept and put back (the prompt cache: docs/serving.md, "Prompt cache") -----
     def state(self, seq: int) -> mmap.mmap:
         """Sequence `seq`'s cells as llama.cpp writes them (llama_state_seq_get_data): the bytes
         `restore` puts back, into this sequence or another. They live in an anonymous memory

@@ -1,4 +1,4 @@
-"""Embeddings of texts by a loaded model (docs/design.md, "Embeddings").
+"""Embeddings of texts by a loaded model (docs/serving.md, "Embeddings").
 
 A context of its own, in llama.cpp's embedding mode: the model's hidden states at every
 position of an input, averaged (mean pooling) and scaled to unit length (L2), so that a dot
@@ -6,7 +6,7 @@ product of two vectors is their cosine similarity. Generation's context, its cac
 cost curve are never touched. Each input is decoded on a cleared cache: an input's vector is
 the same whatever else a request or its neighbours embed (inputs packed into one decode came
 out differently, by a cosine of up to 5e-4; packing was worth a quarter of short inputs'
-throughput at most: docs/design.md, "Embeddings").
+throughput at most: docs/serving.md, "Embeddings").
 
 A causal model (every generating model) reads an input in pieces of at most PIECE tokens, each
 a decode on the cache the earlier ones left: a position's hidden state depends only on the

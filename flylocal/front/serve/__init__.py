@@ -1,4 +1,4 @@
-"""`flylocal serve`: the door local tools come through (docs/design.md, "Server").
+"""`flylocal serve`: the door local tools come through (docs/serving.md, "Server").
 
 One Session behind API dialects on one port: OpenAI's chat and completions
 (flylocal.front.serve.openai), its Responses API (flylocal.front.serve.responses) and Ollama's

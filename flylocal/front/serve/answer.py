@@ -1,4 +1,4 @@
-"""One answer as every dialect takes it (docs/design.md, "Server"): the worker's events for a
+"""One answer as every dialect takes it (docs/serving.md, "Server"): the worker's events for a
 job, with the text of an answer that may be a tool call held back until it is known to be one
 (then `Done.call` carries it) or not (then the text goes out as it is), and the stats every
 dialect reports. A dialect renders `events()` as a stream, or `whole()` as one response."""

@@ -1,4 +1,4 @@
-"""What every dialect of `flylocal serve` shares (docs/design.md, "Server"): the refused
+"""What every dialect of `flylocal serve` shares (docs/serving.md, "Server"): the refused
 request (ApiError), the checks of a request's fields against the command line's declarations,
 the Endpoint a dialect writes, and the Server, whose `handle` takes every request through
 one pipeline:
@@ -8,7 +8,7 @@ one pipeline:
                  (embeddings) or the reply itself
               -> start -> whole or stream (the endpoint renders) -> failure -> log line
 
-A dialect is a parser and a renderer (docs/design.md, "Adding an API dialect")."""
+A dialect is a parser and a renderer (docs/serving.md, "Adding an API dialect")."""
 
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ class Prompt:
 class Neutral:
     """A request of any dialect in the server's own terms, as the dialect's parser reads it,
     before anything but its fields' types and ranges is checked. Server.ask turns it into the
-    worker's Ask: one way for every dialect (docs/design.md, "One request shape")."""
+    worker's Ask: one way for every dialect (docs/serving.md, "Adding an API dialect")."""
     params: dict                              # option -> value, through the option table (settings_from);
                                               # logprobs among them, as --logprobs
     where: str                                # the field the prompt came in, named by its errors

@@ -1,4 +1,4 @@
-"""Embeddings behind `flylocal serve` (docs/design.md, "Embeddings"): OpenAI's /v1/embeddings,
+"""Embeddings behind `flylocal serve` (docs/serving.md, "Embeddings"): OpenAI's /v1/embeddings,
 and Ollama's /api/embed and its older /api/embeddings.
 
 Vectors come from the target, in an embedding context of its own (flylocal.llama.embedding),

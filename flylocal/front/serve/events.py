@@ -1,5 +1,5 @@
 """What a generation behind `flylocal serve` says to the request that asked for it: typed
-events, the same under every API dialect (docs/design.md, "Server").
+events, the same under every API dialect (docs/serving.md, "Server").
 
     Text*  then  Done | Failed          (a generation)
     Computed | Failed                  (any other job: embeddings)

@@ -1,4 +1,4 @@
-"""What keeps web pages and slow clients out of `flylocal serve` (docs/design.md, "Server").
+"""What keeps web pages and slow clients out of `flylocal serve` (docs/serving.md, "Server").
 
 A browser lets any page send a "simple" cross-site request without asking first (a POST with
 `Content-Type: text/plain`), and a page can reach a server on loopback through DNS rebinding

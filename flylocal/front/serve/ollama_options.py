@@ -1,5 +1,5 @@
 """Ollama's `options`, and its other values that name no text (keep_alive), as flylocal reads
-them (docs/design.md, "Server"): a sampling option by the command line's declaration, a count,
+them (docs/serving.md, "Server"): a sampling option by the command line's declaration, a count,
 a hint that changes nothing (what tunes how a model is loaded or run: flylocal sets that at
 start), an option fixed at flylocal's one value, or a 400 naming it. The Ollama dialect reads
 them in `options`; the OpenAI dialect takes the same names where Open WebUI passes its users'

@@ -1,5 +1,5 @@
 """The OpenAI dialect of `flylocal serve`: /v1/chat/completions, /v1/completions, /v1/models
-(docs/design.md, "Server").
+(docs/serving.md, "Server").
 
 Its requests are pydantic models (flylocal.front.serve.openai_requests); answers
 (flylocal.front.serve.answer) are rendered here in OpenAI's shapes.

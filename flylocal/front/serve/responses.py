@@ -1,5 +1,5 @@
 """OpenAI's Responses API in `flylocal serve`: POST /v1/responses, GET and DELETE
-/v1/responses/{id} (docs/design.md, "Server").
+/v1/responses/{id} (docs/serving.md, "Server").
 
 The same generation path as chat completions: the request's `input` items become a
 conversation (messages, earlier function calls and their outputs), `instructions` its system

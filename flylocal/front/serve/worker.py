@@ -1,5 +1,5 @@
 """The generations behind `flylocal serve`: a bounded FIFO queue of jobs, one worker thread that
-loads the models and then runs them in one loop (docs/design.md, "Several requests at once"):
+loads the models and then runs them in one loop (docs/serving.md, "Several requests in one decode"):
 up to --parallel generations in shared decodes (a single request is a batch of one), and work
 that is not a generation (embeddings) a step at a time between their rounds; stop strings cut
 across tokens; the Prometheus metrics.
@@ -349,7 +349,7 @@ class Stream:
     """A generation's events to its request: text in pieces (at once at first, then at most every
     SEND_EVERY seconds), cut at stop strings, tokens aligned with their text; then Done.
 
-    A stop string ends the answer (docs/design.md, "Server"): its text is cut where the stop
+    A stop string ends the answer (docs/serving.md, "Server"): its text is cut where the stop
     string begins, and its tokens end with the one that completes the stop string (the token
     boundary at or after its end, where llama-server stops too): usage, logprobs, the streamed
     `chars` and Ollama's `context` count exactly those, and the last one's characters are the

@@ -1,4 +1,4 @@
-"""The chat page at `flylocal serve`'s address (docs/design.md, "The chat page"): three static
+"""The chat page at `flylocal serve`'s address (docs/serving.md, "The chat page, inside"): three static
 files written for this project (index.html, style.css, app.js), package data, read once and
 served with a Content-Security-Policy that lets the page load nothing but them and talk to
 nothing but this server. The page speaks the server's own OpenAI API, so the Host and Origin

@@ -1,4 +1,4 @@
-// flylocal's chat page (docs/design.md, "The chat page"). Plain JavaScript, no build step and
+// flylocal's chat page (docs/serving.md, "The chat page, inside"). Plain JavaScript, no build step and
 // nothing from the network but this server. It speaks the server's OpenAI API, streamed, and
 // colours each token by how it came from the stream's `flylocal` extension on every chunk:
 // {"kinds": "AALT", "chars": [..]}, one letter per token (A accepted draft token, L loose, T
@@ -19,7 +19,7 @@ const KIND_TITLES = { A: "accepted draft token", L: "loose: a draft token the ta
 // ms between updates of a streaming answer. Every update is a frame the browser lays out, paints
 // and composites, a cost per frame whatever changed, taken from the cores the model decodes on
 // when the server runs on this machine: 4 a second keep the text moving for a reader at a
-// fraction of the cost of 10 (docs/design.md, "The chat page").
+// fraction of the cost of 10 (docs/serving.md, "The chat page, inside").
 const REDRAW = 250;
 
 const $ = (id) => document.getElementById(id);
