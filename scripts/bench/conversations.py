@@ -1,5 +1,5 @@
 """Conversations taking turns on one server: what the prompt cache saves (docs/benchmarks.md,
-"Prompt cache").
+"Conversations taking turns: the prompt cache").
 
 Three conversations, each with a system prompt of about --system-tokens tokens of its own (Spec-Bench
 text), take turns A B C A B C ... for --rounds rounds, each turn a held-out Spec-Bench question,

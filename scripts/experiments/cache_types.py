@@ -1,5 +1,5 @@
 """KV cache cell types (--cache-type-k / --cache-type-v): what each costs in speed and fidelity
-(docs/benchmarks.md, "Prompt cache").
+(docs/benchmarks.md, "Conversations taking turns: the prompt cache").
 
 For each type pair, on one model: the bytes a cell takes (an entry of the prompt cache follows
 it), the prefill of a --prompt-tokens text (seconds), single decode steps after it (ms), and

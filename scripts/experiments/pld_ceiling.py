@@ -19,7 +19,7 @@ measured on prompts held apart from the benchmark that judges them.
 
     .venv/bin/python scripts/experiments/pld_ceiling.py [--target NAME] [--raw] [--per-category 16] [--skip 8] [--max-tokens 128] [--exact]
 
-Answered (docs/benchmarks.md, "How far prompt lookup can go", 2026-11-30): on the default
+Answered (docs/benchmarks.md, "How far prompt lookup, and trees, can go", 2026-11-30): on the default
 target flylocal's controller reached 1.047x plain decoding, the best fixed length per level in
 hindsight 1.041x, the oracle 1.115x (its Q4_0 requant: 1.192, 1.206, 1.562). The controller is
 at the best fixed lengths; the oracle's gap is what no controller that sees only the proposal

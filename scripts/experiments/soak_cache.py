@@ -1,4 +1,4 @@
-"""A soak of the prompt cache under a small bound (docs/benchmarks.md, "Prompt cache"): --conversations
+"""A soak of the prompt cache under a small bound (docs/benchmarks.md, "Conversations taking turns: the prompt cache"): --conversations
 conversations, each with a system prompt of its own, come back in a shuffled order for --turns
 turns each, on one server with --cache-ram MIB, while its resident memory (VmRSS) is read after
 every turn; the same turns on a server with --cache-ram 0 give the reference answers.

@@ -29,7 +29,7 @@ answer's token. A round of a draft tokens costs a draft steps, t_d(1) each, and 
     .venv/bin/python scripts/experiments/tree_ceiling.py [--target NAME] [--raw] [--per-category 8]
         [--skip 8] [--max-tokens 128] [--rows 33] [--row-cost X] [--shorter N] [--draft NAME] [--answers FILE.npz] [--exact]
 
-Answered (docs/benchmarks.md, "Could tree drafts pay?", 2026-12-05): on the stand-in, trees of
+Answered (docs/benchmarks.md, "How far prompt lookup, and trees, can go", 2026-12-05): on the stand-in, trees of
 prompt-lookup drafts reached 2.693x plain decoding against the chain's 2.648 by expected gain
 (oracles 3.574 and 3.245: 1.10x), a draft model's oracles 1.04x; on the default target trees
 came in 0.1% of rounds. Under the 1.15x a tree would have to reach, trees are not built
