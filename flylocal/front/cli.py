@@ -122,7 +122,7 @@ def stream_generation(generation, target, trace_out, trace_file, as_json) -> Non
     if not as_json:
         out.write("\n")
 
-@cli.command()
+@cli.group(invoke_without_command=True)
 @options(*MODEL)
 @click.option("--prompts", "prompts_path", default=None, metavar="FILE_OR_DIR",
               help="A directory of .txt prompts, a JSONL file with \"prompt\" and optional \"answers\", or "
@@ -163,7 +163,7 @@ def stream_generation(generation, target, trace_out, trace_file, as_json) -> Non
 @click.option("--seeds", type=click.IntRange(min=1), default=None, metavar="N",
               help="With --tasks and --temperature: run each question under N seeds (--seed, --seed + 1, ...), "
                    "each method with the same ones.")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Directory for the results.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Directory for the results (needed).")
 @click.option("--json", "as_json", is_flag=True, help="Print results.json to stdout in place of the report.")
 @click.option("--methods", default=None, help=f"Comma-separated subset of: {', '.join(__import__('flylocal.front.bench', fromlist=['METHODS']).METHODS)}. Default: all (those needing --draft only with it).")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
@@ -182,7 +182,13 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
     prompt has the failure recorded there, and the run goes on. Under --json-schema the report
     adds the share of answers valid under it, forced tokens and the grammar's mask time per round.
     With --tasks it scores every answer and puts each method's score, paired with plain
-    decoding's and with a 95% interval, beside its speed (and writes quality.png)."""
+    decoding's and with a 95% interval, beside its speed (and writes quality.png).
+
+    `flylocal bench serve` compares servers instead: see its --help."""
+    if click.get_current_context().invoked_subcommand is not None:
+        return
+    if out_dir is None:
+        raise click.UsageError("Missing option '--out'.")
     from flylocal.front import bench as b
 
     schema = read_input(json_schema_file, "JSON schema") if json_schema_file else None
@@ -229,6 +235,88 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
         if bar is not None:
             bar.__exit__(None, None, None)
     click.echo(json.dumps(results, indent=2) if as_json else report)
+
+
+def _counts(ctx, param, value):
+    try:
+        counts = [int(c) for c in value.split(",") if c.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of client counts (1 or more)")
+    return counts
+
+
+@bench.command("serve")
+@click.option("--server", "server_specs", multiple=True, metavar="SPEC",
+              help="A server to compare (repeat it): flylocal's configurations by method (autoregressive, strict-pld, "
+                   "fly-pld, strict-mla, fly-mla, ...) and llama-server's modes (llama-server, llama-server-ngram, "
+                   "llama-server-draft), started here on free loopback ports; NAME=URL[#MODEL] for one already "
+                   "running (ollama: http://127.0.0.1:11434#llama3.2); NAME=\"flylocal[@CHECKOUT] SERVE OPTIONS\"; "
+                   "NAME=\"llama-server OPTIONS\"; NAME=\"COMMAND\" with {port} (and {target}, {draft}, {ctx}, "
+                   "{clients}, {threads}). Default: flylocal's autoregressive, strict-pld and fly-pld (strict-mla and "
+                   "fly-mla with --draft), and llama-server's plain and ngram-mod when it is found.")
+@click.option("--base", default=None, metavar="NAME",
+              help="The server the others are set against. Default: llama-server, else the first server not "
+                   "flylocal's, else autoregressive.")
+@options("target", "draft")
+@click.option("--llama-server", "llama_server", default=None, metavar="PATH",
+              help="llama.cpp's llama-server (default: the one on the PATH).")
+@click.option("--model", default=None, metavar="NAME", help="The requests' \"model\" field (default: --target).")
+@click.option("--prompts", default=None, metavar="FILE_OR_DIR",
+              help="Your questions (JSONL with \"prompt\" or Spec-Bench's \"turns\", or a folder of .txt). "
+                   "Default: Spec-Bench's 444.")
+@click.option("--category", default=None, metavar="NAME[,NAME...]", help="Only these categories or groups.")
+@click.option("--per-category", type=click.IntRange(min=1), default=None, metavar="N",
+              help="N questions of each group, the groups in turn (default: 2 of Spec-Bench's, all of yours).")
+@click.option("--skip", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+              help="Pass over the first N of each group (held out from tuning).")
+@click.option("--turns", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Turns of each conversation (Spec-Bench's multi-turn questions have 2), each after the answers "
+                   "before it: a request a turn.")
+@click.option("--prompt-words", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Make every first turn at least N words long, with other questions' words before it as "
+                   "background: a long prompt's cost.")
+@click.option("--clients", default="1", show_default=True, callback=_counts, metavar="C[,C...]",
+              help="Clients at once; each count is a run of its own, its servers started for it (flylocal "
+                   "--parallel C, llama-server -np C).")
+@click.option("--per-client", type=click.IntRange(min=1), default=1, show_default=True, metavar="Q",
+              help="Conversations each client sends in a wave, back to back.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Tokens an answer.")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help="Ask every question this often.")
+@options("raw")
+@click.option("--natural", is_flag=True,
+              help="Let answers end where the model ends them. By default the end-of-generation tokens of "
+                   "--target get logit_bias -100 on the servers that run it, so every answer is --max-tokens long.")
+@options("ctx", "threads")
+@click.option("--pause", type=click.FloatRange(min=0), default=0.5, show_default=True,
+              help="Seconds between one server's wave and the next server's.")
+@click.option("--stagger", type=click.FloatRange(min=0), default=0.3, show_default=True,
+              help="Seconds between clients' starts in a wave.")
+@click.option("--fixed-order", is_flag=True,
+              help="The servers answer each wave in the order given (default: taking turns, a different one first).")
+@click.option("--api-key", envvar="FLYLOCAL_API_KEY", default=None, metavar="KEY",
+              help="Send `Authorization: Bearer KEY` (also FLYLOCAL_API_KEY).")
+@click.option("--timeout", type=click.FloatRange(min=1), default=600, show_default=True,
+              help="Seconds a request may take.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Write every wave's figures to FILE.")
+def bench_serve(**opts):
+    """Servers side by side as their clients see them: speed per wave, ratios with 95% intervals.
+
+    Every server answers the same conversations, streamed and greedy, the servers taking turns.
+    A wave is C clients at once, each sending Q conversations; with one client and one
+    conversation a wave is one question. The servers this command starts listen on 127.0.0.1
+    and are stopped on the way out; a Ctrl-C stops them and prints the waves measured so far."""
+    from flylocal.front.bench import servers
+
+    from flylocal.settings import DEFAULT_TARGET
+
+    target = opts.pop("target") or DEFAULT_TARGET
+    opts["ctx"] = opts["ctx"] or 4096
+    click.echo(servers.main(**opts, target=target, say=lambda m: click.echo(f"flylocal bench serve: {m}", err=True)),
+               nl=False)
 
 
 @cli.command()

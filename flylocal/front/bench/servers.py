@@ -1,0 +1,577 @@
+"""`flylocal bench serve`: servers side by side, as their clients see them (docs/serving.md,
+"Benchmarking servers").
+
+Any OpenAI-compatible server takes part: one already running (a URL: ollama, LM Studio, a
+llama-server of the user's), or one this command starts on a free loopback port and stops on
+the way out (flylocal's configurations, llama-server's modes, any command with `{port}`).
+
+The unit is a *wave*: C clients at once, each sending Q conversations back to back (client i
+starting i x stagger seconds late), every conversation of T turns a request each. The servers
+answer the same waves, taking turns (a different one first each wave), so a machine whose
+speed drifts moves every server alike. A wave's rate is all its completion tokens over its
+wall time; with one client and one conversation a wave is one question and its rate the
+question's end-to-end tokens/s. Each server's rate is set against the base server's, wave by
+wave, and reported as the median of those ratios with a 95% bootstrap interval (waves
+resampled) and the worst wave.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+
+from flylocal.errors import FlylocalError
+
+# flylocal's configurations by name: its methods (`flylocal bench`'s names) through `flylocal serve`.
+FLYLOCAL = {"autoregressive": "--drafter none --verifier strict",
+            **{f"{v}-{d}": f"--drafter {d} --verifier {v}" + (" --draft {draft}" if d in ("model", "mla") else "")
+               for v in ("strict", "fly", "asd") for d in ("pld", "model", "mla") if (v, d) != ("asd", "pld")}}
+# llama.cpp's own server: plain, its speculation without a draft model, and with one.
+LLAMA_SERVER = {"llama-server": "", "llama-server-ngram": "--spec-type ngram-mod",
+                "llama-server-draft": "-md {draft} --spec-type draft-simple"}
+RAW_FORM = "Question: {}\nAnswer:"     # a base model's form of a question (the bench's BASE_FORM)
+
+
+@dataclass
+class Server:
+    """One server of the comparison: `url` when it runs already, else `command` starts it (its
+    `{port}` filled), in `cwd` with `env` added."""
+    name: str
+    url: str | None = None
+    command: list[str] | None = None
+    cwd: str | None = None
+    env: dict = field(default_factory=dict)
+    model: str | None = None        # the request's "model" field
+    flylocal: bool = False          # one of flylocal's configurations
+    own_model: bool = True          # answers with --target: its end-of-generation ids can be banned
+
+
+@dataclass
+class Plan:
+    """What to measure, from the command line."""
+    servers: list[Server]
+    conversations: list[tuple[str, list[str]]]     # (label, user turns)
+    clients: list[int] = field(default_factory=lambda: [1])
+    per_client: int = 1             # conversations each client sends in a wave
+    max_tokens: int = 128
+    ctx: int = 4096                 # cells per client (llama-server gets ctx x clients for its slots)
+    raw: bool = False
+    banned: tuple[int, ...] = ()    # end-of-generation ids, at logit_bias -100, for servers of --target
+    base: str = ""
+    pause: float = 0.5
+    stagger: float = 0.3
+    taking_turns: bool = True
+    timeout: float = 600.0
+    startup: float = 300.0
+    api_key: str | None = None
+
+
+@dataclass
+class Reply:
+    """One request: its completion tokens and the perf_counter times of its start, first and
+    last text and end; `error` when it failed."""
+    tokens: int = 0
+    start: float = 0.0
+    first: float | None = None
+    last: float | None = None
+    end: float = 0.0
+    text: str = ""
+    error: str | None = None
+    counted: bool = True            # tokens from the server's usage (else chunks of text)
+
+
+# -- servers ------------------------------------------------------------------------------------
+
+def parse_server(spec: str, *, target: str, target_path: str, draft_path: str | None, ctx: int,
+                 threads: int | None, llama_server: str | None, model: str | None) -> Server:
+    """A server from `--server`: a configuration's name (FLYLOCAL, LLAMA_SERVER), or
+    NAME=URL[#MODEL], NAME=flylocal[@CHECKOUT] [SERVE OPTIONS], NAME=llama-server [OPTIONS], or
+    NAME=COMMAND with {port} in it. {target}, {draft}, {ctx}, {clients} and {threads} are filled
+    in commands."""
+    name, sep, value = spec.partition("=")
+    name, value = name.strip(), value.strip()
+    if not sep:
+        value = FLYLOCAL.get(name) is not None and f"flylocal {FLYLOCAL[name]}" or (
+            name in LLAMA_SERVER and f"llama-server {LLAMA_SERVER[name]}")
+        if not value:
+            raise FlylocalError(f"--server: unknown configuration {name!r}; known: "
+                                f"{', '.join([*FLYLOCAL, *LLAMA_SERVER])}, or NAME=URL, NAME=flylocal OPTIONS, "
+                                "NAME=llama-server OPTIONS, NAME=COMMAND with {port}")
+    if not name or not value:
+        raise FlylocalError(f"--server {spec!r}: give NAME=URL, NAME=flylocal OPTIONS, NAME=llama-server OPTIONS "
+                            "or NAME=COMMAND with {port}")
+    if value.startswith(("http://", "https://")):
+        url, _, wanted = value.partition("#")
+        url = url.rstrip("/").removesuffix("/v1")
+        return Server(name, url=url, model=wanted or model, own_model=False)
+    words = shlex.split(value)
+    needs_draft = any("{draft}" in w for w in words)
+    if needs_draft and not draft_path:
+        raise FlylocalError(f"--server {name}: needs a draft model (--draft)")
+    fill = {"target": target_path, "draft": draft_path or "", "ctx": str(ctx), "threads": str(threads or "")}
+
+    def filled(parts):
+        out = []
+        for part in parts:
+            for key, val in fill.items():
+                part = part.replace("{" + key + "}", val)
+            out.append(part)
+        return out
+
+    head = words[0]
+    if head == "flylocal" or head.startswith("flylocal@"):
+        checkout = head.partition("@")[2] or None
+        rest = filled(words[1:])
+        command = [sys.executable, "-m", "flylocal", "serve", "--port", "{port}", "--quiet", "--target", target,
+                   "--ctx", str(ctx), *(["--threads", str(threads)] if threads else []),
+                   *([] if "--parallel" in rest else ["--parallel", "{clients}"]), "--max-queue", "256", *rest]
+        env = {"PYTHONPATH": os.path.abspath(checkout)} if checkout else {}
+        if checkout and not os.path.isdir(checkout):
+            raise FlylocalError(f"--server {name}: no checkout at {checkout}")
+        return Server(name, command=command, cwd=checkout, env=env, model=model or target, flylocal=True)
+    if head == "llama-server":
+        if not llama_server:
+            raise FlylocalError(f"--server {name}: llama-server not found on the PATH; give --llama-server PATH")
+        own = [f for flag in ("-t", "-tb", "-td", "-tbd") for f in (flag, str(threads))] if threads else []
+        command = [llama_server, "-m", target_path, "--port", "{port}", "--host", "127.0.0.1", "-np", "{clients}",
+                   "-c", "{ctx_all}", "--no-webui", *own, *filled(words[1:])]
+        return Server(name, command=command, model=model or target)
+    if not any("{port}" in w for w in words):
+        raise FlylocalError(f"--server {name}: a command needs {{port}} where its port goes")
+    return Server(name, command=["sh", "-c", " ".join(filled([value]))], model=model or target,
+                  own_model="{target}" in value)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def answers(url: str, timeout: float = 2.0) -> bool:
+    """Whether the server at `url` is ready: /health answers 200, or, where there is no /health
+    (404: llama-cpp-python's server, ollama), /v1/models does."""
+    for path in ("/health", "/v1/models"):
+        try:
+            conn = _connect(url, timeout)
+            conn.request("GET", path)
+            status = conn.getresponse().status
+        except (OSError, http.client.HTTPException):
+            return False
+        if status != 404:
+            return status == 200
+    return False
+
+
+@contextlib.contextmanager
+def fleet(servers: list[Server], clients: int, ctx: int, startup: float, say):
+    """Start every server that has a command, for `clients` clients, and wait until all answer;
+    yield {name: url} of those that came up (a server that fails is left out, said in one line);
+    every started one is stopped on the way out."""
+    procs, logs, urls = {}, {}, {}
+    try:
+        for s in servers:
+            if s.url:
+                urls[s.name] = s.url
+                continue
+            port = free_port()
+            fill = {"{port}": str(port), "{clients}": str(clients), "{ctx_all}": str(ctx * clients)}
+            command = [_fill(part, fill) for part in s.command]
+            logs[s.name] = tempfile.TemporaryFile()    # a pipe nobody reads would stall the server
+            procs[s.name] = subprocess.Popen(command, stdout=logs[s.name], stderr=logs[s.name], stdin=subprocess.DEVNULL,
+                                             cwd=s.cwd, env={**os.environ, **s.env}, start_new_session=True)
+            urls[s.name] = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + startup
+        for name, proc in procs.items():
+            while not answers(urls[name]):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    logs[name].seek(0)
+                    tail = logs[name].read().decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+                    why = f"exited ({proc.returncode})" if proc.poll() is not None else f"not ready in {startup:g} s"
+                    say(f"{name}: {why}, left out: {tail[0][:200]}")
+                    del urls[name]
+                    break
+                time.sleep(0.25)
+        yield urls
+    finally:
+        _stop(list(procs.values()))
+        for log in logs.values():
+            log.close()
+
+
+def _fill(part: str, fill: dict) -> str:
+    for key, val in fill.items():
+        part = part.replace(key, val)
+    return part
+
+
+def _stop(procs) -> None:
+    """SIGTERM each process's group, then wait (a minute at most, then SIGKILL)."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+# -- requests -----------------------------------------------------------------------------------
+
+def _connect(url: str, timeout: float) -> http.client.HTTPConnection:
+    u = urllib.parse.urlsplit(url)
+    kind = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+    return kind(u.hostname, u.port, timeout=timeout)
+
+
+def body_of(plan: Plan, server: Server, history: list[str], turn: str) -> tuple[str, dict]:
+    """The path and body of one turn's request: earlier turns and answers alternate in
+    `history`. A raw request puts them all in one prompt."""
+    body: dict = {"max_tokens": plan.max_tokens, "temperature": 0, "stream": True,
+                  "stream_options": {"include_usage": True}}
+    if server.model:
+        body["model"] = server.model
+    if plan.banned and server.own_model:
+        body["logit_bias"] = {str(t): -100 for t in plan.banned}
+    if plan.raw:
+        said = "".join(RAW_FORM.format(q) + a + "\n" for q, a in zip(history[::2], history[1::2]))
+        return "/v1/completions", {**body, "prompt": said + RAW_FORM.format(turn)}
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(history)]
+    return "/v1/chat/completions", {**body, "messages": [*messages, {"role": "user", "content": turn}]}
+
+
+def request(url: str, path: str, body: dict, timeout: float, api_key: str | None = None) -> Reply:
+    """Stream one request; its text's times and completion tokens. Never raises: a failure is
+    the reply's `error`."""
+    r = Reply(start=time.perf_counter())
+    usage = None
+    chunks = 0
+    try:
+        conn = _connect(url, timeout)
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+        conn.request("POST", path, json.dumps(body), headers)
+        resp = conn.getresponse()
+        if resp.status != 200:
+            r.error = f"HTTP {resp.status}: {resp.read(300).decode(errors='replace').strip()}"
+            return r
+        while line := resp.readline():
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            data = json.loads(line[5:])
+            usage = data.get("usage") or usage
+            choice = (data.get("choices") or [{}])[0]
+            text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+            if text:
+                r.last = time.perf_counter()
+                r.first = r.first or r.last
+                r.text += text
+                chunks += 1
+        conn.close()
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        r.error = f"{type(e).__name__}: {e}"
+    finally:
+        r.end = time.perf_counter()
+    r.counted = bool(usage and "completion_tokens" in usage)
+    r.tokens = usage["completion_tokens"] if r.counted else chunks
+    return r
+
+
+def converse(plan: Plan, server: Server, url: str, turns: list[str]) -> list[Reply]:
+    """One conversation, a request a turn, each turn after the answers before it. Stops at the
+    first failed turn."""
+    history: list[str] = []
+    replies = []
+    for turn in turns:
+        path, body = body_of(plan, server, history, turn)
+        reply = request(url, path, body, plan.timeout, plan.api_key)
+        replies.append(reply)
+        if reply.error:
+            break
+        history += [turn, reply.text]
+    return replies
+
+
+def wave(plan: Plan, server: Server, url: str, clients: int, convs: list[list[str]]) -> list[Reply]:
+    """`clients` clients at once, client i taking every clients-th conversation of `convs`
+    and starting i x stagger seconds late; every request's reply."""
+    done: list[list[Reply]] = [[] for _ in range(clients)]
+
+    def client(i: int) -> None:
+        time.sleep(i * plan.stagger)
+        for turns in convs[i::clients]:
+            done[i] += converse(plan, server, url, turns)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [r for rs in done for r in rs]
+
+
+def rates(replies: list[Reply]) -> dict:
+    """A wave's figures: tokens/s over its wall time (first start to last text), the median
+    request's decode tokens/s (tokens after the first over the time after the first), times to
+    first token, and its failures."""
+    ok = [r for r in replies if not r.error and r.last is not None]
+    tokens = sum(r.tokens for r in ok)
+    wall = max((r.last for r in ok), default=0.0) - min((r.start for r in ok), default=0.0)
+    decode = [(r.tokens - 1) / (r.last - r.first) for r in ok if r.tokens > 1 and r.last > r.first]
+    return {"tokens": tokens, "wall": wall, "rate": tokens / wall if ok and wall > 0 and not len(ok) < len(replies)
+            else float("nan"), "decode": _median(decode), "ttft": [r.first - r.start for r in ok],
+            "errors": [r.error or "no text" for r in replies if r.error or r.last is None],
+            "requests": len(replies), "counted": all(r.counted for r in ok)}
+
+
+def _median(values) -> float:
+    values = sorted(v for v in values if v == v)
+    if not values:
+        return float("nan")
+    n = len(values)
+    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+def run(plan: Plan, say) -> dict:
+    """Every client count's waves on every server: {clients: {"labels": [...], name: [wave
+    figures]}}. A Ctrl-C ends it early; what was measured by then is returned under
+    "interrupted"."""
+    results: dict = {}
+    by_name = {s.name: s for s in plan.servers}
+    try:
+        for clients in plan.clients:
+            size = clients * plan.per_client
+            waves = [plan.conversations[i:i + size] for i in range(0, len(plan.conversations), size)]
+            waves = [w for w in waves if len(w) == size] or waves[:1]
+            got = results[clients] = {"labels": [w[0][0] for w in waves]}
+            with fleet(plan.servers, clients, plan.ctx, plan.startup, say) as urls:
+                if plan.base not in urls:
+                    raise FlylocalError(f"the base server {plan.base!r} did not come up")
+                for name, url in urls.items():      # one short request each, uncounted
+                    converse(plan, by_name[name], url, ["Hello!"])
+                names = list(urls)
+                for i, w in enumerate(waves):
+                    order = names[i % len(names):] + names[:i % len(names)] if plan.taking_turns else names
+                    for name in order:
+                        got.setdefault(name, []).append(rates(wave(plan, by_name[name], urls[name], clients,
+                                                                   [turns for _, turns in w])))
+                        time.sleep(plan.pause)
+                    say(f"{clients} client{'s' * (clients > 1)}, wave {i + 1}/{len(waves)} ({w[0][0]}): "
+                        + ", ".join(f"{n} {got[n][-1]['rate']:.1f}" for n in names) + " tok/s")
+    except KeyboardInterrupt:
+        results["interrupted"] = True
+    return results
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+def interval(ratios: list[float], draws: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median of per-wave ratios (waves resampled, a fixed seed)."""
+    import numpy as np
+
+    r = np.asarray([x for x in ratios if x == x])
+    if len(r) < 2:
+        return (float(r[0]), float(r[0])) if len(r) else (float("nan"), float("nan"))
+    picks = np.random.default_rng(seed).integers(0, len(r), size=(draws, len(r)))
+    lo, hi = np.percentile(np.median(r[picks], axis=1), [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def paired(got: dict, name: str, other: str, key: str = "rate") -> list[tuple[float, str]]:
+    """`name`'s figure over `other`'s, wave by wave, with each wave's label (waves where
+    either failed left out)."""
+    return [(a[key] / b[key], label) for a, b, label in zip(got[name], got[other], got["labels"])
+            if a[key] == a[key] and b[key] == b[key] and b[key] > 0]
+
+
+def ratio_text(pairs: list[tuple[float, str]], worst: bool = True) -> str:
+    """'M (LO-HI)' and ', worst W (LABEL)': the median ratio with its interval, the lowest."""
+    if not pairs:
+        return "-"
+    values = [v for v, _ in pairs]
+    lo, hi = interval(values)
+    low = min(pairs)
+    return f"{_median(values):.2f} ({lo:.2f}-{hi:.2f})" + (f", worst {low[0]:.2f} ({low[1]})" if worst else "")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))] if values else float("nan")
+
+
+def report(plan: Plan, results: dict, turns: int) -> str:
+    """Per client count: each server's figures and its ratios to the base server; flylocal's
+    drafting configurations against its plain one and against the best of the other servers."""
+    by_name = {s.name: s for s in plan.servers}
+    lines = []
+    for clients, got in results.items():
+        if clients == "interrupted":
+            continue
+        names = [n for n in got if n != "labels"]
+        if plan.base not in names:
+            continue
+        n = min(len(got[name]) for name in names)
+        got = {"labels": got["labels"][:n], **{name: got[name][:n] for name in names}}
+        banned = "end of generation banned for servers of --target" if plan.banned else "answers end where models end them"
+        lines += [f"{n} wave{'s' * (n != 1)} of {clients} client{'s' * (clients != 1)} x {plan.per_client} "
+                  f"conversation{'s' * (plan.per_client != 1)} of {'up to ' * (turns > 1)}{turns} turn{'s' * (turns != 1)}, "
+                  f"{plan.max_tokens} "
+                  f"tokens an answer ({banned}), greedy, streamed{', raw completions' if plan.raw else ''}; "
+                  f"ratios to {plan.base}, wave by wave: median (95% interval)", "",
+                  f"| server | requests | tokens | tok/s | / {plan.base} | decode tok/s | / {plan.base} | "
+                  "all tokens / all time | TTFT p50 s | TTFT p95 s | failed |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for name in names:
+            waves = got[name]
+            ttft = [t for w in waves for t in w["ttft"]]
+            wall = sum(w["wall"] for w in waves if w["wall"] > 0)
+            lines.append(f"| {name} | {sum(w['requests'] for w in waves)} | {sum(w['tokens'] for w in waves)} | "
+                         f"{_median(w['rate'] for w in waves):.1f} | "
+                         f"{'1' if name == plan.base else ratio_text(paired(got, name, plan.base))} | "
+                         f"{_median(w['decode'] for w in waves):.1f} | "
+                         f"{'1' if name == plan.base else ratio_text(paired(got, name, plan.base, 'decode'), False)} | "
+                         f"{sum(w['tokens'] for w in waves) / wall if wall else float('nan'):.1f} | "
+                         f"{_percentile(ttft, 0.5):.2f} | {_percentile(ttft, 0.95):.2f} | "
+                         f"{sum(len(w['errors']) for w in waves)} |")
+        lines.append("")
+        ours = [m for m in names if by_name[m].flylocal]
+        plain = "autoregressive" if "autoregressive" in ours else None
+        if plain and plain != plan.base:
+            lines += [f"{m} / {plain}: {ratio_text(paired(got, m, plain))}" for m in ours if m != plain]
+        others = [m for m in names if not by_name[m].flylocal]
+        if ours and others:
+            best = max(others, key=lambda m: _median(v for v, _ in paired(got, m, plan.base)))
+            lines += [f"{m} / {best} (the best of the other servers here): {ratio_text(paired(got, m, best))}"
+                      for m in ours]
+        for name in names:
+            errors = [e for w in got[name] for e in w["errors"]]
+            if errors:
+                lines.append(f"{name}: {len(errors)} request{'s' * (len(errors) > 1)} failed, the first: {errors[0]}")
+            if not all(w["counted"] for w in got[name]):
+                lines.append(f"{name}: sent no usage; its tokens are counted as chunks of text")
+        lines.append("")
+    if results.get("interrupted"):
+        lines.append("interrupted: the figures above are of the waves measured before")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# -- from the command line ----------------------------------------------------------------------
+
+def conversations(path: str | None, category: str | None, per_category: int | None, skip: int, turns: int,
+                  prompt_words: int | None, repeat: int) -> list[tuple[str, list[str]]]:
+    """(label, user turns) of the questions asked: Spec-Bench's (the project's copy) or the
+    file's, `per_category` of each group after its first `skip` (2 of Spec-Bench's by default,
+    every one of a file's), the groups in turn; the first `turns` turns of each; a first turn
+    under `prompt_words` words preceded by other questions' words as background; `repeat` times."""
+    from flylocal.front.bench.prompts import data_dir, load_prompts, of_categories, per_group
+
+    source = path or str(data_dir() / "spec_bench")
+    prompts = load_prompts(source)
+    if category:
+        prompts = of_categories(prompts, category, source)
+    if per_category is None and path is None:
+        per_category = 2
+    if per_category is not None or skip:
+        seen = {id(p) for p in per_group(prompts, skip)} if skip else set()
+        chosen = {id(p) for p in per_group(prompts, skip + (per_category or len(prompts)))} - seen
+        prompts = [p for p in prompts if id(p) in chosen]
+    if not prompts:
+        raise FlylocalError(f"no questions left in {source} after --skip {skip}")
+    groups: dict = {}
+    for p in prompts:
+        groups.setdefault(p.group, []).append(p)
+    ordered = [g[i] for i in range(max(map(len, groups.values()))) for g in groups.values() if i < len(g)]
+    words = [w for p in ordered for w in p.text.split()]
+    out = []
+    for p in ordered:
+        asked = list(p.turns or [p.text])[:turns]
+        short = prompt_words - len(asked[0].split()) if prompt_words else 0
+        if short > 0:
+            start = (len(out) * 97) % len(words)
+            filler = [words[(start + i) % len(words)] for i in range(short)]
+            asked[0] = "Background:\n" + " ".join(filler) + "\n\n" + asked[0]
+        out.append((f"{p.group or p.category or 'question'} {p.id}", asked))
+    return out * repeat
+
+
+def default_servers(draft: bool, llama_server: str | None) -> list[str]:
+    mine = ["autoregressive", "strict-pld", "fly-pld", *(["strict-mla", "fly-mla"] if draft else [])]
+    return mine + (["llama-server", "llama-server-ngram", *(["llama-server-draft"] if draft else [])]
+                   if llama_server else [])
+
+
+def default_base(servers: list[Server]) -> str:
+    """llama-server plain; else the first server not flylocal's; else flylocal's plain one; else the first."""
+    names = [s.name for s in servers]
+    if "llama-server" in names:
+        return "llama-server"
+    return next((s.name for s in servers if not s.flylocal), "autoregressive" if "autoregressive" in names else names[0])
+
+
+def end_tokens(path: str) -> tuple[int, ...]:
+    """The end-of-generation ids of the model at `path` (banned: every answer full length)."""
+    import numpy as np
+
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
+
+    rt = Runtime(path, RuntimeConfig(n_ctx=256, n_threads=1))
+    try:
+        return tuple(int(t) for t in np.flatnonzero(rt.eog_mask))
+    finally:
+        rt.close()
+
+
+def main(*, server_specs, base, target, draft, llama_server, model, prompts, category, per_category, skip, turns,
+         prompt_words, clients, per_client, max_tokens, repeat, raw, natural, ctx, threads, pause, stagger,
+         fixed_order, api_key, timeout, json_out, say) -> str:
+    """`flylocal bench serve`: the plan from the options, the run, the report (and the JSON)."""
+    import shutil
+
+    from flylocal import models
+
+    llama_server = llama_server or shutil.which("llama-server")
+    specs = list(server_specs) or default_servers(bool(draft), llama_server)
+    servers = [parse_server(spec, target=target, target_path="{target}", draft_path=draft and "{draft}", ctx=ctx,
+                            threads=threads, llama_server=llama_server, model=model) for spec in specs]
+    target_path = str(models.resolve(target)) if any(s.own_model for s in servers) else ""
+    paths = {"{target}": target_path, "{draft}": str(models.resolve(draft)) if draft else ""}
+    for s in servers:
+        s.command = s.command and [_fill(part, paths) for part in s.command]
+    names = [s.name for s in servers]
+    if len(set(names)) < len(names):
+        raise FlylocalError(f"--server: the name {next(n for n in names if names.count(n) > 1)!r} is used twice")
+    base = base or default_base(servers)
+    if base not in names:
+        raise FlylocalError(f"--base {base!r} is none of the servers: {', '.join(names)}")
+    convs = conversations(prompts, category, per_category, skip, turns, prompt_words, repeat)
+    banned = () if natural or not any(s.own_model for s in servers) else end_tokens(target_path)
+    plan = Plan(servers, convs, clients=clients, per_client=per_client, max_tokens=max_tokens, ctx=ctx, raw=raw,
+                banned=banned, base=base, pause=pause, stagger=stagger, taking_turns=not fixed_order,
+                timeout=timeout, api_key=api_key)
+    results = run(plan, say)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump({str(c): got for c, got in results.items() if c != "interrupted"}, f, indent=1)
+    text = report(plan, results, turns)
+    if results.get("interrupted"):
+        sys.stdout.write(text)
+        raise KeyboardInterrupt
+    return text

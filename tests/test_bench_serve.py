@@ -1,0 +1,307 @@
+"""`flylocal bench serve`: servers side by side (flylocal.front.bench.servers).
+
+The fast tests measure servers that speak OpenAI's streamed API from a thread here (the
+servers a user points the command at: any OpenAI-compatible one), so what the command sends,
+counts and reports is checked without llama.cpp; the slow test starts flylocal's own servers
+on SmolLM2 and checks that they answer, are compared and are stopped."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from flylocal.errors import FlylocalError
+from flylocal.front.bench import servers as sb
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Fake:
+    """An OpenAI-compatible streaming server on a loopback port: `words` chunks an answer, each
+    after `delay` seconds; every request body is kept in `bodies`; `usage` False sends none;
+    `fail` answers every completion with 500."""
+
+    def __init__(self, words=4, delay=0.0, usage=True, fail=False):
+        self.words, self.delay, self.usage, self.fail, self.bodies = words, delay, usage, fail, []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                body = b'{"data": []}' if self.path == "/v1/models" else b"{}"
+                self.send_response(200 if self.path in ("/health", "/v1/models") else 404)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self):
+                req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.bodies.append((self.path, req))
+                if fake.fail:
+                    self.send_response(500)
+                    self.send_header("Content-Length", "4")
+                    self.end_headers()
+                    self.wfile.write(b"boom")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                raw = self.path == "/v1/completions"
+                for i in range(fake.words):
+                    time.sleep(fake.delay)
+                    choice = {"text": f" w{i}"} if raw else {"delta": {"content": f" w{i}"}}
+                    self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+                    self.wfile.flush()
+                if fake.usage:
+                    usage = {"choices": [], "usage": {"completion_tokens": 2 * fake.words, "prompt_tokens": 5}}
+                    self.wfile.write(f"data: {json.dumps(usage)}\n\n".encode())
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.close_connection = True
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def fakes():
+    made = []
+
+    def make(**kw):
+        made.append(Fake(**kw))
+        return made[-1]
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def parse(spec, **kw):
+    args = dict(target="smollm2-135m-instruct", target_path="/m/t.gguf", draft_path=None, ctx=2048, threads=None,
+                llama_server=None, model=None)
+    return sb.parse_server(spec, **{**args, **kw})
+
+
+def test_configurations_by_name_url_checkout_and_command():
+    fly = parse("fly-pld")
+    assert fly.flylocal and fly.own_model and fly.url is None
+    assert fly.command[fly.command.index("--drafter") + 1] == "pld" and "--parallel" in fly.command
+    assert fly.command[fly.command.index("--verifier") + 1] == "fly"
+    mla = parse("fly-mla", draft_path="/m/d.gguf")
+    assert mla.command[mla.command.index("--draft") + 1] == "/m/d.gguf"
+    with pytest.raises(FlylocalError, match="needs a draft model"):
+        parse("strict-mla")
+    serial = parse("serial=flylocal --parallel 1")
+    assert serial.command.count("--parallel") == 1 and serial.command[serial.command.index("--parallel") + 1] == "1"
+    here = parse(f"before=flylocal@{ROOT} --drafter none")
+    assert here.cwd == str(ROOT) and here.env["PYTHONPATH"] == str(ROOT)
+    with pytest.raises(FlylocalError, match="no checkout"):
+        parse("before=flylocal@/nowhere/at/all")
+    ollama = parse("ollama=http://127.0.0.1:11434/v1/#llama3.2:1b")
+    assert (ollama.url, ollama.model, ollama.own_model, ollama.flylocal) == ("http://127.0.0.1:11434", "llama3.2:1b",
+                                                                             False, False)
+    ngram = parse("llama-server-ngram", llama_server="/bin/llama-server", threads=2)
+    assert ngram.command[:3] == ["/bin/llama-server", "-m", "/m/t.gguf"] and "ngram-mod" in ngram.command
+    assert ngram.command[ngram.command.index("-np") + 1] == "{clients}" and "-t" in ngram.command
+    with pytest.raises(FlylocalError, match="--llama-server PATH"):
+        parse("llama-server")
+    cmd = parse("lcp=python -m llama_cpp.server --model {target} --port {port}")
+    assert cmd.command == ["sh", "-c", "python -m llama_cpp.server --model /m/t.gguf --port {port}"] and cmd.own_model
+    with pytest.raises(FlylocalError, match=r"\{port\}"):
+        parse("x=python -m something")
+    with pytest.raises(FlylocalError, match="unknown configuration 'fast'"):
+        parse("fast")
+
+
+def test_questions_take_the_groups_in_turn_with_turns_words_and_repeats(tmp_path):
+    convs = sb.conversations(None, None, 2, 0, 1, None, 1)
+    groups = [label.split()[0] for label, _ in convs]
+    assert groups == ["multi-turn", "translation", "summarization", "qa", "math_reasoning", "rag"] * 2
+    assert all(len(turns) == 1 for _, turns in convs)
+    held = sb.conversations(None, "multi-turn", 1, 3, 2, None, 1)
+    assert len(held) == 1 and len(held[0][1]) == 2
+    assert held[0][0] not in [label for label, _ in sb.conversations(None, "multi-turn", 3, 0, 1, None, 1)]
+    long = sb.conversations(None, "qa", 2, 0, 1, 300, 2)
+    assert len(long) == 4 and long[:2] == long[2:]
+    assert all(len(turns[0].split()) >= 300 and turns[0].startswith("Background:\n") for _, turns in long)
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join(json.dumps({"prompt": f"Say {i}."}) + "\n" for i in range(5)))
+    assert [turns for _, turns in sb.conversations(str(mine), None, None, 0, 1, None, 1)] == \
+        [[f"Say {i}."] for i in range(5)]
+    with pytest.raises(FlylocalError, match="no questions left"):
+        sb.conversations(str(mine), None, None, 9, 1, None, 1)
+
+
+def test_a_conversation_sends_each_turn_after_the_answers_before_it(fakes):
+    fake = fakes(words=3)
+    server = sb.Server("x", url=fake.url, model="m", own_model=True)
+    plan = sb.Plan([server], [], max_tokens=7, banned=(2, 5))
+    replies = sb.converse(plan, server, fake.url, ["one?", "two?"])
+    assert [r.tokens for r in replies] == [6, 6] and all(r.counted and r.error is None for r in replies)
+    assert replies[0].text == " w0 w1 w2" and replies[0].start < replies[0].first <= replies[0].last <= replies[0].end
+    (p1, b1), (p2, b2) = fake.bodies
+    assert p1 == p2 == "/v1/chat/completions" and b1["max_tokens"] == 7 and b1["model"] == "m"
+    assert b1["logit_bias"] == {"2": -100, "5": -100} and b1["temperature"] == 0 and b1["stream"]
+    assert b2["messages"] == [{"role": "user", "content": "one?"}, {"role": "assistant", "content": " w0 w1 w2"},
+                              {"role": "user", "content": "two?"}]
+    raw = sb.Plan([server], [], raw=True)
+    sb.converse(raw, sb.Server("y", url=fake.url, own_model=False), fake.url, ["one?", "two?"])
+    (p3, b3), (p4, b4) = fake.bodies[2:]
+    assert p3 == "/v1/completions" and "logit_bias" not in b3 and "model" not in b3
+    assert b4["prompt"] == "Question: one?\nAnswer: w0 w1 w2\nQuestion: two?\nAnswer:"
+
+
+def test_a_failure_is_counted_not_raised_and_chunks_stand_in_for_usage(fakes):
+    plan = sb.Plan([], [])
+    bad = fakes(fail=True)
+    r = sb.request(bad.url, "/v1/chat/completions", {}, 5)
+    assert r.error.startswith("HTTP 500") and math.isnan(sb.rates([r])["rate"]) and sb.rates([r])["errors"]
+    gone = sb.request("http://127.0.0.1:9", "/v1/chat/completions", {}, 5)
+    assert "ConnectionRefusedError" in gone.error
+    quiet = fakes(words=5, usage=False)
+    replies = sb.converse(plan, sb.Server("q", url=quiet.url), quiet.url, ["hi"])
+    assert replies[0].tokens == 5 and not replies[0].counted
+
+
+def test_a_wave_of_clients_runs_them_at_once(fakes):
+    fake = fakes(words=4, delay=0.05)
+    server = sb.Server("x", url=fake.url)
+    plan = sb.Plan([server], [], stagger=0.0)
+    t0 = time.perf_counter()
+    replies = sb.wave(plan, server, fake.url, 4, [["a"], ["b"], ["c"], ["d"]])
+    took = time.perf_counter() - t0
+    assert len(replies) == 4 and {b["messages"][0]["content"] for _, b in fake.bodies} == {"a", "b", "c", "d"}
+    # four answers of 0.2 s each: one after another would take 0.8 s
+    assert took < 0.6 or max(r.start for r in replies) < min(r.end for r in replies)
+    fig = sb.rates(replies)
+    assert fig["tokens"] == 32 and fig["requests"] == 4 and not fig["errors"] and len(fig["ttft"]) == 4
+    assert fig["rate"] == pytest.approx(32 / fig["wall"])
+
+
+def wave_fig(rate, decode=None, errors=()):
+    return {"tokens": 10, "wall": 10 / rate, "rate": rate, "decode": decode or rate, "ttft": [0.1], "errors":
+            list(errors), "requests": 1, "counted": True}
+
+
+def test_the_report_sets_each_server_against_the_base_wave_by_wave():
+    servers = [sb.Server("llama-server", command=["x"]), sb.Server("autoregressive", command=["x"], flylocal=True),
+               sb.Server("fly-pld", command=["x"], flylocal=True)]
+    plan = sb.Plan(servers, [], base="llama-server")
+    got = {"labels": ["qa 1", "rag 2", "qa 3"],
+           "llama-server": [wave_fig(10), wave_fig(10), wave_fig(10)],
+           "autoregressive": [wave_fig(11), wave_fig(9), wave_fig(10)],
+           "fly-pld": [wave_fig(20), wave_fig(15), wave_fig(float("nan"), errors=["HTTP 500: boom"])]}
+    text = sb.report(plan, {1: got}, 1)
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert "| 1 |" in rows["llama-server"]
+    assert "1.75 (1.50-2.00), worst 1.50 (rag 2)" in rows["fly-pld"] and rows["fly-pld"].endswith("| 1 |")
+    assert "1.00 (0.90-1.10), worst 0.90 (rag 2)" in rows["autoregressive"]
+    assert "fly-pld / autoregressive: 1.74 (1.67-1.82), worst 1.67 (rag 2)" in text
+    assert "fly-pld / llama-server (the best of the other servers here)" in text
+    assert "fly-pld: 1 request failed, the first: HTTP 500: boom" in text
+    assert text.startswith("3 waves of 1 client x 1 conversation of 1 turn")
+    assert "interrupted" in sb.report(plan, {1: got, "interrupted": True}, 1)
+
+
+def bench_serve(*args, **kw):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "flylocal", "bench", "serve", *args], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=300, **kw)
+
+
+def test_the_command_compares_servers_already_running(fakes):
+    fast, slow = fakes(words=6, delay=0.002), fakes(words=6, delay=0.02)
+    done = bench_serve("--server", f"fast={fast.url}#m1", "--server", f"slow={slow.url}", "--per-category", "1",
+                       "--category", "qa,rag", "--max-tokens", "6", "--pause", "0", "--base", "slow")
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| fast") or line.startswith("| slow")]
+    assert len(rows) == 2 and rows[1].split(" | ")[4] == "1"
+    assert done.stdout.startswith("2 waves of 1 client") and "Traceback" not in done.stderr
+    assert {b["model"] for _, b in fast.bodies} == {"m1"} and all("model" not in b for _, b in slow.bodies)
+    assert all("logit_bias" not in b for _, b in fast.bodies + slow.bodies)      # not their model's ids
+    assert done.stderr.count("wave ") == 2
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--server", "a=http://127.0.0.1:9", "--base", "b"], "--base 'b' is none of the servers: a"),
+    (["--server", "a=http://127.0.0.1:9", "--server", "a=http://127.0.0.1:10"], "'a' is used twice"),
+    (["--server", "nope"], "unknown configuration 'nope'"),
+    (["--server", "a=http://127.0.0.1:9", "--clients", "0"], "not a comma-separated list of client counts"),
+    (["--server", "a=http://127.0.0.1:9", "--prompts", "/no/such/file"], "prompts not found"),
+])
+def test_bad_options_get_one_line(args, says):
+    done = bench_serve(*args)
+    assert done.returncode != 0 and says in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_server_that_does_not_come_up_is_left_out_and_a_missing_base_ends_it(fakes):
+    fake = fakes(words=2)
+    done = bench_serve("--server", f"ok={fake.url}", "--server", "dead=sh -c 'echo cannot start {port}; exit 3'",
+                       "--per-category", "1", "--category", "qa", "--max-tokens", "2", "--pause", "0")
+    assert done.returncode == 0, done.stderr
+    assert "dead: exited (3), left out: cannot start" in done.stderr and "| dead" not in done.stdout
+    done = bench_serve("--server", f"ok={fake.url}", "--server", "dead=sh -c 'exit 3 # {port}'", "--base", "dead",
+                       "--per-category", "1", "--category", "qa", "--max-tokens", "2")
+    assert done.returncode == 1 and "the base server 'dead' did not come up" in done.stderr
+
+
+def test_ctrl_c_stops_the_servers_and_prints_the_waves_measured(fakes, tmp_path):
+    fake = fakes(words=3, delay=0.01)
+    pidfile, folder = tmp_path / "pid", tmp_path / "site"
+    folder.mkdir()
+    (folder / "health").write_text("ok")       # GET /health: 200, so the server counts as up
+    proc = subprocess.Popen([sys.executable, "-m", "flylocal", "bench", "serve", "--server", f"a={fake.url}",
+                             "--server", f"b=sh -c 'echo $$ > {pidfile}; exec python3 -m http.server {{port}} "
+                             f"--bind 127.0.0.1 --directory {folder}'", "--base", "a", "--per-category", "3", "--max-tokens", "3",
+                             "--pause", "0.3"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(fake.bodies) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert "interrupted: the figures above are of the waves measured before" in out and "| a |" in out
+    stat = Path(f"/proc/{int(pidfile.read_text())}/stat")
+    assert not stat.exists() or stat.read_text().split()[2] == "Z"     # gone (or dead, awaiting its reaper)
+
+
+@pytest.mark.slow
+def test_flylocal_servers_are_started_compared_and_stopped(tmp_path):
+    out = tmp_path / "waves.json"
+    done = bench_serve("--server", "autoregressive", "--server", "strict-pld", "--server",
+                       f"here=flylocal@{ROOT} --drafter pld --verifier strict --parallel 1", "--category", "multi-turn,qa",
+                       "--per-category", "1", "--clients", "1,2", "--max-tokens", "12", "--ctx", "2048",
+                       "--threads", "1", "--pause", "0", "--turns", "2", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "2 waves of 1 client" in done.stdout and "1 wave of 2 clients" in done.stdout
+    data = json.loads(out.read_text())
+    for count, waves in (("1", 2), ("2", 1)):
+        for name in ("autoregressive", "strict-pld", "here"):
+            figs = data[count][name]
+            # a multi-turn question (2 requests) and a qa one (1), every answer full length: the
+            # model's end-of-generation tokens banned
+            assert len(figs) == waves and not any(f["errors"] for f in figs) and all(f["rate"] > 0 for f in figs)
+            assert sum(f["requests"] for f in figs) == 3 and sum(f["tokens"] for f in figs) == 36
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| strict-pld |")]
+    assert len(rows) == 2 and all(row.split(" | ")[4].count("worst") == 1 for row in rows)   # / autoregressive
