@@ -29,9 +29,9 @@
 #   2. the build (flylocal doctor) and where auto puts the target's layers;
 #   3. per model, with every layer offloaded: GPU memory used against what flylocal predicts,
 #      and t(1..33) (scripts/device_measure.py);
-#   4. Spec-Bench questions through servers (scripts/bench/servers.py), one per mode: flylocal's
-#      plain, strict-pld, fly-pld, strict-mla and fly-mla beside llama-server's plain, ngram-mod
-#      and draft-simple, at each agreement.
+#   4. Spec-Bench questions through servers (flylocal bench serve), one per configuration:
+#      flylocal's autoregressive, strict-pld, fly-pld, strict-mla and fly-mla beside
+#      llama-server's plain, ngram-mod and draft-simple, at each agreement.
 # Everything it prints also goes to $OUT/device_check.txt where $OUT is set (the device tool's
 # folder that comes back). It keeps within FLYLOCAL_DEVICE_BUDGET seconds (400): a step that
 # would not fit is skipped, saying so. The call, from this repository's root (.device is
@@ -296,20 +296,19 @@ measure() {
   per=1
   for p in $agrees; do
     step "Spec-Bench through servers, draft agreeing $p"
-    modes="flylocal plain,flylocal strict-mla,flylocal fly-mla"
-    [ "$p" != "${agrees%% *}" ] || modes="$modes,flylocal strict-pld,flylocal fly-pld"
+    m=(--server autoregressive --server strict-mla --server fly-mla)
+    [ "$p" != "${agrees%% *}" ] || m+=(--server strict-pld --server fly-pld)
     if [ -n "$server" ] && [ -x "$server" ]; then
-      modes="llama-server plain,llama-server draft,$modes"
-      [ "$p" != "${agrees%% *}" ] || modes="$modes,llama-server ngram-mod"
+      m+=(--llama-server "$server" --server llama-server --server llama-server-draft)
+      [ "$p" != "${agrees%% *}" ] || m+=(--server llama-server-ngram)
     elif [ "$p" = "${agrees%% *}" ]; then
       say "no llama-server (${server:-set LLAMA_SERVER}): llama-server's modes are skipped"
     fi
-    m=(--target "$models/target.gguf" --draft "$models/draft-$p.gguf" --raw --per-category "$per"
-       --max-tokens "$tokens" --pause 0.1 --modes "$modes")
-    [ -z "$server" ] || [ ! -x "$server" ] || m+=(--llama-server "$server")
+    m+=(--target "$models/target.gguf" --draft "$models/draft-$p.gguf" --raw --per-category "$per"
+        --max-tokens "$tokens" --pause 0.1)
     [ "$1" = gpu ] || m+=(--threads "$(nproc)")
     if [ "$(left)" -lt 45 ]; then say "no time left for the servers' run at $p (FLYLOCAL_DEVICE_BUDGET)"; continue; fi
-    timeout "$(left)" "$PY" scripts/bench/servers.py "${m[@]}" || say "the servers' run at $p failed or ran out of time"
+    timeout "$(left)" "$PY" -m flylocal bench serve "${m[@]}" || say "the servers' run at $p failed or ran out of time"
   done
   step ""
 }

@@ -1,5 +1,5 @@
-"""Several requests in one decode (flylocal/decoding/batch.py, docs/design.md "Several requests
-at once"), on the in-memory fake target: random requests arriving at random rounds, with random
+"""Several requests in one decode (flylocal/decoding/batch.py, docs/serving.md "Several requests
+in one decode"), on the in-memory fake target: random requests arriving at random rounds, with random
 lengths, drafters, verifiers and cancellations, share decodes; each one's output must be what
 it gives alone. Strict is compared with plain greedy decoding; FLy and ASD, whose output
 follows the drafts, with a run alone that verifies the same drafts the shared run verified.
@@ -321,7 +321,8 @@ def test_a_long_prompt_goes_in_chunks_beside_the_others():
 
 
 def test_equal_split_follows_llama_cpp():
-    # measured shapes (docs/design.md): a run of neighbouring sequences, as many tokens each as the fewest
+    # measured shapes (docs/serving.md, "Several requests in one decode"): a run of neighbouring
+    # sequences, as many tokens each as the fewest
     assert equal_split({0: 1, 1: 1, 2: 1, 3: 1}) == [4]
     assert equal_split({0: 5, 1: 1, 2: 1, 3: 1}) == [4, 4]
     assert equal_split({0: 8, 1: 2, 2: 1, 3: 1}) == [4, 2, 6]

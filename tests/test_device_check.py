@@ -149,7 +149,7 @@ def test_the_cpu_run_measures_each_step_in_order(tmp_path):
     assert [h.split(":")[0].split(",")[0] for h in headings] == [
         "## models", "## build", "## memory and t(1..33)", "## Spec-Bench through servers"], headings
     assert "smollm2.gguf: t(1..3) ms:" in out and "target.gguf: memory: no GPU here" in out
-    for mode in ("flylocal plain", "flylocal strict-pld", "flylocal fly-pld", "flylocal strict-mla", "flylocal fly-mla"):
+    for mode in ("autoregressive", "strict-pld", "fly-pld", "strict-mla", "fly-mla"):
         assert f"| {mode} |" in out, mode
     assert "llama-server's modes are skipped" in done.stderr
     assert out.rstrip().endswith("s)")                               # the last step's seconds

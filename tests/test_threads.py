@@ -353,7 +353,7 @@ def test_load_the_scheduler_moves_keeps_it_on_the_cores_left_free(others, start)
 
 def test_load_that_starts_and_stops_mid_run():
     """Idle: 2 threads. A busy loop starts: the next reading moves to 1 thread at once, and says
-    why. It stops: 2 threads are tried at the next re-check and kept."""
+    why. It stops: the next reading gives 2 threads back, and the re-checks keep them."""
     rng = random.Random(3)
     control = ThreadControl(candidates(2), 2)
     load = lambda i: 1.0 if 1000 <= i < 3000 else 0.0                      # noqa: E731
@@ -363,8 +363,10 @@ def test_load_that_starts_and_stops_mid_run():
     assert moved - 1000 < 80                                                # within a reading
     assert 2 not in used[moved:3000]
     assert used[3500:].count(2) > 0.95 * len(used[3500:]) and control.home == 2   # (1 on re-checks)
+    back = next(i for i in range(3000, 5000) if used[i] == 2)
+    assert back - 3000 < 80                                                 # within a reading
     whys = [m["why"] for m in control.report()["moves"]]
-    assert any("cores busy" in w for w in whys) and whys[-1].startswith("measured faster")
+    assert any("cores busy" in w for w in whys) and any(w.startswith("the load that moved it lifted") for w in whys)
 
 
 def test_a_costly_recheck_waits_its_budget_past_the_backoff_cap():
@@ -435,3 +437,53 @@ def test_doctor_says_which_cached_curves_are_provisional_and_why(tmp_path, monke
     assert curve.state == "provisional"
     line = next(x for x in cache_report() if "loaded.gguf" in x)
     assert "PROVISIONAL" in line and "disagree" in line, line
+
+
+@pytest.mark.slow
+def test_a_load_seen_only_between_requests_is_read_again_within_a_tenth_of_a_second(tmp_path, monkeypatch,
+                                                                                   all_cores):
+    """Other work kept every core busy while the process was idle between two prompts (another
+    server answering in turn): the next prompt runs on one thread, but the load is read again
+    after 0.1 s of decoding, not a second, and the free cores come back."""
+    import time
+
+    from conftest import SMOL, model_path
+    from flylocal.llama.context import LOAD_PERIOD
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
+
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        pytest.skip("one core: nothing to choose")
+    monkeypatch.setenv("FLYLOCAL_COSTS", str(tmp_path / "costs"))
+    busy = {"cores": 0.0}
+    monkeypatch.setattr("flylocal.host.CpuLoad.stop", lambda self: busy["cores"])
+    with Runtime(model_path(SMOL), RuntimeConfig(n_ctx=512)) as rt:
+        ids = rt.tokenize("The quick brown fox jumps over the lazy dog. " * 4)
+        rt.decode(ids[:-1])
+        rt.decode(ids[-1:], logits_from=0)
+        control = rt.thread_control
+        busy["cores"] = float(cores)              # the gap: other work on every core
+        time.sleep(LOAD_PERIOD + 0.2)
+        rt.reset()
+        rt.decode(ids[:-1])
+        assert max(control.allowed()) == 1 and rt.n_threads == 1       # the prompt on the free core
+        busy["cores"] = 0.0                       # ... and the other work is over
+        t0, token, ran = time.monotonic(), ids[-1], []
+        while time.monotonic() - t0 < 0.5 * LOAD_PERIOD:
+            token = int(rt.decode([token], logits_from=0)[0].argmax())
+            ran.append(rt.decoded_on)
+        assert max(control.allowed()) == cores, "the load was not read again within the first decodes"
+        assert cores in ran, ran                  # ... and the free cores were tried at once
+
+
+def test_a_load_that_lifts_gives_back_the_count_it_took_at_once():
+    """A load moves 8 threads down to 4; lifting halfway leaves 4 (8 is still ruled out); lifting
+    whole gives back 8 at once, with no trial to win: the move measured nothing."""
+    control = ThreadControl(candidates(8), 8)
+    control.load(4.0)
+    assert control.home == control.current == 4 and control.displaced == 8
+    control.load(2.0)
+    assert control.home == 4 and control.displaced == 8
+    control.load(0.0)
+    assert control.home == control.current == 8 and control.displaced is None
+    assert control.report()["moves"][-1]["why"].startswith("the load that moved it lifted")

@@ -176,6 +176,8 @@ class Context:
             self._load = load if load is not None else CpuLoad()
             if load is None:
                 self._load.start()         # the first prompt's tokenizing gives it time
+        self._gap = False      # the last reading spanned an idle gap: read again after MIN_WALL
+        self._decoded_at = time.monotonic()    # when the last decode ended
         self._steady = 0       # > 0: thread count held (calibration measures one count)
         self.calibration_threads = threads
         # What a decode of n rows costs here, shared by everything that drafts for this model;
@@ -280,10 +282,16 @@ class Context:
 
     def _read_load(self, force: bool = False) -> None:
         """--threads auto: every LOAD_PERIOD (or now, before a prompt), tell the controller how
-        many cores other processes kept busy since the last reading."""
+        many cores other processes kept busy since the last reading.
+
+        A reading taken after more than a period without decoding spans an idle gap (between two
+        requests, two turns of a chat), and what other work did then may be over: it holds for
+        the prompt (a busy machine's prompt never runs on every core), and the next reading comes
+        after MIN_WALL of decoding instead of a period, so that a load gone by then costs a
+        tenth of a second on fewer threads, not a second (docs/operations.md, "Threads")."""
         meter = self._load
         elapsed = meter.elapsed() if meter is not None else None
-        if elapsed is None or (not force and elapsed < LOAD_PERIOD):
+        if elapsed is None or (not force and elapsed < (MIN_WALL if self._gap else LOAD_PERIOD)):
             return
         if elapsed < MIN_WALL:
             if self.thread_control.busy is not None:
@@ -292,6 +300,7 @@ class Context:
         busy = meter.stop()
         if busy is not None:
             meter.start()
+            self._gap = time.monotonic() - self._decoded_at > LOAD_PERIOD
             self._use_threads(self.thread_control.load(busy))
 
     def _logits(self, rows: int) -> np.ndarray:
@@ -337,6 +346,7 @@ class Context:
         self._unsynced.update(seqs)            # their caches may hold more than `past` from here ...
         with interrupts_deferred():            # llama.cpp logs from inside a decode now and then
             rc = llama_cpp.llama_decode(self._ctx, self._batch)
+        self._decoded_at = time.monotonic()
         if rc != 0:
             # llama.cpp keeps the cells it wrote for earlier ubatches; _sync drops them.
             for seq in seqs:

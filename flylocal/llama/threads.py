@@ -91,6 +91,7 @@ class ThreadControl:
         self.current = self.home               # the count of the next decode (home, or one on trial)
         self.limit = self.counts[-1]           # the most threads the cores other work leaves free allow
         self.busy: float | None = None         # cores other processes kept busy, last measured
+        self.displaced: int | None = None      # the count a load moved it from, until the load lifts
         self.used: dict[int, int] = {}         # count -> decodes observed at it
         self.log: list[dict] = [{"at_s": 0.0, "count": self.home, "why": why}]
         self.speed: dict[int, float] = {}      # count -> seconds of a single-row step, last measured
@@ -141,8 +142,9 @@ class ThreadControl:
     def load(self, busy: float | None) -> int:
         """Fold in how many cores other processes kept busy lately (None: unknown, no change).
         A count above what they leave free is dropped at once, a trial of one ends; when the
-        load lifts, the counts it allows are tried at the next decode. Returns the count for
-        the next decode."""
+        load lifts, the count it moved from comes back at once (the move measured nothing), and
+        the counts it allows are tried at the next decode. Returns the count for the next
+        decode."""
         if busy is None or not math.isfinite(busy):
             return self.current
         self.busy = busy
@@ -151,6 +153,15 @@ class ThreadControl:
             return self.current
         lifted, self.limit = limit > self.limit, limit
         if lifted:
+            back = self.displaced
+            if back is not None and back <= limit:
+                self.displaced = None
+            if back is not None and back <= limit and back != self.home:
+                # The load moved it, which says nothing of which count is faster: back to where it was.
+                self.trying, self.samples = [], []
+                self._move(back, f"the load that moved it lifted ({busy:.1f} cores busy)")
+                self.current = self.home
+                return self.current
             self.next_check = self.decoded_s               # try what the load allows again
             return self.current
         if self.current > limit and self.current != self.home:        # a trial above it: ended
@@ -158,6 +169,7 @@ class ThreadControl:
         self.trying = [c for c in self.trying if c <= limit]
         if self.home > limit:
             self.trying, self.samples = [], []             # a re-check under way ends with the move
+            self.displaced = self.displaced or self.home
             self._move(max(self.allowed()), f"other processes kept {busy:.1f} cores busy")
             self.current = self.home
         return self.current
@@ -185,6 +197,7 @@ class ThreadControl:
         best = min((c for c in self.speed if c in allowed), key=self.speed.get)
         if self.speed[best] < (1 - MARGIN) * self.speed[self.home]:
             # moved: measure it, then look around again soon
+            self.displaced = None
             self._move(best, f"measured faster: {1e3 * self.speed[best]:.1f} ms a step against "
                              f"{1e3 * self.speed[self.home]:.1f} at {self.home}")
             self.current = self.home

@@ -1,6 +1,8 @@
 """What flylocal's benchmark scripts share: servers started on free loopback ports and stopped on
 the way out, waiting until they answer, held-out Spec-Bench questions, and the statistics every
 comparison reports (medians, per-question ratios with a bootstrap interval, timing a call).
+Servers side by side are `flylocal bench serve`'s (flylocal.front.bench.servers), whose port
+finder and interval these scripts share.
 
 Each script in this folder runs as `.venv/bin/python scripts/bench/NAME.py`; its folder is then
 the first place Python imports from, so `import harness` finds this file."""
@@ -8,9 +10,7 @@ the first place Python imports from, so `import harness` finds this file."""
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,12 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-
-def free_port() -> int:
-    """A loopback port no one listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from flylocal.front.bench.servers import free_port, interval  # noqa: E402,F401 - the scripts' too
 
 
 def wait_ready(proc: subprocess.Popen, url: str, log, health: str = "/health", timeout: float = 300,
@@ -91,57 +86,6 @@ def flylocal_serve(*options: str) -> list[str]:
     return [sys.executable, "-m", "flylocal", "serve", "--port", "{port}", "--quiet", *options]
 
 
-def stream_chat(url: str, question: str, max_tokens: int, banned=(), model: str | None = None,
-                extra: dict | None = None, raw: bool = False) -> dict:
-    """One streamed, greedy chat request of `max_tokens` tokens (the `banned` ids at logit_bias
-    -100; `model` and the `extra` body fields when given): its completion tokens, the stream's
-    usage object (None when it sent none) and the perf_counter times of its start, first and last
-    text and its end. `raw`: the question is a completion's prompt, as is (/v1/completions, for
-    a base model). A status other than 200 raises httpx.HTTPStatusError."""
-    import json
-
-    import httpx
-
-    body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            **({"prompt": question} if raw else {"messages": [{"role": "user", "content": question}]}), **(extra or {})}
-    if model is not None:
-        body["model"] = model
-    if banned:
-        body["logit_bias"] = {str(t): -100 for t in banned}
-    start = time.perf_counter()
-    first = last = None
-    chunks, usage = 0, None
-    with httpx.stream("POST", url + ("/v1/completions" if raw else "/v1/chat/completions"), json=body,
-                      timeout=900) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if data.get("usage"):
-                usage = data["usage"]
-            choice = data["choices"][0] if data.get("choices") else {}
-            if choice.get("text") if raw else choice.get("delta", {}).get("content"):
-                last = time.perf_counter()
-                first = first or last
-                chunks += 1
-    return {"tokens": usage["completion_tokens"] if usage else chunks, "usage": usage, "start": start,
-            "first": first, "last": last, "end": time.perf_counter()}
-
-
-def end_tokens(path: str) -> list[int]:
-    """The end-of-generation ids of the model at `path` (to ban them: every answer full length)."""
-    import numpy as np
-
-    from flylocal.llama.runtime import Runtime, RuntimeConfig
-
-    rt = Runtime(path, RuntimeConfig(n_ctx=256, n_threads=1))
-    try:
-        return [int(t) for t in np.flatnonzero(rt.eog_mask)]
-    finally:
-        rt.close()
-
-
 def questions(per_category: int) -> list[str]:
     """The first turn of the first `per_category` Spec-Bench questions of each group."""
     return [text for _, text in spec_bench_questions(per_category)]
@@ -164,22 +108,6 @@ def median(values) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def interval(ratios: list[float], draws: int = 10_000, seed: int = 0) -> tuple[float, float]:
-    """A 95% bootstrap interval for the median of per-question ratios (questions resampled)."""
-    import numpy as np
-
-    r = np.asarray(ratios)
-    picks = np.random.default_rng(seed).integers(0, len(r), size=(draws, len(r)))
-    lo, hi = np.percentile(np.median(r[picks], axis=1), [2.5, 97.5])
-    return float(lo), float(hi)
-
-
-def ratio_line(name: str, ratios: list[float]) -> str:
-    """'NAME: median M (95% interval LO-HI), N questions'."""
-    lo, hi = interval(ratios)
-    return f"{name}: median {median(ratios):.3f} (95% interval {lo:.3f}-{hi:.3f}), {len(ratios)} questions"
-
-
 def timed(fn, repeat: int) -> float:
     """Median seconds of fn() over `repeat` calls, after one warm-up."""
     fn()
@@ -189,11 +117,6 @@ def timed(fn, repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def cores() -> list[int]:
-    """The cores this process may run on."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 if __name__ == "__main__":
