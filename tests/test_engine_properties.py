@@ -166,11 +166,11 @@ class Follow:
         P = self.window
         if tr.get("retracted") != len(self.context) - P:
             return f"retracted {tr.get('retracted')}, but {len(self.context) - P} tokens follow the provisional one"
-        if tr["replacement"] != self.greedy_at(P):
-            return f"replacement {tr['replacement']}, but the target's token at {P} is {self.greedy_at(P)}"
+        if tr["recovered"] != self.greedy_at(P):
+            return f"recovered {tr['recovered']}, but the target's token at {P} is {self.greedy_at(P)}"
         del self.context[P:]
         del self.drafted[P - len(self.case.prompt):]
-        self.context.append(tr["replacement"])
+        self.context.append(tr["recovered"])
         self.drafted.append(False)
         self.window, self.held = None, []
         return None
@@ -202,9 +202,9 @@ class Follow:
                 if not math.isclose(tr["regret"][j], regret, rel_tol=1e-6, abs_tol=1e-6):
                     return f"regret[{j}] = {tr['regret'][j]}, but the target's logits give {regret}", []
                 hj = mix(hj, draft[j])
-        settled = tr.get("settled")
+        closed = tr.get("closed")
         shown: list[tuple[int, str]] = []
-        if settled == "retracted":                # a mismatch inside the open window, or no evidence
+        if closed == "retracted":                # a mismatch inside the open window, or no evidence
             if self.window is None or tr["emitted"]:
                 return f"a retraction with no window open ({self.window}) or output {tr['emitted']}", []
             if draft[:L] != a[:L] or (L == len(draft) and draft) or (L < len(draft) and draft[L] == a[L]):
@@ -224,13 +224,13 @@ class Follow:
             if loose != {j for j in range(L) if draft[j] != a[j]}:
                 return (f"loose {sorted(tr['loose'])} and provisional {tr.get('provisional')} are not the accepted "
                         f"mismatches of draft {draft}, a {a}, L {L}"), []
-            if settled == "kept" and self.window is None:
+            if closed == "kept" and self.window is None:
                 return "a window kept, but none was open", []
             new = [(t, LOOSE if j in loose else ACCEPTED if j < L else TARGET)
                    for j, t in enumerate(committed[: m - ended])]
             context.extend(committed)
             self.drafted += [j < L for j in range(m)]
-            if settled == "kept":
+            if closed == "kept":
                 shown, self.held, self.window = self.held, [], None
             if p is not None:
                 self.window = n + p
@@ -244,7 +244,7 @@ class Follow:
             if bool(tr.get("retracted")) != (self.window is not None and end):
                 return (f"retracted {tr.get('retracted')} at the end {end} with the window at {self.window}: "
                         f"a window still open at the end, and only then, is retracted"), committed
-        if settled == "retracted" or tr.get("retracted"):
+        if closed == "retracted" or tr.get("retracted"):
             problem = self.retract(tr)
             if problem:
                 return problem, committed
@@ -337,7 +337,7 @@ def check_final(case: Case, run: Run, target) -> str | None:
         (s.drafted == sum(len(t["draft"]) for t in run.traces), f"stats.drafted {s.drafted}"),
         (s.accepted == sum(run.follow.drafted), f"stats.accepted {s.accepted}, but {sum(run.follow.drafted)} accepted "
                                                   f"draft tokens stayed"),
-        (s.loose == sum(sum(j < len(c) for j in t["loose"]) + (t.get("settled") == "kept") for t, c in pairs),
+        (s.loose == sum(sum(j < len(c) for j in t["loose"]) + (t.get("closed") == "kept") for t, c in pairs),
          f"stats.loose {s.loose}"),
         (s.mismatches == sum(sum(d != a for d, a in zip(t["draft"][:n], t["target_argmax"]))
                              for t, n in zip(run.traces, seen)),

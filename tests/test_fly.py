@@ -149,7 +149,7 @@ def test_the_gate_never_opens_over_the_targets_end_of_generation():
     assert (dec.accepted, dec.loose) == (1, ()) and np.isnan(dec.entropy[1])
     assert fly(d, a, z, replace(P, candidates=False), ends).loose == (1,)  # the reference's gate
     assert fly_across(d, a, z, A, ends=ends).accepted == 1
-    assert fly_across(d, a, z, A, open_window=(0, 0), ends=ends).settled == RETRACTED   # inside a window: as any mismatch
+    assert fly_across(d, a, z, A, open_window=(0, 0), ends=ends).closed == RETRACTED   # inside a window: as any mismatch
 
 
 def test_the_gate_never_opens_for_a_token_that_repeats_the_answer():
@@ -203,34 +203,34 @@ def test_a_window_that_does_not_fit_the_round_stays_open():
     d, a, z = case([1, 2, 3, 4], [1, 2, 9], unsure={2})
     assert fly(d, a, z, A).accepted == 2
     dec = fly_across(d, a, z, A)
-    assert (dec.accepted, dec.provisional, dec.window, dec.loose, dec.settled) == (3, 2, (0, 0), (), "")
+    assert (dec.accepted, dec.provisional, dec.window, dec.loose, dec.closed) == (3, 2, (0, 0), (), "")
 
 
 def test_the_window_is_kept_after_w_minus_1_native_matches_in_later_rounds():
     d, a, z = case([5, 6], [5])                       # one native match: not yet enough
     dec = fly_across(d, a, z, A, open_window=(0, 0))
-    assert (dec.settled, dec.window, dec.accepted) == ("", (1, 0), 1)
+    assert (dec.closed, dec.window, dec.accepted) == ("", (1, 0), 1)
     d, a, z = case([7, 8, 9, 4], [7, 9, 9], unsure={1})   # the second match closes it; 9 opens another
     dec = fly_across(d, a, z, A, open_window=(1, 0))
-    assert (dec.settled, dec.provisional, dec.window, dec.accepted) == (KEPT, 1, (1, 0), 3)
+    assert (dec.closed, dec.provisional, dec.window, dec.accepted) == (KEPT, 1, (1, 0), 3)
 
 
 def test_a_mismatch_inside_the_window_retracts_it_even_where_the_target_is_unsure():
     d, a, z = case([5, 6, 7], [5, 9], unsure={1})
     dec = fly_across(d, a, z, A, open_window=(0, 0))
-    assert (dec.settled, dec.accepted, dec.window) == (RETRACTED, 1, None)
+    assert (dec.closed, dec.accepted, dec.window) == (RETRACTED, 1, None)
     # within one round: a rejection at the provisional position, the target's token there
     d, a, z = case([1, 2, 3, 4, 5], [1, 9, 9, 4], unsure={1, 2})
     dec = fly_across(d, a, z, A)
-    assert (dec.accepted, dec.provisional, dec.settled) == (1, None, "")
+    assert (dec.accepted, dec.provisional, dec.closed) == (1, None, "")
 
 
 def test_rounds_that_draft_nothing_give_no_evidence_and_retract_after_w_minus_1():
     d, a, z = case([5], [])
     dec = fly_across(d, a, z, A, open_window=(1, 0))
-    assert (dec.settled, dec.window) == ("", (1, 1))
+    assert (dec.closed, dec.window) == ("", (1, 1))
     dec = fly_across(d, a, z, A, open_window=(1, 1))
-    assert dec.settled == RETRACTED
+    assert dec.closed == RETRACTED
     # a bonus token after a non-empty draft is no evidence either way: the count stays
     d, a, z = case([5, 6], [5])
     assert fly_across(d, a, z, FlyParams(window=4), open_window=(0, 1)).window == (1, 1)
@@ -252,7 +252,7 @@ def test_a_window_longer_than_any_draft_still_closes():
         dec = fly_across(d, a, z, W, open_window=state)
         state = dec.window
     d, a, z = case([1, 2, 3], [1, 2])
-    assert fly_across(d, a, z, W, open_window=state).settled == KEPT
+    assert fly_across(d, a, z, W, open_window=state).closed == KEPT
 
 
 def test_the_gate_and_theta_infinity_hold_across_rounds():
@@ -268,8 +268,8 @@ def test_the_verifier_carries_its_window_and_begin_forgets_it():
     v.commit(v.decide(d, a, z), 3)
     assert v.open == (0, 0)
     d, a, z = case([5, 6, 7], [5, 6])
-    assert v.decide(d, a, z).settled == KEPT
+    assert v.decide(d, a, z).closed == KEPT
     v.begin()
-    assert v.decide(d, a, z).settled == ""
+    assert v.decide(d, a, z).closed == ""
     v.commit(fly_across(*case([1, 2, 3, 4], [1, 2, 9], unsure={2}), A), 2)   # the end cut the provisional token
     assert v.open is None

@@ -81,17 +81,17 @@ def replay_across(rows: list[dict], p: FlyParams) -> None:
     need = p.window - 1
     for row in rows:
         d, a = row["draft"], row["target_argmax"]
-        at, settled, loose, accepted, provisional = (-1 if window else None), "", [], len(d), None
+        at, closed, loose, accepted, provisional = (-1 if window else None), "", [], len(d), None
         for j in range(len(d)):
             if d[j] == a[j]:
                 if at is not None:
                     window[0] += 1
                     if window[0] >= need:
-                        settled, loose = (("kept", loose) if at < 0 else (settled, loose + [at]))
+                        closed, loose = (("kept", loose) if at < 0 else (closed, loose + [at]))
                         at, window = None, None
                 continue
             if at is not None:                          # a mismatch inside the window
-                settled, accepted = ("retracted", j) if at < 0 else (settled, at)
+                closed, accepted = ("retracted", j) if at < 0 else (closed, at)
                 at, window = None, None
                 break
             h = row["entropy"][j]
@@ -103,11 +103,11 @@ def replay_across(rows: list[dict], p: FlyParams) -> None:
         if at is not None and not d:
             window[1] += 1
             if window[1] >= need:
-                settled, at, window = "retracted", None, None
+                closed, at, window = "retracted", None, None
         if at is not None and at >= 0:
             provisional = at
-        assert (row["accepted"], row["loose"], row.get("settled", ""), row.get("provisional")) == \
-            (accepted, loose, settled, provisional), f"replayed {accepted, loose, settled, provisional}: {row}"
+        assert (row["accepted"], row["loose"], row.get("closed", ""), row.get("provisional")) == \
+            (accepted, loose, closed, provisional), f"replayed {accepted, loose, closed, provisional}: {row}"
         if row.get("retracted") or "window" not in row:
             window = None                               # taken back at the end, or closed
         else:
@@ -139,9 +139,9 @@ def kept_loose_positions(rows: list[dict]) -> list[int]:
     kept, pending = [], None
     for row in rows:
         at = row["n_past"] + 1                          # the context position of draft token 0
-        if row.get("settled") == "kept":
+        if row.get("closed") == "kept":
             kept.append(pending)
-        if row.get("settled") or row.get("retracted"):
+        if row.get("closed") or row.get("retracted"):
             pending = None
         kept += [at + j for j in row["loose"]]
         if "provisional" in row:

@@ -151,7 +151,7 @@ def test_the_engine_follows_the_reference_and_keeps_only_what_the_rule_allows():
             failures.append(f"{where}: output {run.tokens} is not the committed sequence {made}")
         loose += run.stats.loose
         retracted += run.stats.retractions
-        idle += any(t.get("settled") == "retracted" and not t["draft"] for t in run.traces)
+        idle += any(t.get("closed") == "retracted" and not t["draft"] for t in run.traces)
     assert not failures, report(failures, N_CASES)
     assert loose > N_CASES // 20 and retracted > N_CASES // 20 and idle > N_CASES // 300, (loose, retracted, idle)
 
@@ -217,9 +217,9 @@ def kept_positions(traces: list[dict]) -> set[int]:
     kept, pending = set(), None
     for row in traces:
         at = row["n_past"] + 1                          # the position of draft token 0
-        if row.get("settled") == "kept":
+        if row.get("closed") == "kept":
             kept.add(pending)
-        if row.get("settled") or row.get("retracted"):
+        if row.get("closed") or row.get("retracted"):
             pending = None
         kept |= {at + j for j in row["loose"]}
         if "provisional" in row:
@@ -230,7 +230,7 @@ def kept_positions(traces: list[dict]) -> set[int]:
 def test_seeded_sampling_stays_the_targets_own_through_retractions():
     """At temperature > 0 with a seed, across retractions: the same seed gives the same tokens,
     and every output token but the kept loose ones is plain sampling's at its position (the
-    target's sample after the tokens before it, with that position's noise), the replacement
+    target's sample after the tokens before it, with that position's noise), the recovered token
     put in after a retraction included."""
     from flylocal.decoding.drafters import NoDraft
     from flylocal.decoding.engine import generate_all

@@ -287,7 +287,7 @@ class Batch:
             r.shared = shared
             try:
                 m.engine.scored(m.req, r, out_logits, seconds)
-                event = m.engine.settle(m.req, r)
+                event = m.engine.verify(m.req, r)
             except Exception as e:  # noqa: BLE001 - its grammar, its verifier: its own failure
                 self._fail(m, e, out)
                 continue

@@ -300,7 +300,7 @@ class Decision:
     # held back from the output until its window closes.
     provisional: int | None = None             # the draft position of a token this round accepted
                                                # provisionally, its window still open after the round
-    settled: str = ""                          # the window open before this round: KEPT or RETRACTED in it
+    closed: str = ""                           # the window open before this round closed in it: KEPT or RETRACTED
                                                # ("": none was open, or it is still open)
     window: tuple[int, int] | None = None      # the open window after the round: (native matches, rounds
                                                # that drafted nothing) since its provisional token

@@ -182,7 +182,7 @@ class Engine:
                 t0 = self.clock()
                 tokens = self.rows(req, r)
                 self.scored(req, r, self.target.decode(tokens, logits_from=r.head), self.clock() - t0)
-                yield self.settle(req, r)
+                yield self.verify(req, r)
         except GeneratorExit:
             self.stop(req, req.stats.stop or "interrupted")     # closed after its last event: it had ended
             raise
@@ -243,7 +243,7 @@ class Engine:
             req.constraint.restrict(r.logits, r.draft)
             r.mask_s = self.clock() - t1
 
-    def settle(self, req: Request, r: Round) -> RoundEvent:
+    def verify(self, req: Request, r: Round) -> RoundEvent:
         """Decide, commit and account a scored round: its event."""
         self._decide(req, r)
         self._commit(req, r)
@@ -359,7 +359,7 @@ class Engine:
         is taken back (`_retract`)."""
         t0 = self.clock()
         decision = r.decision
-        if decision.settled == RETRACTED:           # nothing of this round stays
+        if decision.closed == RETRACTED:           # nothing of this round stays
             r.emitted = r.emitted[:0]
             r.decision = self.verifier.commit(decision, 0)
             self._retract(req, r)
@@ -385,7 +385,7 @@ class Engine:
                                       np.concatenate([req.context[:n0], r.draft[:j]]), self.config.sampling,
                                       self.config.logprobs)[0] if self.config.logprobs is not None else None)
             req.window.opens(n0 + j, (token, logprob), r.accepted - j)
-        elif decision.settled == KEPT:
+        elif decision.closed == KEPT:
             req.window.close()
         elif req.window.open:
             req.window.accepted += r.accepted
@@ -394,8 +394,8 @@ class Engine:
     def _retract(self, req: Request, r: Round) -> None:
         """Take back the provisional token at P and everything after it: the caches roll back
         to P, and the target's own token goes there (docs/design.md, "FLy")."""
-        P, r.unaccepted, r.replacement = req.window.taken_back()
-        token, r.retracted = r.replacement[0], req.n - P
+        P, r.retracted_accepted, r.recovered = req.window.taken_back()
+        token, r.retracted = r.recovered[0], req.n - P
         self.target.truncate(P)
         if req.constraint is not None:
             req.constraint.truncate(P - len(req.prompt))
@@ -414,13 +414,13 @@ class Engine:
             self._retract(req, r)         # the end cuts its window short: the provisional token goes
             self.verifier.begin()
         if r.retracted:                   # the target's token where the provisional one stood
-            token, logprob = r.replacement
+            token, logprob = r.recovered
             out += [] if r.ended else [(token, TARGET, logprob)]
         stats.add(r)
         # The drafter's share of the round: its tokens after the forced ones, judged where the
         # target reached them (a round that retracted a window: as far as they matched).
         f, proposal = r.forced, r.proposal
-        accepted = r.accepted if r.decision.settled != RETRACTED else min(r.decision.accepted, len(r.draft))
+        accepted = r.accepted if r.decision.closed != RETRACTED else min(r.decision.accepted, len(r.draft))
         if accepted >= f:
             own = len(r.draft) - f
             verified = proposal if own == len(proposal.tokens) else proposal.cut(own)
@@ -453,7 +453,7 @@ class Engine:
                                    cfg.logprobs) if cfg.logprobs is not None else [None] * shown)
         new = list(zip(tokens, kinds, logprobs))
         window = req.window
-        out = window.release() if decision.settled == KEPT else []
+        out = window.release() if decision.closed == KEPT else []
         if not window.open:
             return out + new
         if j is not None and j < r.accepted:     # opened this round

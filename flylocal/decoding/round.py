@@ -29,10 +29,10 @@ class Round:
                                       # end-of-generation token, max_tokens and the context's end)
     accepted: int = 0                 # draft tokens committed: min(L, m)
     shown: int = 0                    # committed tokens that are output: all but an end-of-generation one
-    ended: bool = False               # an end-of-generation token was committed (the replacement, after a retraction)
+    ended: bool = False               # an end-of-generation token was committed (the recovered token, after a retraction)
     retracted: int = 0                # tokens taken back from a provisional one on (FLy's window across rounds),
-    unaccepted: int = 0               # of which draft tokens that earlier rounds (and this one) accepted
-    replacement: tuple | None = None  # then (the target's token put in its place, its logprobs entry)
+    retracted_accepted: int = 0       # of which draft tokens that earlier rounds (and this one) accepted
+    recovered: tuple | None = None    # then (the target's token put in its place, its logprobs entry)
     shared: bool = False              # the decode carried other requests' rows too (flylocal.decoding.batch)
     threads: int | None = None        # the CPU threads the target's decode ran on (None: not a CPU context)
     draft_s: float = 0.0              # seconds drafting,
@@ -44,7 +44,7 @@ class Round:
     @property
     def net(self) -> int:
         """Tokens the round added to the committed sequence: what it committed, less what it
-        took back, plus the replacement of a retracted token."""
+        took back, plus the recovered token of a retracted one."""
         return self.committed - self.retracted + (self.retracted > 0)
 
 
@@ -53,7 +53,7 @@ class Window:
     provisionally at position `at` of the context, the target's own token there (`recovered`,
     with its logprobs entry: what goes in its place if the window is taken back), the output
     held back from `at` on, and the draft tokens accepted from `at` on. The verifier decides
-    (Decision.provisional, Decision.settled); the engine records the decision here, and its
+    (Decision.provisional, Decision.closed); the engine records the decision here, and its
     commit, retraction and accounts read it."""
 
     __slots__ = ("at", "recovered", "held", "accepted")

@@ -27,9 +27,9 @@ class Stats:
     retractions: int = 0         # FLy across rounds: provisional tokens taken back
     retracted: int = 0           # tokens taken back with them (each provisional one and what followed it)
     emitted: int = 0             # committed tokens: accepted + one correction/bonus per round, less
-                                 # those taken back, plus each retracted token's replacement
+                                 # those taken back, plus each retracted token's recovered token
     emitted_in_rounds: int = 0   # each round's emitted tokens where it emitted them: its committed
-                                 # ones and a retracted token's replacement, whatever a later round
+                                 # ones and a retracted token's recovered token, whatever a later round
                                  # took back (at least 1 a round: tau's numerator)
     first_tokens: int = 0        # of those, the first round's: its decode also evaluated the prompt's tail
     forced: int = 0              # under a grammar: accepted draft tokens the grammar forced
@@ -54,10 +54,10 @@ class Stats:
         decision, m, k = r.decision, r.committed, len(r.draft)
         self.rounds += 1
         self.drafted += k
-        self.accepted += r.accepted - r.unaccepted        # a retraction takes back draft tokens accepted before
+        self.accepted += r.accepted - r.retracted_accepted        # a retraction takes back draft tokens accepted before
         self.forced += min(r.forced, r.accepted)
         loose = sum(1 for j in decision.loose if j < m)
-        self.loose += loose + (decision.settled == KEPT)
+        self.loose += loose + (decision.closed == KEPT)
         seen = min(decision.accepted + 1, k)                  # the positions the decision judged
         self.mismatches += int(np.count_nonzero(r.draft[:seen] != r.target[:seen])) if seen else 0
         if decision.budget_spent is not None:

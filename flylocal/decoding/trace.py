@@ -33,13 +33,13 @@ def trace_row(r: Round, grammar: bool = False, held: int = 0) -> dict:
     }
     if decision.provisional is not None:
         row["provisional"] = int(decision.provisional)   # accepted provisionally: its window is open
-    if decision.settled:
-        row["settled"] = decision.settled                  # the window open before: kept or retracted
+    if decision.closed:
+        row["closed"] = decision.closed                  # the window open before: kept or retracted
     if decision.window is not None and held:               # (the end may have taken the window back)
         row["window"] = list(decision.window)              # (native matches, empty rounds) since its token
     if r.retracted:
         row["retracted"] = r.retracted                     # tokens taken back, the provisional one first,
-        row["replacement"] = r.replacement[0]              # and the target's token put in its place
+        row["recovered"] = r.recovered[0]              # and the target's token put in its place
     if held:
         row["held"] = held
     if decision.budget_spent is not None:

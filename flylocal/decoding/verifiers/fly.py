@@ -121,7 +121,7 @@ def fly_across(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray,
                output: np.ndarray = NO_OUTPUT) -> Decision:
     """FLy with a window that may close in a later round. `open_window`: (native matches, rounds
     that drafted nothing) since a token accepted provisionally in an earlier round, or None.
-    Arrays as in `fly`. The decision's `settled` says what became of the open window,
+    Arrays as in `fly`. The decision's `closed` says what became of the open window,
     `provisional` where this round opened one that stays open, and `window` its count after the
     round. A window that closes within the round it opened in is an ordinary loose position; one
     retracted there is a rejection at its position."""
@@ -132,10 +132,10 @@ def fly_across(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray,
     at = -1 if open_window is not None else None           # the provisional position; -1: an earlier round's
     matches, idle = open_window if open_window is not None else (0, 0)
     loose: list[int] = []
-    settled = ""
+    closed = ""
 
     def done(accepted: int, **kw) -> Decision:
-        return Decision(accepted=accepted, loose=tuple(loose), entropy=entropy, settled=kw.pop("settled", settled), **kw)
+        return Decision(accepted=accepted, loose=tuple(loose), entropy=entropy, closed=kw.pop("closed", closed), **kw)
 
     j = 0
     while j < k:
@@ -145,7 +145,7 @@ def fly_across(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray,
             if matches + run >= need:                      # the window closes: its token is kept
                 j += need - matches
                 if at < 0:
-                    settled = KEPT
+                    closed = KEPT
                 else:
                     loose.append(at)
                 at = None
@@ -155,7 +155,7 @@ def fly_across(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray,
             if j == k:
                 break
             # a mismatch inside the window: the target corrects a real error
-            return done(j, settled=RETRACTED) if at < 0 else done(at)
+            return done(j, closed=RETRACTED) if at < 0 else done(at)
         j += run
         if j == k:
             break
@@ -173,7 +173,7 @@ def fly_across(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray,
     if not k:
         idle += 1                                          # a round that drafted nothing: no evidence
         if idle >= need:
-            return done(0, settled=RETRACTED)
+            return done(0, closed=RETRACTED)
     return done(k, provisional=at if at >= 0 else None, window=(matches, idle))
 
 
