@@ -265,7 +265,8 @@ def test_a_server_that_does_not_come_up_is_left_out_and_a_missing_base_ends_it(f
     assert done.returncode == 1 and "the base server 'dead' did not come up" in done.stderr
 
 
-def test_ctrl_c_stops_the_servers_and_prints_the_waves_measured(fakes, tmp_path):
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_stops_the_servers_and_prints_the_waves_measured(fakes, tmp_path, how):
     fake = fakes(words=3, delay=0.01)
     pidfile, folder = tmp_path / "pid", tmp_path / "site"
     folder.mkdir()
@@ -278,7 +279,7 @@ def test_ctrl_c_stops_the_servers_and_prints_the_waves_measured(fakes, tmp_path)
     deadline = time.monotonic() + 60
     while len(fake.bodies) < 4 and time.monotonic() < deadline:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(how)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err, err
     assert "interrupted: the figures above are of the waves measured before" in out and "| a |" in out

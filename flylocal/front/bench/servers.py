@@ -356,6 +356,11 @@ def run(plan: Plan, say) -> dict:
     "interrupted"."""
     results: dict = {}
     by_name = {s.name: s for s in plan.servers}
+
+    def stopped(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stopped)      # stopped as by a Ctrl-C: its servers with it
     try:
         for clients in plan.clients:
             size = clients * plan.per_client
