@@ -6,6 +6,7 @@ measured of the machine (the decode cost curves, flylocal.decoding.costs, and th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import time
@@ -50,6 +51,24 @@ class CpuLoad:
             own = resource.getrusage(resource.RUSAGE_SELF)
             return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), own.ru_utime + own.ru_stime
         except (OSError, ValueError, AttributeError, IndexError):
+            return None
+
+    @staticmethod
+    def running_now() -> int | None:
+        """Threads of other processes runnable at this instant: /proc/stat's procs_running,
+        machine-wide, less this process's own (those in state R, the reader among them); None
+        where it cannot be read. A busy loop is always runnable: this says whether a load is
+        here now, where an average over a while says it was."""
+        try:
+            with open("/proc/stat") as f:
+                running = next(int(line.split()[1]) for line in f if line.startswith("procs_running "))
+            own = 0
+            for task in os.listdir("/proc/self/task"):
+                with contextlib.suppress(OSError):
+                    with open(f"/proc/self/task/{task}/stat") as f:
+                        own += f.read().rpartition(")")[2].split()[0] == "R"
+            return max(running - max(own, 1), 0)
+        except (OSError, ValueError, IndexError, StopIteration):
             return None
 
     def start(self) -> None:

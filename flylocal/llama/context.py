@@ -42,7 +42,7 @@ from flylocal.llama.model import Model, footprint, memory_problem
 from flylocal.gguf_info import read_layout
 from flylocal.llama import placement
 from flylocal.host import MIN_WALL, CpuLoad, usable_cores
-from flylocal.llama.threads import ThreadControl, candidates, keep_count, known_count
+from flylocal.llama.threads import auto
 
 CONTROL_ROWS = 32     # decodes up to this many rows steer --threads auto (a round, a draft step)
 LOAD_PERIOD = 1.0     # seconds over which --threads auto reads how busy other processes keep the cores
@@ -160,30 +160,23 @@ class Context:
         self.past = [0] * n_seq
         self._unsynced: set[int] = set()
         self._view = (None, None)                   # (the logits buffer's address, a view of it)
-        # --threads auto: start on every core, then follow how fast decodes run (flylocal.llama.threads).
-        # A process starts from the count the last one settled on, when that was recent, and
-        # otherwise measures each count once before its first prompt (_probe_threads).
-        self.thread_control = None
-        self._probed = True    # --threads auto: each count measured before a first prompt, or no need
         self.decoded_on = threads          # the thread count of the last decode
-        self._load = None                  # --threads auto: other processes' load, read since then
-        if config.n_threads is None:
-            counts = candidates(threads)
-            known = known_count(counts)
-            self.thread_control = ThreadControl(counts, known or threads, on_settle=keep_count,
-                                                why="the last process's count" if known else "all cores")
-            self._probed = known is not None or len(counts) < 2
-            self._load = load if load is not None else CpuLoad()
-            if load is None:
-                self._load.start()         # the first prompt's tokenizing gives it time
-        self._gap = False      # the last reading spanned an idle gap: read again after MIN_WALL
-        self._decoded_at = time.monotonic()    # when the last decode ended
+        self._start_threads(threads, load)
         self._steady = 0       # > 0: thread count held (calibration measures one count)
         self.calibration_threads = threads
         # What a decode of n rows costs here, shared by everything that drafts for this model;
         # keyed for the disk cache by what it depends on.
         self.costs = cost_curve(cost_key(model, config, threads, self.n_batch))
         self.costs.on_key = self.n_threads == self.calibration_threads
+
+    def _start_threads(self, threads: int, load: CpuLoad | None) -> None:
+        """--threads auto (flylocal.llama.threads.auto): its controller and the meter of other
+        processes' load (`load`, or one started here); each count measured before the first
+        prompt (_probe_threads) unless the last process's count is recent."""
+        self._gap = False      # the last reading spanned an idle gap: read again after MIN_WALL
+        self._decoded_at = time.monotonic()    # when the last decode ended
+        self.thread_control, self._probed, self._load = (None, True, None) if self.config.n_threads is not None \
+            else auto(threads, load)
 
     def cost_key(self) -> dict:
         return cost_key(self.model, self.config, self.calibration_threads, self.n_batch)
@@ -285,10 +278,10 @@ class Context:
         many cores other processes kept busy since the last reading.
 
         A reading taken after more than a period without decoding spans an idle gap (between two
-        requests, two turns of a chat), and what other work did then may be over: it holds for
-        the prompt (a busy machine's prompt never runs on every core), and the next reading comes
-        after MIN_WALL of decoding instead of a period, so that a load gone by then costs a
-        tenth of a second on fewer threads, not a second (docs/operations.md, "Threads")."""
+        requests, two turns of a chat), and what other work did then may be over: it counts no
+        more cores than other processes have threads runnable now (a busy machine's prompt never
+        runs on every core; one that was busy does), and the next reading comes after MIN_WALL
+        of decoding instead of a period (docs/operations.md, "Threads")."""
         meter = self._load
         elapsed = meter.elapsed() if meter is not None else None
         if elapsed is None or (not force and elapsed < (MIN_WALL if self._gap else LOAD_PERIOD)):
@@ -301,6 +294,8 @@ class Context:
         if busy is not None:
             meter.start()
             self._gap = time.monotonic() - self._decoded_at > LOAD_PERIOD
+            if self._gap and (now := CpuLoad.running_now()) is not None:
+                busy = min(busy, float(now))
             self._use_threads(self.thread_control.load(busy))
 
     def _logits(self, rows: int) -> np.ndarray:

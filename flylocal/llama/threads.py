@@ -39,7 +39,7 @@ import os
 import time
 from pathlib import Path
 
-from flylocal.host import costs_dir
+from flylocal.host import CpuLoad, costs_dir
 
 PROBES = 5              # decodes measured at a count being tried: their median counts
 ABORT = 1.5             # a trial decode this much slower than the current count's median ends the trial
@@ -290,3 +290,18 @@ def keep_count(count: int, clock=time.time) -> None:
         os.replace(tmp, path)
     except OSError:
         pass                      # a read-only cache: the next process measures for itself
+
+
+def auto(threads: int, load: CpuLoad | None = None) -> tuple[ThreadControl, bool, CpuLoad]:
+    """--threads auto on `threads` cores: the controller, starting from the count the last
+    process on these cores settled on when that was recent, else on every core; whether it needs
+    no probe (a recent count, or one count to choose from); and the meter of other processes'
+    load (`load`, or one started now)."""
+    counts = candidates(threads)
+    known = known_count(counts)
+    control = ThreadControl(counts, known or threads, on_settle=keep_count,
+                            why="the last process's count" if known else "all cores")
+    if load is None:
+        load = CpuLoad()
+        load.start()                   # the first prompt's tokenizing gives it time
+    return control, known is not None or len(counts) < 2, load
