@@ -203,19 +203,20 @@ def wave_fig(rate, decode=None, errors=()):
 
 
 def test_the_report_sets_each_server_against_the_base_wave_by_wave():
-    servers = [sb.Server("llama-server", command=["x"]), sb.Server("autoregressive", command=["x"], flylocal=True),
-               sb.Server("fly-pld", command=["x"], flylocal=True)]
+    servers = [sb.Server("llama-server", command=["x"]),
+               sb.Server("plain", command=["--drafter", "none"], flylocal=True),
+               sb.Server("fly-pld", command=["--drafter", "pld"], flylocal=True)]
     plan = sb.Plan(servers, [], base="llama-server")
     got = {"labels": ["qa 1", "rag 2", "qa 3"],
            "llama-server": [wave_fig(10), wave_fig(10), wave_fig(10)],
-           "autoregressive": [wave_fig(11), wave_fig(9), wave_fig(10)],
+           "plain": [wave_fig(11), wave_fig(9), wave_fig(10)],
            "fly-pld": [wave_fig(20), wave_fig(15), wave_fig(float("nan"), errors=["HTTP 500: boom"])]}
     text = sb.report(plan, {1: got}, 1)
     rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
     assert "| 1 |" in rows["llama-server"]
     assert "1.75 (1.50-2.00), worst 1.50 (rag 2)" in rows["fly-pld"] and rows["fly-pld"].endswith("| 1 |")
-    assert "1.00 (0.90-1.10), worst 0.90 (rag 2)" in rows["autoregressive"]
-    assert "fly-pld / autoregressive: 1.74 (1.67-1.82), worst 1.67 (rag 2)" in text
+    assert "1.00 (0.90-1.10), worst 0.90 (rag 2)" in rows["plain"]
+    assert "fly-pld / plain: 1.74 (1.67-1.82), worst 1.67 (rag 2)" in text          # flylocal's plain one
     assert "fly-pld / llama-server (the best of the other servers here)" in text
     assert "fly-pld: 1 request failed, the first: HTTP 500: boom" in text
     assert text.startswith("3 waves of 1 client x 1 conversation of 1 turn")
@@ -273,9 +274,10 @@ def test_ctrl_c_stops_the_servers_and_prints_the_waves_measured(fakes, tmp_path,
     (folder / "health").write_text("ok")       # GET /health: 200, so the server counts as up
     proc = subprocess.Popen([sys.executable, "-m", "flylocal", "bench", "serve", "--server", f"a={fake.url}",
                              "--server", f"b=sh -c 'echo $$ > {pidfile}; exec python3 -m http.server {{port}} "
-                             f"--bind 127.0.0.1 --directory {folder}'", "--base", "a", "--per-category", "3", "--max-tokens", "3",
-                             "--pause", "0.3"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             f"--bind 127.0.0.1 --directory {folder}'", "--base", "a", "--per-category", "3",
+                             "--max-tokens", "3", "--pause", "0.3"], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while len(fake.bodies) < 4 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -291,7 +293,8 @@ def test_ctrl_c_stops_the_servers_and_prints_the_waves_measured(fakes, tmp_path,
 def test_flylocal_servers_are_started_compared_and_stopped(tmp_path):
     out = tmp_path / "waves.json"
     done = bench_serve("--server", "autoregressive", "--server", "strict-pld", "--server",
-                       f"here=flylocal@{ROOT} --drafter pld --verifier strict --parallel 1", "--category", "multi-turn,qa",
+                       f"here=flylocal@{ROOT} --drafter pld --verifier strict --parallel 1",
+                       "--category", "multi-turn,qa",
                        "--per-category", "1", "--clients", "1,2", "--max-tokens", "12", "--ctx", "2048",
                        "--threads", "1", "--pause", "0", "--turns", "2", "--json", str(out))
     assert done.returncode == 0, done.stderr

@@ -14,7 +14,7 @@ compares, in decode time against plain decoding:
 It also prints the acceptance each confidence level really had when every proposed token was
 verified (per position, and right after a fully accepted round), the evidence the drafter's
 priors (flylocal.decoding.drafters.pld.level_prior) are set from. `--skip N` leaves out the
-first N prompts of each group, the ones scripts/bench/servers.py answers, so that priors are
+first N prompts of each group, the ones `flylocal bench serve` answers, so that priors are
 measured on prompts held apart from the benchmark that judges them.
 
     .venv/bin/python scripts/experiments/pld_ceiling.py [--target NAME] [--raw] [--per-category 16] [--skip 8] [--max-tokens 128] [--exact]

@@ -190,8 +190,9 @@ def fleet(servers: list[Server], clients: int, ctx: int, startup: float, say):
             fill = {"{port}": str(port), "{clients}": str(clients), "{ctx_all}": str(ctx * clients)}
             command = [_fill(part, fill) for part in s.command]
             logs[s.name] = tempfile.TemporaryFile()    # a pipe nobody reads would stall the server
-            procs[s.name] = subprocess.Popen(command, stdout=logs[s.name], stderr=logs[s.name], stdin=subprocess.DEVNULL,
-                                             cwd=s.cwd, env={**os.environ, **s.env}, start_new_session=True)
+            procs[s.name] = subprocess.Popen(command, stdout=logs[s.name], stderr=logs[s.name],
+                                             stdin=subprocess.DEVNULL, cwd=s.cwd, env={**os.environ, **s.env},
+                                             start_new_session=True)
             urls[s.name] = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + startup
         for name, proc in procs.items():
@@ -417,6 +418,12 @@ def ratio_text(pairs: list[tuple[float, str]], worst: bool = True) -> str:
     return f"{_median(values):.2f} ({lo:.2f}-{hi:.2f})" + (f", worst {low[0]:.2f} ({low[1]})" if worst else "")
 
 
+def _drafts_nothing(server: Server) -> bool:
+    """Whether a flylocal server decodes plainly (`--drafter none`): its drafting ones' yardstick."""
+    command = server.command or []
+    return any(a == "--drafter" and b == "none" for a, b in zip(command, command[1:]))
+
+
 def _percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, round(q * (len(values) - 1)))] if values else float("nan")
@@ -424,7 +431,8 @@ def _percentile(values: list[float], q: float) -> float:
 
 def report(plan: Plan, results: dict, turns: int) -> str:
     """Per client count: each server's figures and its ratios to the base server; flylocal's
-    drafting configurations against its plain one and against the best of the other servers."""
+    drafting configurations against its plain one (autoregressive, or another with
+    `--drafter none`) and against the best of the other servers."""
     by_name = {s.name: s for s in plan.servers}
     lines = []
     for clients, got in results.items():
@@ -435,9 +443,11 @@ def report(plan: Plan, results: dict, turns: int) -> str:
             continue
         n = min(len(got[name]) for name in names)
         got = {"labels": got["labels"][:n], **{name: got[name][:n] for name in names}}
-        banned = "end of generation banned for servers of --target" if plan.banned else "answers end where models end them"
+        banned = ("end of generation banned for servers of --target" if plan.banned
+                  else "answers end where models end them")
         lines += [f"{n} wave{'s' * (n != 1)} of {clients} client{'s' * (clients != 1)} x {plan.per_client} "
-                  f"conversation{'s' * (plan.per_client != 1)} of {'up to ' * (turns > 1)}{turns} turn{'s' * (turns != 1)}, "
+                  f"conversation{'s' * (plan.per_client != 1)} of {'up to ' * (turns > 1)}{turns} "
+                  f"turn{'s' * (turns != 1)}, "
                   f"{plan.max_tokens} "
                   f"tokens an answer ({banned}), greedy, streamed{', raw completions' if plan.raw else ''}; "
                   f"ratios to {plan.base}, wave by wave: median (95% interval)", "",
@@ -458,7 +468,8 @@ def report(plan: Plan, results: dict, turns: int) -> str:
                          f"{sum(len(w['errors']) for w in waves)} |")
         lines.append("")
         ours = [m for m in names if by_name[m].flylocal]
-        plain = "autoregressive" if "autoregressive" in ours else None
+        plain = next((m for m in sorted(ours, key=lambda m: m != "autoregressive")
+                      if _drafts_nothing(by_name[m])), None)
         if plain and plain != plan.base:
             lines += [f"{m} / {plain}: {ratio_text(paired(got, m, plain))}" for m in ours if m != plain]
         others = [m for m in names if not by_name[m].flylocal]
@@ -528,7 +539,8 @@ def default_base(servers: list[Server]) -> str:
     names = [s.name for s in servers]
     if "llama-server" in names:
         return "llama-server"
-    return next((s.name for s in servers if not s.flylocal), "autoregressive" if "autoregressive" in names else names[0])
+    fallback = "autoregressive" if "autoregressive" in names else names[0]
+    return next((s.name for s in servers if not s.flylocal), fallback)
 
 
 def end_tokens(path: str) -> tuple[int, ...]:
