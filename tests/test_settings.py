@@ -14,6 +14,7 @@ from flylocal.llama import kernels
 from flylocal.settings import OPTIONS, Settings, settings_from
 
 COMMANDS = {name: cmd for name, cmd in cli.commands.items() if not isinstance(cmd, click.Group)}
+COMMANDS |= {"bench": cli.commands["bench"], "bench serve": cli.commands["bench"].commands["serve"]}
 
 
 def help_records() -> dict[str, dict[str, tuple]]:
@@ -30,10 +31,14 @@ def help_records() -> dict[str, dict[str, tuple]]:
 
 def test_a_shared_option_reads_the_same_in_every_commands_help():
     # --host and --port are each server's own address (serve and rpc-server), with its own default;
-    # --json each command's own document (generate's answer, bench's results).
+    # --json each command's own document (generate's answer, bench's results, bench serve's waves);
+    # --repeat what each runs again (bench: every method on every prompt; bench serve: a question);
+    # --api-key the key a server requires (serve) or a client sends (bench serve).
     shared = {flag: per for flag, per in help_records().items()
-              if len(per) > 1 and flag not in ("--host", "--port", "--json")}
+              if len(per) > 1 and flag not in ("--host", "--port", "--json", "--repeat", "--api-key")}
     assert {"--max-tokens", "--ctx", "--k", "--threads", "--exact", "--temperature", "--target"} <= set(shared)
+    assert {"--prompts", "--category", "--per-category", "--max-tokens", "--target", "--ctx", "--raw"} <= {
+        flag for flag, per in shared.items() if "bench serve" in per}
     for flag, per in shared.items():
         assert len(set(per.values())) == 1, f"{flag} differs between commands: {per}"
     assert "[default: 256" in shared["--max-tokens"]["bench"][1]

