@@ -248,6 +248,9 @@ def test_the_command_compares_servers_already_running(fakes):
     (["--server", "nope"], "unknown configuration 'nope'"),
     (["--server", "a=http://127.0.0.1:9", "--clients", "0"], "not a comma-separated list of client counts"),
     (["--server", "a=http://127.0.0.1:9", "--prompts", "/no/such/file"], "prompts not found"),
+    (["--server", "a=flylocal \"--drafter"], "--server a: No closing quotation"),
+    (["--server", "a=http://127.0.0.1:9", "--llama-server", "/no/such/llama-server"], "no such program"),
+    (["--server", "a=http://127.0.0.1:9", "--json", "/no/such/folder/waves.json"], "cannot write there"),
 ])
 def test_bad_options_get_one_line(args, says):
     done = bench_serve(*args)

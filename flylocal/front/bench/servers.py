@@ -103,9 +103,11 @@ def parse_server(spec: str, *, target: str, target_path: str, draft_path: str | 
     name, sep, value = spec.partition("=")
     name, value = name.strip(), value.strip()
     if not sep:
-        value = FLYLOCAL.get(name) is not None and f"flylocal {FLYLOCAL[name]}" or (
-            name in LLAMA_SERVER and f"llama-server {LLAMA_SERVER[name]}")
-        if not value:
+        if name in FLYLOCAL:
+            value = f"flylocal {FLYLOCAL[name]}"
+        elif name in LLAMA_SERVER:
+            value = f"llama-server {LLAMA_SERVER[name]}"
+        else:
             raise FlylocalError(f"--server: unknown configuration {name!r}; known: "
                                 f"{', '.join([*FLYLOCAL, *LLAMA_SERVER])}, or NAME=URL, NAME=flylocal OPTIONS, "
                                 "NAME=llama-server OPTIONS, NAME=COMMAND with {port}")
@@ -116,19 +118,16 @@ def parse_server(spec: str, *, target: str, target_path: str, draft_path: str | 
         url, _, wanted = value.partition("#")
         url = url.rstrip("/").removesuffix("/v1")
         return Server(name, url=url, model=wanted or model, own_model=False)
-    words = shlex.split(value)
-    needs_draft = any("{draft}" in w for w in words)
-    if needs_draft and not draft_path:
+    try:
+        words = shlex.split(value)
+    except ValueError as e:                     # an unclosed quotation
+        raise FlylocalError(f"--server {name}: {e}") from None
+    if any("{draft}" in w for w in words) and not draft_path:
         raise FlylocalError(f"--server {name}: needs a draft model (--draft)")
-    fill = {"target": target_path, "draft": draft_path or "", "ctx": str(ctx), "threads": str(threads or "")}
+    fill = {"{target}": target_path, "{draft}": draft_path or "", "{ctx}": str(ctx), "{threads}": str(threads or "")}
 
     def filled(parts):
-        out = []
-        for part in parts:
-            for key, val in fill.items():
-                part = part.replace("{" + key + "}", val)
-            out.append(part)
-        return out
+        return [_fill(part, fill) for part in parts]
 
     head = words[0]
     if head == "flylocal" or head.startswith("flylocal@"):
@@ -335,8 +334,9 @@ def rates(replies: list[Reply]) -> dict:
     tokens = sum(r.tokens for r in ok)
     wall = max((r.last for r in ok), default=0.0) - min((r.start for r in ok), default=0.0)
     decode = [(r.tokens - 1) / (r.last - r.first) for r in ok if r.tokens > 1 and r.last > r.first]
-    return {"tokens": tokens, "wall": wall, "rate": tokens / wall if ok and wall > 0 and not len(ok) < len(replies)
-            else float("nan"), "decode": _median(decode), "ttft": [r.first - r.start for r in ok],
+    whole = ok and len(ok) == len(replies) and wall > 0        # a wave with a failure has no rate
+    return {"tokens": tokens, "wall": wall, "rate": tokens / wall if whole else float("nan"),
+            "decode": _median(decode), "ttft": [r.first - r.start for r in ok],
             "errors": [r.error or "no text" for r in replies if r.error or r.last is None],
             "requests": len(replies), "counted": all(r.counted for r in ok)}
 
@@ -564,7 +564,12 @@ def main(*, server_specs, base, target, draft, llama_server, model, prompts, cat
 
     from flylocal import models
 
+    if llama_server and not (os.path.isfile(llama_server) and os.access(llama_server, os.X_OK)):
+        raise FlylocalError(f"--llama-server {llama_server}: no such program")
     llama_server = llama_server or shutil.which("llama-server")
+    where = json_out if json_out and os.path.exists(json_out) else os.path.dirname(json_out or "") or "."
+    if json_out and not (os.path.isdir(where) == (where != json_out) and os.access(where, os.W_OK)):
+        raise FlylocalError(f"--json {json_out}: cannot write there")     # found now, not after the run
     specs = list(server_specs) or default_servers(bool(draft), llama_server)
     servers = [parse_server(spec, target=target, target_path="{target}", draft_path=draft and "{draft}", ctx=ctx,
                             threads=threads, llama_server=llama_server, model=model) for spec in specs]
