@@ -147,6 +147,7 @@ def cache_report() -> list[str]:
     folder = costs_dir()
     files = sorted(p for p in folder.glob("*.json") if p.name != "threads.json") if folder.is_dir() else []
     lines = [kept_threads_line(), f"cost curves cached in {folder}: {len(files)}"]
+    names = {p.name for p in files if not p.name.endswith(".provisional.json")}
     for path in files:
         record, _ = read_file(path)             # bounded in size and depth, as a run reads it
         if record is None:
@@ -165,7 +166,9 @@ def cache_report() -> list[str]:
         shape = ", ".join(f"{n}: {base[n - 1] / base[0]:.1f}" for n in CALIBRATION_SIZES
                           if n <= len(base) and not np.isnan(base[n - 1]))
         line = f"  {what}: t(n)/t(1) {shape}; {calibration_words(record['meta'])}"
-        if record["meta"].get("provisional"):
+        if record["meta"].get("provisional") and path.name.replace(".provisional", "") in names:
+            line += f"; PROVISIONAL ({record['meta']['provisional']}), unused: a settled curve is cached beside it"
+        elif record["meta"].get("provisional"):
             line += (f"; PROVISIONAL ({record['meta']['provisional']}): a start for the next process, "
                      "which measures it again")
         if record["problem"]:

@@ -11,12 +11,10 @@
   saved.
 
 Rounds refine the shape: a round of n rows, divided by the single-row rounds just before it,
-is a sample of shape(n). A sample that breaks physics (flylocal.decoding.costs.shape) or lies
-FAR from the calibration is a stall, not a shape, and is dropped. Fresh samples (the median of
-at least 3 within STALE seconds of decoding) correct the calibrated shape; older ones expire,
-so evidence taken under a load that has gone does not outlive it. Only a refinement that is
-consistent (SAVE_SAMPLES samples whose middle half lies within AGREE_REFINED) is saved, as a
-low quantile.
+is a sample of shape(n). One that breaks physics or lies FAR from a trusted calibration is a
+stall and is dropped. Fresh samples (3 within STALE seconds of decoding) correct the shape;
+older ones expire, so a load that has gone leaves no evidence. Rounds that contradict the curve
+beyond noise drop it, and it is measured again (flylocal.decoding.costs.check).
 
 Draft-length control may try a size whose evidence is stale (`explore`), when the round is
 expected to lose at most what the exploration budget has left: EXPLORE of the decoding time
@@ -36,7 +34,9 @@ import numpy as np
 from flylocal import host
 from flylocal.decoding.costs import store
 from flylocal.decoding.costs.calibration import BUDGET, CALIBRATION_SIZES, Measuring, calibrate
-from flylocal.decoding.costs.shape import PHYSICS, SWITCH_MAX, distortion, interpolate, median, plausible, prior_shape
+from flylocal.decoding.costs.check import STALE, Check
+from flylocal.decoding.costs.shape import (FLOOR, PHYSICS, SWITCH_MAX, consistent, distortion, fill, interpolate, median,
+                                           plausible, prior_shape)
 
 SWITCH_PRIOR = 0.07      # single steps the round after a draft pays to go back to one row, where
                          # a curve has no measurement of it: llama.cpp rebuilds its compute graph
@@ -51,9 +51,6 @@ RECENT = 7               # speed: the median of the last 7 rounds, each in singl
 ANCHORS = 5              # single-row rounds kept as the yardstick of a refinement sample
 SAMPLES = 9              # refinement samples kept per size
 FRESH = 3                # fresh samples needed before they correct the shape
-STALE = 3.0              # seconds of decoding after which evidence is old
-SAVE_SAMPLES = 5
-AGREE_REFINED = 0.25     # (q75 - q25) / median of a size's samples, to be saved
 EXPLORE = 0.015          # share of decoding time that trying stale sizes may lose
 
 
@@ -126,6 +123,9 @@ class CostCurve:
         self.on_key = True
         self.keep: dict[int, list[float]] = {}
         self._period: host.CpuLoad | None = None
+        self.check = Check()                                 # rounds on the keyed count, against the curve
+        self.contradicted = 0                                # times the rounds contradicted it
+        self._asked: tuple | None = None                     # (max_rows, limit, meter) of the last `ensure`
         self.rejected = 0                                    # round times dropped as stalls
         self.explored = 0                                    # rounds run at a stale size
         self.spent = 0.0                                     # seconds those rounds lost
@@ -136,8 +136,11 @@ class CostCurve:
         self._until = math.inf                               # ... until this decoded_s (evidence expires)
         self._speed: float | None = None                     # memo: the speed, until the next round
 
-    def _set_base(self, seconds) -> None:
+    def _set_base(self, seconds, whole: bool = False) -> None:
+        """t(1..m) calibrated: `seconds` [m] over the first sizes, or the `whole` calibration."""
         seconds = np.asarray(seconds, dtype=np.float64)
+        if whole:
+            self.base = np.full(len(seconds), np.nan)
         if len(seconds) > len(self.base):
             self.base = np.concatenate([self.base, np.full(len(seconds) - len(self.base), np.nan)])
         self.base[: len(seconds)] = seconds
@@ -251,8 +254,30 @@ class CostCurve:
         return sum(1 for c, _ in pairs if self.decoded_s - c <= STALE)
 
     def _anchor(self) -> float | None:
-        fresh = [s for c, s in self.anchors if self.decoded_s - c <= STALE]
+        fresh = self._fresh(self.anchors)
         return median(fresh) if fresh else None
+
+    def _fresh(self, pairs) -> list[float]:
+        return [s for c, s in pairs if self.decoded_s - c <= STALE]
+
+    def trusted(self) -> bool:
+        """Whether the curve is a settled calibration (cached or measured here) that the rounds
+        have not contradicted: rounds far from it are stalls, not its shape."""
+        return self.calibrated and self.state in (State.SETTLED, State.REPAIRED) and self.source in (
+            Source.CACHE, Source.MEASURED) and self.measuring is None
+
+    def _contradict(self, why: str) -> None:
+        """The rounds contradict the curve beyond noise (a poisoned or foreign file, or one
+        calibrated under a load that has gone): whatever its file says, it is no longer
+        trusted. The rounds' samples correct its shape from now on, and it is measured again in
+        slices before the next requests (or whole at `finish`), at most RETRIES times per
+        process; a settled measurement then replaces the file."""
+        self.contradicted += 1
+        self.state, self.problem = State.PROVISIONAL, f"contradicted by the rounds: {why}; measured again"
+        self.check.clear()
+        self._changed()
+        if self._asked is not None and self.contradicted <= RETRIES:
+            self.measuring = Measuring(*self._asked, self.budget)
 
     # ---- rounds
     def update(self, rows: int, seconds: float, emitted: int | None = None) -> None:
@@ -270,11 +295,17 @@ class CostCurve:
         if self._period is None and self.key is not None:
             self._period = host.CpuLoad()
             self._period.start()
+        if self.on_key and self.trusted() and (why := self.check.round(
+                rows, seconds, float(self.calibrated_shape(rows)[-1]), self.calibrated_step(), self.decoded_s)):
+            self._contradict(why)
         if rows == 1:
             self.anchors = (self.anchors + [(self.decoded_s, seconds)])[-ANCHORS:]
         elif (anchor := self._anchor()) is not None:
             r = seconds / anchor
-            if plausible(rows, r, float(self.calibrated_shape(rows)[-1])):
+            calibrated = float(self.calibrated_shape(rows)[-1])
+            # A sample beyond physics is a stall; one far from a trusted curve too (it counts
+            # against the curve in `_check`); a curve no longer trusted takes what physics allows.
+            if FLOOR <= r <= PHYSICS * rows and (plausible(rows, r, calibrated) or not self.trusted()):
                 self.samples[rows] = (self.samples.get(rows, []) + [(self.decoded_s, r)])[-SAMPLES:]
                 self._shape = None
                 if self.on_key:
@@ -288,8 +319,9 @@ class CostCurve:
         """The draft length to verify this round: `best` (the argmax of `rates` [k+1], the
         expected tokens per second of verifying 0..k), or a length whose size has fewer than
         FRESH fresh rounds behind it, when what that round is expected to lose against `best`
-        fits the exploration budget (the cheapest such length). A size's cost is never believed above what physics allows, so a curve that
-        says a size is absurdly dear cannot keep it from being tried."""
+        fits the exploration budget (the cheapest such length). A size's cost is never believed
+        above what physics allows, so a curve that says a size is absurdly dear cannot keep it
+        from being tried."""
         if self.fixed or self.pinned or len(rates) < 2 or not rates[best] > 0:
             return best
         step = self.speed()
@@ -320,8 +352,7 @@ class CostCurve:
         """A calibration's result (None: nothing usable measured) becomes the curve."""
         if done is None:
             return
-        self.base = np.full(len(done.seconds), np.nan)
-        self._set_base(done.seconds)
+        self._set_base(done.seconds, whole=True)
         self.refined = np.full(len(self.base), np.nan)
         self._changed()
         self.meta = done.meta
@@ -337,20 +368,18 @@ class CostCurve:
         another process has cached meanwhile, or else measured again once RETRY seconds have
         passed (then twice as long), at most RETRIES times.
 
-        `wait`: the most seconds of measuring this call may spend (a request before its first
-        token). A curve measured then goes on in slices, one each later call (and the rest at
-        `finish`), and is used meanwhile, provisional. Where nothing of it is known (no curve
-        cached), the first call measures nothing: the curve starts from a cached curve of the
-        same model at other settings, or the prior's shape, and the rounds give its speed and
-        correct its shape; after that, from what its decodes measured (the sizes between and
-        past them on the slope they give). None: measured whole now."""
+        `wait`: the most seconds of measuring this call may spend (before a first token); the
+        rest follows in slices, one each later call (or at `finish`), the curve provisional
+        meanwhile. Where nothing is known, the first call measures nothing (`_start`). None:
+        measured whole now."""
         if self.fixed:
             return
+        self._asked = (max(max_rows, self._asked[0] if self._asked else 0), limit, meter)
         if self.measuring is not None:
-            if wait is None or self.measuring.sizes[-1] < min(max_rows, limit or max_rows):
-                self.measuring = None                  # measured whole now, or for larger sizes
+            if self.measuring.sizes[-1] < min(max_rows, limit or max_rows):
+                self.measuring = None                  # for larger sizes: measured anew
             else:
-                self._measure(timed_decode, wait)
+                self._measure(timed_decode, math.inf if wait is None or recalibrate else wait)
                 return
         retry = (self.state == State.PROVISIONAL and self._retries < RETRIES
                  and time.monotonic() >= self._retry_at)
@@ -389,14 +418,11 @@ class CostCurve:
                          f"up to {self.budget:g} s")
             self._unusable = None
             self.calibrate(timed_decode, max_rows, limit, meter)
-            if keep:                 # a larger size was asked for: the calibration so far stands,
-                n = min(len(kept), len(self.base))      # and the new sizes join it in its units
-                merged = self.base * (kept[0] / self.base[0])
-                merged[:n] = np.where(np.isnan(kept[:n]), merged[:n], kept[:n])
-                if distortion(merged) is None:
-                    self.base = merged
-                    self.meta = kept_meta | {"extended": self.meta.get("measured")}
-                    self._changed()
+            # A larger size was asked for: the calibration so far stands, the new sizes join it.
+            if keep and (merged := fill(kept, self.base, between=False)) is not None:
+                self.base = merged
+                self.meta = kept_meta | {"extended": self.meta.get("measured")}
+                self._changed()
             if self.state == State.SETTLED:
                 if repaired:
                     self.state, self.problem = State.REPAIRED, repaired
@@ -417,14 +443,10 @@ class CostCurve:
         """A curve nothing of which is measured yet, to decide on until slices measure it: a
         settled curve of the same model at other settings where the cache has one, else the
         prior's shape; either way the speed comes from the rounds once there are a few."""
-        if self._sibling is None and self.key is not None:
-            self._sibling = store.sibling(self.key) or {}
         whence = "the prior's shape"
-        if self._sibling:
-            self.base = np.full(len(self._sibling["base"]), np.nan)
-            self._set_base(self._sibling["base"])
-            key = self._sibling["key"]
-            whence = f"the curve at {key.get('threads')} threads, batch {key.get('batch')}"
+        if sibling := self.sibling():
+            self._set_base(sibling["base"], whole=True)
+            whence = "the curve at " + store.settings(sibling["key"])
         self.source, self.state = Source.PRIOR, State.PROVISIONAL
         self.problem = f"nothing measured yet: {whence}, in the rounds' speed, until it is measured in slices"
 
@@ -451,33 +473,29 @@ class CostCurve:
         values = measuring.seconds()
         if values is None or distortion(values) is not None:
             return
+        seen = ~np.isnan(values)          # one pass can time more rows cheaper: they never cost less
+        values[seen] = np.maximum.accumulate(values[seen])
         if self.state != State.SETTLED or self.source != Source.CACHE:
             # The sizes not measured yet: a settled curve of the same model at another thread
             # count or batch size, in this machine's single step now, where the cache has one;
             # else the slope of the sizes measured (interpolate).
             start, whence = values, ""
-            if self._sibling is None and self.key is not None:
-                self._sibling = store.sibling(self.key) or {}
-            if self._sibling:
-                other = self._sibling["base"]
-                size = max(len(values), len(other))
-                shape = interpolate(other, size) / interpolate(other, 1)[0]
-                start = shape * values[0]
-                start[: len(values)] = np.where(np.isnan(values), start[: len(values)], values)
-                if distortion(start) is not None:
-                    start = values
-                else:
-                    key = self._sibling["key"]
-                    whence = f"; the sizes not yet measured from the curve at {key.get('threads')} threads, " \
-                             f"batch {key.get('batch')}"
-            self.base = np.full(len(start), np.nan)
-            self._set_base(start)
+            if (sibling := self.sibling()) and (filled := fill(values, sibling["base"])) is not None:
+                start = filled
+                whence = "; the sizes not yet measured from the curve at " + store.settings(sibling["key"])
+            self._set_base(start, whole=True)
             self.refined = np.full(len(self.base), np.nan)
             self.meta = {"measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "passes": measuring.passes}
             self.source = Source.MEASURED
             self.state = State.PROVISIONAL
             self.problem = (f"being measured, {measuring.spent:.2f} s of decodes so far, at most {WAIT:g} s before "
                             f"each request{whence}")
+
+    def sibling(self) -> dict | None:
+        """A settled curve of the same model at other settings (store.sibling), looked for once."""
+        if self._sibling is None and self.key is not None:
+            self._sibling = store.sibling(self.key) or {}
+        return self._sibling or None
 
     def name(self) -> str:
         """The model's file name, without .gguf: what the curve is of, in a line to the user."""
@@ -502,8 +520,7 @@ class CostCurve:
             self._unusable = f"the cost cache at {path} holds an absurd curve: {record['calibration_problem']}"
             return False
         self._unusable = None
-        self.base = np.full(len(base), np.nan)
-        self._set_base(base)
+        self._set_base(base, whole=True)
         self.refined = np.full(len(self.base), np.nan)
         self.refined[: min(len(refined), len(self.base))] = refined[: len(self.base)]
         self._changed()
@@ -522,20 +539,11 @@ class CostCurve:
         more (taken on the keyed thread count) whose middle half agrees, their lower quartile;
         NaN elsewhere. Nothing when other work kept QUIET cores or more busy meanwhile. [m]
         float64."""
-        out = np.full(max(len(self.base), max(self.keep, default=0)), np.nan)
         busy = self._period.stop() if self._period is not None else None
         self._period = None
         if busy is not None and busy > host.QUIET:
             self.keep.clear()
-            return out
-        for n, values in self.keep.items():
-            values = np.array(values)
-            if len(values) < SAVE_SAMPLES:
-                continue
-            q25, q50, q75 = np.percentile(values, [25, 50, 75])
-            if (q75 - q25) / q50 <= AGREE_REFINED:
-                out[n - 1] = q25
-        return out
+        return consistent(self.keep, len(self.base))
 
     def save(self) -> None:
         """Write the curve to the disk cache, if it is settled (a cache that cannot be written
@@ -557,9 +565,9 @@ class CostCurve:
         if self.key is None or not self.calibrated or self.fixed or self.state != State.PROVISIONAL \
                 or distortion(self.base) is not None:        # nothing past physics is a start
             return
-        record, _ = store.read(self.key)
+        record, _ = store.read(self.key)     # a settled one written after this read still stands:
         if record is not None and not record["meta"].get("provisional") and record["calibration_problem"] is None:
-            return
+            return                           # the provisional file is another (store.write)
         why = (self.problem or "unsettled").removeprefix("cached provisional: ")
         store.write(self.key, self.meta | {"provisional": why[:200]}, self.base,
                     np.full(len(self.base), np.nan))
@@ -570,16 +578,13 @@ class CostCurve:
 
     def report(self) -> dict:
         """The curve's state, for `--json` stats and doctor."""
-        rows = max(self.largest(), 1)
-        shape = self.calibrated_shape(rows) if self.calibrated else prior_shape(rows)
-        out = {"source": self.source.value, "state": self.state.value,
-               "shape": {str(n): round(float(shape[n - 1]), 3) for n in CALIBRATION_SIZES if n <= rows},
-               "calibrated_step_ms": round(1000 * self.calibrated_step(), 3) if self.calibrated else None,
-               "step_ms": round(1000 * self.speed(), 3) if self.calibrated else None,
-               "switch_steps": round(self.switch(), 3)}
-        out.update({k: self.meta[k] for k in ("measured", "passes", "spread", "busy_cores") if k in self.meta})
-        out.update(explored=self.explored, explore_share=round(self.spent / self.decoded_s, 4) if self.decoded_s else 0.0,
-                   rejected=self.rejected)
-        if self.problem:
-            out["problem"] = self.problem
-        return out
+        rows, known = max(self.largest(), 1), self.calibrated
+        shape = self.calibrated_shape(rows) if known else prior_shape(rows)
+        return {"source": self.source.value, "state": self.state.value,
+                "shape": {str(n): round(float(shape[n - 1]), 3) for n in CALIBRATION_SIZES if n <= rows},
+                "calibrated_step_ms": round(1000 * self.calibrated_step(), 3) if known else None,
+                "step_ms": round(1000 * self.speed(), 3) if known else None, "switch_steps": round(self.switch(), 3),
+                **{k: self.meta[k] for k in ("measured", "passes", "spread", "busy_cores") if k in self.meta},
+                "explored": self.explored, "rejected": self.rejected, "contradicted": self.contradicted,
+                "explore_share": round(self.spent / self.decoded_s, 4) if self.decoded_s else 0.0,
+                **({"problem": self.problem} if self.problem else {})}

@@ -14,6 +14,8 @@ FAR = 3.0                # a refined shape more than 3x from the calibrated one 
 FASTEST = 1e-6           # seconds: no single-row decode takes less (a GPU kernel launch alone takes more)
 SLOWEST = 3600.0         # seconds: nor more (a cache file saying so is absurd, not a slow model)
 SWITCH_MAX = PHYSICS - 1  # single steps: the step back to one row is a single-row decode, at most PHYSICS steps
+SAVE_SAMPLES = 5         # a refinement is saved from at least 5 samples of a size ...
+AGREE_REFINED = 0.25     # ... whose (q75 - q25) / median is within this
 
 
 def prior_shape(rows: int) -> np.ndarray:
@@ -51,6 +53,30 @@ def distortion(seconds: np.ndarray) -> str | None:
         if s < FLOOR:
             return f"{n} rows cost {s:.2f} of a single step (a single row measured slow)"
     return None
+
+
+def fill(values: np.ndarray, other: np.ndarray, between: bool = True) -> np.ndarray | None:
+    """Times measured so far [m] (NaN where not yet), the sizes not measured taken from
+    another curve's shape [m'] in their single step (`between`: interpolated at every size,
+    else only where `other` measured them); None where that breaks physics."""
+    size = max(len(values), len(other))
+    shape = interpolate(other, size) if between else np.concatenate([other, np.full(size - len(other), np.nan)])
+    start = shape / interpolate(other, 1)[0] * values[0]
+    start[: len(values)] = np.where(np.isnan(values), start[: len(values)], values)
+    return start if distortion(start) is None else None
+
+
+def consistent(samples: dict[int, list[float]], size: int) -> np.ndarray:
+    """The refined shape that may be saved from rounds' samples (rows -> shape samples): per
+    size with SAVE_SAMPLES samples or more whose middle half agrees within AGREE_REFINED, their
+    lower quartile; NaN elsewhere. [max(size, largest rows)] float64."""
+    out = np.full(max(size, max(samples, default=0)), np.nan)
+    for n, values in samples.items():
+        if len(values) >= SAVE_SAMPLES:
+            q25, q50, q75 = np.percentile(values, [25, 50, 75])
+            if (q75 - q25) / q50 <= AGREE_REFINED:
+                out[n - 1] = q25
+    return out
 
 
 def plausible(rows: int, r: float, calibrated: float) -> bool:

@@ -1,6 +1,8 @@
 """The cost curves' disk cache (docs/design.md, "Cost model"): one JSON file per key under
 flylocal.host.costs_dir(), written whole and renamed, so that concurrent processes never
-leave a torn file.
+leave a torn file; a curve the load kept from settling goes to a file of its own beside it
+(`.provisional.json`), read only where no settled one is, so that a process writing one can
+never replace the settled curve another process wrote meanwhile.
 
     {"format": 2, "key": {...}, "calibration": {"seconds": [t(1..m), null where not
      measured], "measured", "passes", "spread", "busy_cores", "cores", "switch", and for a
@@ -38,15 +40,27 @@ META = {"measured": str, "extended": str, "passes": int, "cores": int, "spread":
         "switch": float, "provisional": str}  # what a calibration's record may say beside its times, and of which type
 
 
-def path_for(key: dict) -> Path:
+def path_for(key: dict, provisional: bool = False) -> Path:
+    """The file of `key`'s curve; `provisional`: of a curve the load kept from settling, a file
+    of its own, so that no process writing one can ever replace a settled curve."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return costs_dir() / f"{digest}.json"
+    return costs_dir() / f"{digest}{'.provisional' if provisional else ''}.json"
 
 
 def read(key: dict) -> tuple[dict | None, str | None]:
     """The checked record (read_record) cached for `key`, and None; or None and what makes the
-    file no curve for it ("is empty", "is not JSON", ...), None when there is no file."""
-    record, problem = read_file(path_for(key))
+    file no curve for it ("is empty", "is not JSON", ...), None when there is no file. A
+    settled curve comes first; a provisional one only where the cache holds no usable other."""
+    record, problem = _read_key(path_for(key), key)
+    if record is None:
+        start, _ = _read_key(path_for(key, provisional=True), key)
+        if start is not None and start["calibration_problem"] is None and start["meta"].get("provisional"):
+            return start, None
+    return record, problem
+
+
+def _read_key(path: Path, key: dict) -> tuple[dict | None, str | None]:
+    record, problem = read_file(path)
     if record is not None and record["key"] != key:
         return None, "holds another curve (its key differs)"
     return record, problem
@@ -77,6 +91,11 @@ def sibling(key: dict) -> dict | None:
     return min(found, key=lambda f: f[:2])[2] if found else None
 
 
+def settings(key: dict) -> str:
+    """What a sibling's key differs in, in words."""
+    return f"{key.get('threads')} threads, batch {key.get('batch')}"
+
+
 def read_file(path: Path) -> tuple[dict | None, str | None]:
     """The checked record in the file at `path`, whatever its key, as read() reads it."""
     try:
@@ -101,9 +120,12 @@ def read_file(path: Path) -> tuple[dict | None, str | None]:
 
 
 def write(key: dict, meta: dict, base: np.ndarray, refined: np.ndarray) -> bool:
-    """Write a curve (atomically); False when the cache cannot be written (the next process
-    measures again), and an error or a Ctrl-C leaves no temporary file behind."""
-    path = path_for(key)
+    """Write a curve (atomically): a provisional one (`meta["provisional"]`) to a file of its
+    own, a settled one over the key's file (and the provisional file goes: it is superseded).
+    False when the cache cannot be written (the next process measures again), and an error or
+    a Ctrl-C leaves no temporary file behind."""
+    provisional = bool(meta.get("provisional"))
+    path = path_for(key, provisional)
     data = {"format": COST_FORMAT, "key": key, "calibration": dict(meta, seconds=_json_list(base)),
             "refined": _json_list(refined)}
     tmp = None
@@ -114,6 +136,9 @@ def write(key: dict, meta: dict, base: np.ndarray, refined: np.ndarray) -> bool:
             json.dump(data, f)
         os.replace(tmp, path)
         tmp = None
+        if not provisional:
+            with contextlib.suppress(OSError):
+                path_for(key, provisional=True).unlink(missing_ok=True)
         return True
     except OSError:
         return False
