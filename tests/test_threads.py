@@ -259,6 +259,28 @@ def test_a_busy_spell_s_count_is_left_within_the_first_decodes_once_the_load_is_
     assert settled and settled[-1] == 2
 
 
+def test_a_count_the_load_chose_is_no_start_for_the_next_process(tmp_path, monkeypatch):
+    """A load's move measured nothing, and a count settled on under load says nothing of an idle
+    machine: neither is kept for the next process (which would start an idle machine on one
+    thread); a count measured quiet is."""
+    from flylocal.llama import threads
+
+    monkeypatch.setenv("FLYLOCAL_COSTS", str(tmp_path / "costs"))
+    control, _, meter = threads.auto(2)
+    meter.stop()
+    control.load(0.0)
+    run(control, cores=2, busy=0, steps=40, rng=random.Random(3))
+    assert control.home == 2 and threads.known_count([1, 2]) == 2
+    control.load(2.0)                                  # both cores busy: moved to one thread
+    assert control.home == 1
+    assert threads.known_count([1, 2]) == 2            # the move is not kept
+    run(control, cores=2, busy=2, steps=200, rng=random.Random(4))
+    assert threads.known_count([1, 2]) == 2            # nor a re-check under the load
+    control.load(0.0)
+    run(control, cores=2, busy=0, steps=40, rng=random.Random(5))
+    assert control.home == 2 and threads.known_count([1, 2]) == 2
+
+
 def test_a_probe_starts_on_the_fastest_count_and_the_usual_check_follows():
     rng = random.Random(1)
     control = ThreadControl(candidates(2), on_settle=lambda home: None)
@@ -422,7 +444,9 @@ def test_doctor_says_what_the_last_process_settled_on_and_when(tmp_path, monkeyp
 
 @pytest.mark.slow
 def test_doctor_says_which_cached_curves_are_provisional_and_why(tmp_path, monkeypatch):
-    from flylocal.decoding.costs import CostCurve
+    import numpy as np
+
+    from flylocal.decoding.costs import CostCurve, store
     from flylocal.front.doctor import cache_report
 
     monkeypatch.setenv("FLYLOCAL_COSTS", str(tmp_path))
@@ -436,7 +460,13 @@ def test_doctor_says_which_cached_curves_are_provisional_and_why(tmp_path, monke
     curve.ensure(noisy, max_rows=9)
     assert curve.state == "provisional"
     line = next(x for x in cache_report() if "loaded.gguf" in x)
-    assert "PROVISIONAL" in line and "disagree" in line, line
+    assert "PROVISIONAL" in line and "disagree" in line and "a start for the next process" in line, line
+    settled = CostCurve(key=curve.key)                     # another process settles beside it
+    settled.ensure(lambda rows: 0.01 * (1 + 0.4 * (rows - 1)), max_rows=9)
+    # ... after this one looked for a settled curve and before it wrote its provisional one
+    store.write(curve.key, curve.meta | {"provisional": "passes disagree"}, curve.base, curve.base * np.nan)
+    lines = [x for x in cache_report() if "loaded.gguf" in x]
+    assert len(lines) == 2 and any("unused: a settled curve is cached beside it" in x for x in lines), lines
 
 
 @pytest.mark.slow

@@ -39,7 +39,7 @@ import os
 import time
 from pathlib import Path
 
-from flylocal.host import CpuLoad, costs_dir
+from flylocal.host import QUIET, CpuLoad, costs_dir
 
 PROBES = 5              # decodes measured at a count being tried: their median counts
 ABORT = 1.5             # a trial decode this much slower than the current count's median ends the trial
@@ -170,18 +170,20 @@ class ThreadControl:
         if self.home > limit:
             self.trying, self.samples = [], []             # a re-check under way ends with the move
             self.displaced = self.displaced or self.home
-            self._move(max(self.allowed()), f"other processes kept {busy:.1f} cores busy")
+            self._move(max(self.allowed()), f"other processes kept {busy:.1f} cores busy", settled=False)
             self.current = self.home
         return self.current
 
-    def _move(self, count: int, why: str) -> None:
+    def _move(self, count: int, why: str, settled: bool = True) -> None:
+        """Make `count` the one in use; `settled`: a measurement chose it (a load's move measured
+        nothing, and is no count for the next process to start from)."""
         self.home = count
         self.moves += 1
         self.kept = 0
         self.recent, self.reference = [], None
         self.next_check = self.decoded_s
         self.log.append({"at_s": round(self.decoded_s, 3), "count": count, "why": why})
-        if self.on_settle is not None:
+        if settled and self.on_settle is not None:
             self.on_settle(count)
 
     def _trial(self, step: float) -> None:
@@ -299,8 +301,15 @@ def auto(threads: int, load: CpuLoad | None = None) -> tuple[ThreadControl, bool
     load (`load`, or one started now)."""
     counts = candidates(threads)
     known = known_count(counts)
-    control = ThreadControl(counts, known or threads, on_settle=keep_count,
-                            why="the last process's count" if known else "all cores")
+    control = ThreadControl(counts, known or threads, why="the last process's count" if known else "all cores")
+
+    def keep(count: int) -> None:
+        # A count settled on while other work kept the cores busy is no start for a process on
+        # an idle machine: only one measured quiet is kept.
+        if control.busy is None or control.busy <= QUIET:
+            keep_count(count)
+
+    control.on_settle = keep
     if load is None:
         load = CpuLoad()
         load.start()                   # the first prompt's tokenizing gives it time
