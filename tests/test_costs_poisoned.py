@@ -21,7 +21,7 @@ from flylocal.decoding.adaptive import timed_decode
 from flylocal.decoding.costs import CostCurve, store
 from flylocal.decoding.engine import Engine, EngineConfig, generate_all
 from flylocal.decoding.verifiers.strict import Strict
-from test_costs_under_load import KEY, LM, TRUE_SHAPE, Quiet, Steady, prompt
+from test_costs_under_load import KEY, LM, TRUE_SHAPE, Quiet, Steady, cache, prompt  # noqa: F401  (cache: autouse)
 
 
 class Busy(Quiet):
@@ -29,13 +29,6 @@ class Busy(Quiet):
 
     def stop(self):
         return 2.0
-
-
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLYLOCAL_COSTS", str(tmp_path / "costs"))
-    monkeypatch.setattr(host, "CpuLoad", Quiet)
-    return tmp_path / "costs"
 
 
 def cache_curve(seconds, **meta) -> None:
@@ -60,7 +53,7 @@ def speed(machine: Machine, stats) -> float:
     return stats.emitted / machine.decode_s
 
 
-def test_a_slice_starts_with_its_first_decode_not_with_the_prompts_prefill(cache):
+def test_a_slice_starts_with_its_first_decode_not_with_the_prompts_prefill():
     """The probe prefills the request's prompt before the slice's first decode: half a second
     here. That is not the slice's, so a 0.1 s slice still measures the small sizes, and the
     curve a loaded spell cached (dear at 9 and 17 rows) is not what the request decides on."""
@@ -81,7 +74,7 @@ def test_a_slice_starts_with_its_first_decode_not_with_the_prompts_prefill(cache
     assert curve.shape(9) == pytest.approx(TRUE_SHAPE[8])    # the slope of what it measured, not the load's
 
 
-def test_a_provisional_curve_cached_while_another_process_settles_never_replaces_the_settled_one(cache, monkeypatch):
+def test_a_provisional_curve_cached_while_another_process_settles_never_replaces_the_settled_one(monkeypatch):
     """Process A measured under load; process B settles quietly and writes its curve right
     after A looked for one and before A wrote its provisional curve. B's stands."""
     a = CostCurve(key=KEY)
@@ -120,7 +113,7 @@ CONTRADICTED = {
 
 
 @pytest.mark.parametrize("case", CONTRADICTED)
-def test_a_cached_curve_the_rounds_contradict_is_measured_again_and_the_next_process_starts_right(cache, case):
+def test_a_cached_curve_the_rounds_contradict_is_measured_again_and_the_next_process_starts_right(case):
     """Whatever the file says, rounds that disagree with it beyond noise drop it within the
     generation: measured again (whole at `finish`, for a process that serves one request) and
     cached, so the next process reads the machine's curve and runs as fast as one that never
@@ -150,23 +143,22 @@ def test_a_cached_curve_the_rounds_contradict_is_measured_again_and_the_next_pro
     assert speed(machine, next_stats) >= 0.97 * speed(healthy, healthy_stats)
 
 
-def test_a_healthy_curve_is_never_contradicted_by_noise_or_a_load_that_comes_and_goes(cache):
-    """The machine's own curve, rounds with 15% noise, stalls of 10x now and then and a spell
-    three times slower everywhere: nothing contradicts it, and its file is never rewritten
-    (the spell's rounds are not saved)."""
+@pytest.mark.parametrize("seed", [0, 1, 15, 19])
+def test_a_healthy_curve_is_never_contradicted_by_noise_or_a_load_that_comes_and_goes(seed):
+    """The machine's own curve, rounds with 20% noise, one in ten stalled 10x, and spells
+    3x, 1.3x and 2x slower everywhere, over six requests: nothing contradicts it. (Let a round
+    be in two pairs, so that a stall spoils two, and seeds 15 and 19 are contradicted.)"""
     cache_curve(0.01 * TRUE_SHAPE, busy_cores=0.0)
-    before = store.path_for(KEY).read_bytes()
-    machine = Machine(step=0.01, noise=0.15, p_stall=0.05, stall=10.0, seed=4)
+    machine = Machine(step=0.01, noise=0.2, p_stall=0.1, stall=10.0, seed=seed)
     curve, target, engine = process(machine, wait=0.1, max_tokens=200)
-    for turn in range(4):
-        machine.slow = 3.0 if turn == 2 else 1.0
+    for turn, slow in enumerate([1.0, 3.0, 1.0, 1.3, 2.0, 1.0]):
+        machine.slow = slow
         target.reset()
-        generate_all(engine, prompt(20 + turn))
+        generate_all(engine, prompt(20 + turn + seed))
     assert curve.contradicted == 0 and curve.state == "settled", curve.report()
-    assert store.path_for(KEY).read_bytes() == before or not curve.keep
 
 
-def test_a_curve_learned_under_load_never_outlives_the_load(cache, monkeypatch):
+def test_a_curve_learned_under_load_never_outlives_the_load(monkeypatch):
     """A process on a busy machine measures its curve there: cached provisional, marked with
     the load. The next process, idle, decides on its own first slice (not on the loaded
     values), measures again and caches a settled curve; the one after reads it and runs as
@@ -212,7 +204,7 @@ def test_a_curve_learned_under_load_never_outlives_the_load(cache, monkeypatch):
     assert store.path_for(KEY).read_bytes() == saved
 
 
-def test_a_slice_that_timed_more_rows_cheaper_never_makes_them_cost_less(cache):
+def test_a_slice_that_timed_more_rows_cheaper_never_makes_them_cost_less():
     """One pass times each size once: 3 rows came in under 2 here. The curve decided on until
     the passes agree never has more rows cost less."""
     times = dict(enumerate(0.01 * TRUE_SHAPE, start=1)) | {3: 0.013}
