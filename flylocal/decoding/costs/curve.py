@@ -376,10 +376,10 @@ class CostCurve:
             return
         self._asked = (max(max_rows, self._asked[0] if self._asked else 0), limit, meter)
         if self.measuring is not None:
-            if self.measuring.sizes[-1] < min(max_rows, limit or max_rows):
-                self.measuring = None                  # for larger sizes: measured anew
+            if recalibrate or self.measuring.sizes[-1] < min(max_rows, limit or max_rows):
+                self.measuring = None                  # asked for again, or for larger sizes: measured anew
             else:
-                self._measure(timed_decode, math.inf if wait is None or recalibrate else wait)
+                self._measure(timed_decode, math.inf if wait is None else wait)     # None: the rest, whole
                 return
         retry = (self.state == State.PROVISIONAL and self._retries < RETRIES
                  and time.monotonic() >= self._retry_at)
