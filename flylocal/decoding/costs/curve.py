@@ -295,16 +295,16 @@ class CostCurve:
         if self._period is None and self.key is not None:
             self._period = host.CpuLoad()
             self._period.start()
-        if self.on_key and self.trusted() and (why := self.check.round(
-                rows, seconds, float(self.calibrated_shape(rows)[-1]), self.calibrated_step(), self.decoded_s)):
+        calibrated = float(self.calibrated_shape(rows)[-1])
+        if self.on_key and self.trusted() and (
+                why := self.check.round(rows, seconds, calibrated, self.calibrated_step(), self.decoded_s)):
             self._contradict(why)
         if rows == 1:
             self.anchors = (self.anchors + [(self.decoded_s, seconds)])[-ANCHORS:]
         elif (anchor := self._anchor()) is not None:
             r = seconds / anchor
-            calibrated = float(self.calibrated_shape(rows)[-1])
             # A sample beyond physics is a stall; one far from a trusted curve too (it counts
-            # against the curve in `_check`); a curve no longer trusted takes what physics allows.
+            # against the curve in costs/check.py); a curve no longer trusted takes what physics allows.
             if FLOOR <= r <= PHYSICS * rows and (plausible(rows, r, calibrated) or not self.trusted()):
                 self.samples[rows] = (self.samples.get(rows, []) + [(self.decoded_s, r)])[-SAMPLES:]
                 self._shape = None
