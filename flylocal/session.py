@@ -195,7 +195,7 @@ class Session:
         turn); a line saying which."""
         path = conversation_path(name)
         try:
-            record = json.loads(read_text(path, f"the conversation {name!r}", limit=64 << 20))
+            record = json.loads(read_text(path, f"the conversation {name!r}", limit=64 << 20, regular=True))
             system, messages = record["system"], record["messages"]
             if (system is not None and not isinstance(system, str)) or not all(
                     isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
@@ -206,7 +206,7 @@ class Session:
         self.system, self.messages[:] = system, messages
         turns = sum(m["role"] == "user" for m in messages)
         cells = path.with_suffix(prompt_files.SUFFIX)
-        if not cells.exists():
+        if not cells.exists() and not cells.is_symlink():
             return f"resumed {name!r}: {turns} turns (its first answer evaluates the conversation)"
         target, draft = self.models.target, self.models.draft
         models = [m for m in (target, draft) if m is not None and not m.config.rpc]

@@ -287,3 +287,13 @@ def test_a_saved_conversation_resumes_without_evaluating_it_again(tmp_path):
                        (["--resume", "ada", "--system", "x"], "give --system or --resume, not both")):
         bad = chat_pipe([], *args, env=env)
         assert bad.returncode != 0 and said in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    # A FIFO where the cells or the conversation should be: skipped in one line, never waited on.
+    (tmp_path / "pipe.json").write_bytes((tmp_path / "ada.json").read_bytes())
+    os.mkfifo(tmp_path / "pipe.prompt")
+    piped = chat_pipe(["What is my name?"], "--resume", "pipe", "--verifier", "strict", env=env)
+    assert piped.returncode == 0 and "not loaded (not a regular file (a FIFO))" in piped.stderr
+    assert piped.stdout.strip().splitlines()[-1] == done.stdout.strip().splitlines()[-1]
+    os.mkfifo(tmp_path / "fifo.json")
+    bad = chat_pipe([], "--resume", "fifo", env=env)
+    assert bad.returncode != 0 and "not a regular file (a FIFO)" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1

@@ -203,3 +203,219 @@ def test_a_file_with_a_hostile_header_is_deleted_not_a_traceback(tmp_path):
         cache = PromptCache([target], 1 << 20, Shelf(tmp_path, 1 << 20, [target.state_key()], said.append), said.append)
         assert not cache.entries and not (tmp_path / "bad.prompt").exists()
         assert any("damaged" in line for line in said)
+
+
+# ----- partitions: cells shared only within one (docs/serving.md, "Who shares the prompt cache") -----
+
+def reused_by(batch, target, prompt, partition, max_tokens=1) -> int:
+    """The prompt tokens a request of `partition` reuses (its cached_tokens), run to its end."""
+    prompt = np.asarray(prompt, dtype=np.int32)
+    seq = batch.place(prompt, partition)
+    engine = Engine(target.sequence(seq), NoisyOracle(LM, seed=3), Strict(), EngineConfig(max_tokens=max_tokens, k=2))
+    gen = batch.join(seq, engine, prompt)
+    while batch.members:
+        batch.round()
+    return gen.stats.prompt_reused
+
+
+def extract(batch, target, secret: list[int], known: int, partition, victim) -> list[int]:
+    """The PIN attack on cached token counts: for each hidden token after the first `known` of
+    `secret`, the guess whose request reuses one more token than every other guess (`victim()`
+    runs the victim's requests before each guess); the tokens found (fewer than hidden where no
+    guess stands out)."""
+    found = list(secret[:known])
+    for _ in range(len(secret) - known):
+        counts = {}
+        for g in range(2, LM.n_vocab):
+            victim()
+            counts[g] = reused_by(batch, target, found + [g, 1], partition)
+        top = max(counts.values())
+        if sorted(counts.values()).count(top) != 1:
+            break
+        found.append(max(counts, key=counts.get))
+    return found[known:]
+
+
+@pytest.mark.parametrize("limit", [0, 1 << 20])
+def test_cached_token_counts_reveal_a_prompt_within_its_partition_only(limit):
+    """A's prompt ends with four hidden tokens; B guesses them one at a time from how many
+    prompt tokens each guess reuses, on one slot: without a cache, right after A's request in
+    the slot; with one, after an unrelated request of A's has moved A's cells into the cache.
+    Within A's partition the guesses recover the tokens (so sharing is on); from another
+    partition, or from none, every guess reuses the same count, and nothing is found."""
+    rng = np.random.default_rng(5)
+    secret = rng.integers(2, LM.n_vocab, size=40).tolist()
+    unrelated = rng.integers(2, LM.n_vocab, size=30).tolist()
+    for attacker, recovered in (("alice", True), ("bob", False), (None, False)):
+        target = FakeSequences(LM, 1, N_CTX, 64, fixed_costs(0.1, rows=64))
+        batch = Batch(target, cache=PromptCache([target], limit))
+
+        def victim():
+            reused_by(batch, target, secret, "alice", max_tokens=3)
+            if limit:
+                reused_by(batch, target, unrelated, "alice")
+
+        found = extract(batch, target, secret, 36, attacker, victim)
+        assert (found == secret[36:]) == recovered, (attacker, found)
+        if not recovered:
+            assert found == []
+
+
+def test_a_slot_of_another_partition_is_emptied_in_every_model_and_kept_as_its_owners_entry():
+    target = FakeSequences(LM, 1, N_CTX, 64, fixed_costs(0.1, rows=64))
+    draft = FakeSequences(LM, 1, N_CTX, 64, fixed_costs(0.1, rows=64))
+    cache = PromptCache([target, draft], 1 << 20)
+    prompt = np.arange(1, 41, dtype=np.int32) % 31 + 1
+    assert cache.seat([0], prompt, "a") == 0
+    target.sequence(0).decode(prompt)
+    draft.sequence(0).decode(prompt[:30])
+    assert cache.seat([0], prompt, "b") == 0
+    assert len(target.cached(0)) == 0 and len(draft.cached(0)) == 0          # nothing of A's is reused
+    assert [e.partition for e in cache.entries] == ["a"]
+    assert cache.seat([0], np.concatenate([prompt, [5]]), "b") == 0 and cache.counts.hits == 0
+    assert cache.seat([0], np.concatenate([prompt, [5]]), "a") == 0 and cache.counts.hits == 1
+    assert target.cached(0).tolist() == prompt.tolist() and draft.cached(0).tolist() == prompt[:30].tolist()
+    # the partition None shares with no one: its cells are neither reused nor kept
+    assert cache.seat([0], prompt, None) == 0 and len(target.cached(0)) == 0
+    target.sequence(0).decode(prompt)
+    kept = len(cache.entries)
+    assert cache.seat([0], prompt, None) == 0 and len(target.cached(0)) == 0 and len(cache.entries) == kept
+
+
+# ----- the disk tier fails closed -----
+
+def filled(tmp_path, limit, lines, n_seq=1):
+    """A cache whose memory holds about one 100-token entry, over a shelf in tmp_path."""
+    target = FakeSequences(LM, n_seq, N_CTX, 64, fixed_costs(0.1, rows=64))
+    return target, PromptCache([target], limit, Shelf(tmp_path, 1 << 20, [target.state_key()], lines.append),
+                               lines.append)
+
+
+def take_turns_on(target, cache, prompts, rounds=2):
+    for _ in range(rounds):
+        for p in prompts:
+            seq = cache.seat([0], p)
+            kept = target.sequence(seq).reuse_prefix(p)
+            target.sequence(seq).decode(p[kept:])
+
+
+def test_a_disk_tier_that_cannot_be_written_drops_entries_in_one_true_line(tmp_path, monkeypatch):
+    """A full disk: every write fails. Entries past the memory bound are dropped, each with one
+    line saying why, never said to be on disk; no later request fails."""
+    import errno
+
+    from flylocal import prompt_files
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prompt_files, "write", full)
+    lines = []
+    target, cache = filled(tmp_path, 12 * 110, lines)
+    prompts = [np.full(100, t, dtype=np.int32) for t in (3, 4, 5)]
+    take_turns_on(target, cache, prompts)
+    assert not any("to disk" in line for line in lines)
+    dropped = [line for line in lines if "evicted" in line]
+    assert dropped and all("No space left on device" in line for line in dropped)
+    assert all(e.data is not None for e in cache.entries) and cache._bytes(False) <= cache.limit
+
+
+def test_a_removed_disk_tier_costs_a_prefill_and_is_made_again(tmp_path):
+    """DIR removed under a running cache: an entry kept there is not loaded (one line; the
+    request prefills), and the next entries go to DIR made anew."""
+    import shutil
+
+    lines = []
+    folder = tmp_path / "dir"
+    target, cache = filled(folder, 12 * 110, lines)
+    prompts = [np.full(100, t, dtype=np.int32) for t in (3, 4, 5)]
+    take_turns_on(target, cache, prompts, rounds=1)
+    assert any(e.path is not None and e.data is None for e in cache.entries)
+    shutil.rmtree(folder)
+    take_turns_on(target, cache, prompts, rounds=2)
+    assert cache.counts.failed >= 1 and any("cannot read it" in line for line in lines)
+    assert folder.is_dir() and list(folder.glob("*.prompt"))
+    assert all(e.data is not None or e.path is not None for e in cache.entries)
+
+
+def test_a_forged_file_is_refused_before_its_states_are_loaded(tmp_path):
+    """Conversation 5's header and tokens with conversation 3's states and their digest: the
+    digest covers the header and the tokens, so the file is refused (and deleted) and the
+    request prefills; nothing is restored."""
+    import struct
+
+    from flylocal.prompt_files import DIGEST, MAGIC, Unusable, read
+
+    target = FakeSequences(LM, 1, N_CTX, 64, fixed_costs(0.1, rows=64))
+    cache = PromptCache([target], 1 << 20, Shelf(tmp_path, 1 << 20, [target.state_key()]))
+    three, five = np.full(60, 3, dtype=np.int32), np.full(60, 5, dtype=np.int32)
+    take_turns_on(target, cache, [three, five], rounds=1)
+    cache.close(1)
+
+    def parts(path):
+        data = path.read_bytes()
+        (n,) = struct.unpack("<Q", data[len(MAGIC): len(MAGIC) + 8])
+        at = len(MAGIC) + 8 + n
+        return data[:at], data[at: at + DIGEST], data[at + DIGEST:]
+
+    files = {int(np.frombuffer(parts(f)[2][:4], dtype=np.int32)[0]): f for f in tmp_path.glob("*.prompt")}
+    head5, _, _ = parts(files[5])
+    _, digest3, states3 = parts(files[3])
+    files[5].write_bytes(head5 + digest3 + states3)
+    with pytest.raises(Unusable, match="digest"):
+        read(files[5], [target.state_key()])
+    lines = []
+    fresh = FakeSequences(LM, 1, N_CTX, 64, fixed_costs(0.1, rows=64))
+    again = PromptCache([fresh], 1 << 20, Shelf(tmp_path, 1 << 20, [fresh.state_key()], lines.append), lines.append)
+    assert again.seat([0], np.concatenate([five, [7]])) == 0
+    assert fresh.restores == 0 and len(fresh.cached(0)) == 0 and again.counts.failed == 1
+    assert any("do not match its digest" in line for line in lines) and not files[5].exists()
+    # a file whose tokens are not those its entry was listed with: refused before any state is read
+    with pytest.raises(Unusable, match="other tokens"):
+        read(files[3], [target.state_key()], [five])
+
+
+def test_a_fifo_a_link_or_a_device_in_the_folder_is_skipped_in_one_line(tmp_path):
+    """Opening a FIFO waits for a writer for ever: the folder's listing and every read open
+    regular files only, and say in one line what they skipped."""
+    import os
+    import threading
+
+    from flylocal.prompt_files import Unusable, read
+
+    os.mkfifo(tmp_path / "fifo.prompt")
+    (tmp_path / "link.prompt").symlink_to("/dev/zero")
+    target = FakeSequences(LM, 1, N_CTX, 64, fixed_costs(0.1, rows=64))
+    lines, out = [], []
+    worker = threading.Thread(target=lambda: out.append(
+        PromptCache([target], 1 << 20, Shelf(tmp_path, 1 << 20, [target.state_key()], lines.append), lines.append)),
+        daemon=True)
+    worker.start()
+    worker.join(10)
+    assert out, "listing a folder with a FIFO in it never ended"
+    assert not out[0].entries
+    assert [line for line in lines if "no regular files" in line] == \
+        [line for line in lines if "fifo.prompt (not a regular file (a FIFO))" in line and "link.prompt" in line]
+    assert (tmp_path / "fifo.prompt").exists() and (tmp_path / "link.prompt").is_symlink()
+    for name in ("fifo.prompt", "link.prompt"):
+        with pytest.raises(Unusable, match="not a regular file"):
+            read(tmp_path / name, [target.state_key()])
+
+
+def test_leftover_temporary_files_are_removed_at_start_and_young_ones_count_against_the_bound(tmp_path):
+    import os
+    import time
+
+    old, young = tmp_path / ".abc.prompt.1234.tmp", tmp_path / ".def.prompt.5678.tmp"
+    old.write_bytes(b"x" * 1000)
+    young.write_bytes(b"y" * 5000)
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    lines = []
+    target = FakeSequences(LM, 1, N_CTX, 64, fixed_costs(0.1, rows=64))
+    shelf = Shelf(tmp_path, 12 * 100 + 5000, [target.state_key()], lines.append)
+    cache = PromptCache([target], 12 * 100, shelf, lines.append)
+    assert not old.exists() and young.exists() and shelf.held == 5000
+    assert any("removed 1 unfinished" in line for line in lines)
+    prompts = [np.full(100, t, dtype=np.int32) for t in (3, 4, 5, 6)]
+    take_turns_on(target, cache, prompts, rounds=1)
+    assert cache._bytes(True) + shelf.held <= shelf.limit

@@ -25,9 +25,9 @@ from typing import Callable
 
 import numpy as np
 
-from flylocal.decoding.contracts import Sequences, reusable_prefix
+from flylocal.decoding.contracts import Sequences
 from flylocal.decoding.engine import Engine, Generation, Request, RoundEvent
-from flylocal.decoding.prompt_cache import REUSE_MIN, PromptCache
+from flylocal.decoding.prompt_cache import PromptCache
 from flylocal.decoding.round import Round
 
 CHUNK_MIN = 128         # the fewest prompt tokens a round carries for newcomers beside others' rows: below
@@ -153,10 +153,11 @@ class Batch:
     def __init__(self, target: Sequences, clock: Callable[[], float] = time.perf_counter,
                  cache: PromptCache | None = None):
         """`cache`: where slots' cells are kept when they take another prompt, and restored
-        from (flylocal.decoding.prompt_cache); None: a slot keeps only what it holds."""
+        from (flylocal.decoding.prompt_cache); None: a slot keeps only what it holds (a cache
+        that keeps nothing, which still seats each request and keeps partitions apart)."""
         self.target = target
         self.clock = clock
-        self.cache = cache
+        self.cache = cache if cache is not None else PromptCache([target], 0)
         self.members: dict[int, Member] = {}        # by sequence
         self.decodes = 0
         self.rows = 0                               # rows decoded, over every decode
@@ -169,18 +170,13 @@ class Batch:
     def free(self) -> list[int]:
         return [s for s in range(self.target.n_seq) if s not in self.members]
 
-    def place(self, prompt: np.ndarray) -> int | None:
-        """The free sequence for a prompt: the one whose cache keeps most of it, else the lowest
-        (decodes of neighbouring sequences run together: `Sequences.split`); with a prompt cache,
-        its choice (`PromptCache.seat`). None when all are taken."""
+    def place(self, prompt: np.ndarray, partition: str | None = "") -> int | None:
+        """The free sequence for a prompt of `partition` (whose cells it may reuse): the prompt
+        cache's choice (`PromptCache.seat`). None when all are taken."""
         free = self.free()
         if not free:
             return None
-        if self.cache is not None:
-            return self.cache.seat(free, prompt)
-        prompt = np.asarray(prompt, dtype=np.int32)
-        kept = {s: reusable_prefix(self.target.cached(s), prompt) for s in free}
-        return max(free, key=lambda s: (kept[s] if kept[s] >= REUSE_MIN else 0, -s))
+        return self.cache.seat(free, prompt, partition)
 
     def join(self, seq: int, engine: Engine, prompt: np.ndarray, on_end=None, grammar=None) -> Generation:
         """Start a request on sequence `seq` (free) with `engine`, built on `target.sequence(seq)`.

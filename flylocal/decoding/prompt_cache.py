@@ -1,11 +1,18 @@
 """The prompt cache: what a slot computed is kept when the slot takes another prompt, so that no
 turn prefills again what the server already computed (docs/serving.md, "Prompt cache").
 
-    a request's prompt -> seat(free slots, prompt):
+    a request's prompt -> seat(free slots, prompt, partition):
         the free slot whose cells keep most of it, or an entry that keeps more (restored
         into the free slot that loses least); whatever the chosen slot held beyond what the
         request keeps becomes an entry first
     engine's prefill      -> only what neither kept
+
+Cells are shared only within a partition (docs/serving.md, "Who shares the prompt cache"):
+each slot's cells and each entry belong to the partition of the request that computed them,
+and a request reuses only its own partition's. A slot of another partition that it takes is
+emptied in every model first, so that neither the count of reused tokens nor the time to
+the first token says anything of what another partition sent. The partition None shares with
+no one: its cells are never reused or kept.
 
 An entry is every model's cells of one slot (the target's, and the draft model's: `models`),
 taken with `Sequences.state` and keyed by the target's token ids. Entries live in memory up to
@@ -42,6 +49,7 @@ class Entry:
     used: int                          # the cache's clock when it was kept or last restored
     hits: int = 0
     path: object = None                # where the shelf keeps it, once it does
+    partition: str = ""                # whose requests may use it
 
     @property
     def key(self) -> np.ndarray:
@@ -56,8 +64,10 @@ class Shelf(Protocol):
         """The entries kept there under this cache's key, read at start (their data not loaded)."""
         ...
 
-    def put(self, entry: Entry) -> None:
-        """Write `entry` (its data in memory); sets `entry.path`."""
+    held: int                          # bytes of the folder that are no entry of this cache (counted in `limit`)
+
+    def put(self, entry: Entry) -> str | None:
+        """Write `entry` (its data in memory) and set `entry.path`; or why it could not."""
         ...
 
     def load(self, entry: Entry) -> list[bytes | None] | None:
@@ -89,6 +99,7 @@ class PromptCache:
     rate: float | None = None          # prefill seconds per token, as measured (`prefilled`)
     clock: int = 0                     # requests seated so far
     seated: dict[int, int] = field(default_factory=dict)    # slot -> the clock when it last took a request
+    owners: dict[int, str | None] = field(default_factory=dict)    # slot -> the partition its cells belong to
 
     def __post_init__(self):
         if self.shelf is not None:
@@ -96,29 +107,39 @@ class PromptCache:
             if self.entries:
                 self.log(f"prompt cache: {len(self.entries)} entries on disk, {self._bytes(True) / MiB:.0f} MiB")
 
+    @property
+    def keeps(self) -> bool:
+        """Whether it keeps anything (a cache of no bytes and no shelf only seats requests)."""
+        return self.limit > 0 or self.shelf is not None
+
     # ----- what the server asks -----
-    def seat(self, free: list[int], prompt: np.ndarray) -> int:
-        """The free slot for `prompt`: the one whose cells keep most of it (REUSE_MIN tokens at
-        least, or all it holds; else the spare one: empty, else used longest ago), unless an entry keeps enough
-        more to pay for its copy (`_pays`), which is then restored into the spare slot. What the
-        slot held that the request will not keep is kept as an entry first."""
+    def seat(self, free: list[int], prompt: np.ndarray, partition: str | None = "") -> int:
+        """The free slot for `prompt`, a request of `partition`: the one whose cells keep most
+        of it (REUSE_MIN tokens at least, or all it holds; else the spare one: empty, else
+        used longest ago), unless an entry keeps enough more to pay for its copy (`_pays`),
+        which is then restored into the spare slot. Only the partition's own slots and entries
+        count. What the slot held that the request will not keep is kept as an entry first;
+        a slot of another partition is then emptied."""
         self.clock += 1
         prompt = np.asarray(prompt, dtype=np.int32)
         target = self.models[0]
-        kept = {s: reusable_prefix(target.cached(s), prompt) for s in free}
+        own = {s for s in free if partition is not None and self.owners.get(s, "") == partition}
+        kept = {s: reusable_prefix(target.cached(s), prompt) if s in own else 0 for s in free}
         # A slot worth taking keeps REUSE_MIN tokens, or all it holds (the prompt continues it).
         # Where none is, the slot that loses least: an empty one (the lowest: neighbouring slots
         # decode together), else the one used longest ago.
         spare = min(free, key=lambda s: (len(target.cached(s)) > 0, self.seated.get(s, 0), s))
-        worth = [s for s in free if kept[s] >= REUSE_MIN or 0 < kept[s] == len(target.cached(s))]
-        seq = max(worth, key=lambda s: kept[s]) if worth else spare
+        worth = [s for s in own if kept[s] >= REUSE_MIN or 0 < kept[s] == len(target.cached(s))]
+        seq = max(worth, key=lambda s: (kept[s], -s)) if worth else spare
         best, reach = None, 0
         for e in self.entries:
-            n = reusable_prefix(e.key, prompt)
+            n = reusable_prefix(e.key, prompt) if partition is not None and e.partition == partition else 0
             if n > reach:
                 best, reach = e, n
         if best is None or not self._pays(best, reach - kept[seq]):
             self._add(self._take(seq, beyond=kept[seq]))
+            if seq not in own:
+                self._empty(seq)
         else:
             gain = reach - kept[seq]
             seq = spare
@@ -126,6 +147,7 @@ class PromptCache:
             self._restore(best, seq, gain)         # room must not push out the entry being restored)
             self._add(held)
         self.seated[seq] = self.clock
+        self.owners[seq] = partition
         return seq
 
     def keep(self, seq: int) -> None:
@@ -135,23 +157,25 @@ class PromptCache:
     def _take(self, seq: int, beyond: int = 0) -> Entry | None:
         """Slot `seq`'s cells as an entry, unless it holds under `beyond` + RESTORE_MIN tokens
         (what it will keep itself, and hardly more) or an entry already holds all of them."""
+        partition = self.owners.get(seq, "")
         tokens = [np.array(m.cached(seq)) for m in self.models]
         key = tokens[0]
-        if len(key) < beyond + RESTORE_MIN or self.limit <= 0:
+        if len(key) < beyond + RESTORE_MIN or self.limit <= 0 or partition is None:
             return None
         for e in self.entries:
-            if len(e.key) >= len(key) and np.array_equal(e.key[: len(key)], key):
+            if e.partition == partition and len(e.key) >= len(key) and np.array_equal(e.key[: len(key)], key):
                 e.used = self.clock                   # already kept, whole
                 return None
         data = [m.state(seq) if len(t) else None for m, t in zip(self.models, tokens)]
-        entry = Entry(tokens, data, sum(len(d) for d in data if d is not None), self.clock)
+        entry = Entry(tokens, data, sum(len(d) for d in data if d is not None), self.clock, partition=partition)
         return entry if entry.size <= self.limit else None
 
     def _add(self, entry: Entry | None) -> None:
         if entry is None:
             return
         key = entry.key
-        covered = [e for e in self.entries if len(e.key) < len(key) and np.array_equal(key[: len(e.key)], e.key)]
+        covered = [e for e in self.entries if e.partition == entry.partition and len(e.key) < len(key)
+                   and np.array_equal(key[: len(e.key)], e.key)]
         for e in covered:                             # a prefix of the new one: it saves no more
             self._drop(e)
         self.entries.append(entry)
@@ -174,7 +198,9 @@ class PromptCache:
             self.keep(seq)
         for e in self.entries:
             if e.path is None and e.data is not None:
-                self.shelf.put(e)
+                why = self.shelf.put(e)
+                if why:
+                    self.log(f"prompt cache: {len(e.key)} tokens are not kept on disk ({why})")
         self._bound()
 
     def report(self) -> dict:
@@ -192,13 +218,13 @@ class PromptCache:
         ok = data is not None
         if ok:
             for m, tokens, d in zip(self.models, e.tokens, data):
-                if d is not None and not m.restore(seq, tokens, d):
+                if d is None:
+                    m.sequence(seq).truncate(0)       # it held nothing: nor does it now
+                elif not m.restore(seq, tokens, d):
                     ok = False
                     break
         if not ok:                                    # the request is prefilled as if there were no entry
-            for m, tokens, d in zip(self.models, e.tokens, data or [None] * len(self.models)):
-                if d is not None:
-                    m.restore(seq, tokens[:0], b"")   # empty: nothing half-loaded stays
+            self._empty(seq)                          # nothing half-loaded, nor what the slot held, stays
             self.counts.failed += 1
             self._drop(e)
             self.log(f"prompt cache: an entry of {len(e.key)} tokens would not load; dropped, the prompt is "
@@ -214,6 +240,11 @@ class PromptCache:
         self.log(f"prompt cache: restored {len(e.key)} tokens into slot {seq} ({gain} not prefilled); "
                  f"{self._summary()}")
         self._bound()
+
+    def _empty(self, seq: int) -> None:
+        for m in self.models:
+            if len(m.cached(seq)):
+                m.sequence(seq).truncate(0)
 
     def _pays(self, e: Entry, gain: int) -> bool:
         """Whether restoring `e` to keep `gain` more tokens costs less than prefilling them."""
@@ -237,15 +268,18 @@ class PromptCache:
         while self._bytes(False) > self.limit:
             e = min((e for e in self.entries if e.data is not None), key=self._value)
             self.counts.evicted += 1
-            if self.shelf is not None:
-                if e.path is None:
-                    self.shelf.put(e)
-                e.data = None
+            why = None
+            if self.shelf is not None and e.path is None:
+                why = self.shelf.put(e)
+            e.data = None
+            if e.path is not None:
                 self.log(f"prompt cache: moved {len(e.key)} tokens to disk; {self._summary()}")
             else:
                 self.entries.remove(e)
-                self.log(f"prompt cache: evicted {len(e.key)} tokens; {self._summary()}")
-        while self.shelf is not None and self._bytes(True) > self.shelf.limit:
+                self.log(f"prompt cache: evicted {len(e.key)} tokens" + (f" ({why})" if why else "")
+                         + f"; {self._summary()}")
+        while self.shelf is not None and self._bytes(True) + self.shelf.held > self.shelf.limit and \
+                any(e.path is not None for e in self.entries):
             e = min((e for e in self.entries if e.path is not None), key=self._value)
             self.shelf.remove(e)
             e.path = None

@@ -331,6 +331,13 @@ def bench_serve(**opts):
 @click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True, help="Port to listen on.")
 @click.option("--api-key", envvar="FLYLOCAL_API_KEY", default=None, metavar="KEY",
               help="Require `Authorization: Bearer KEY` on every request but /health (also FLYLOCAL_API_KEY).")
+@click.option("--api-key-file", "api_key_file", default=None, metavar="FILE",
+              help="Accept any of the keys in FILE, one a line (# starts a comment), beside --api-key: each key is "
+                   "a user of its own, whose prompt cache no other key shares.")
+@click.option("--cache-share", type=click.Choice(["all", "key", "none"]), default=None,
+              help="Who shares the prompt cache: every request (all; the default without keys), the requests of one "
+                   "API key (key; the default with keys), or no two requests (none). Requests share only with the "
+                   "same cache_salt, whichever it is.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=16, show_default=True,
               help="Most requests waiting for the model; past it the server answers 503 with Retry-After.")
 @click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
@@ -359,8 +366,8 @@ def bench_serve(**opts):
 @click.option("--embedding-model", "embedding_model", default=None, metavar="NAME|PATH",
               help="The model that computes embeddings (/v1/embeddings, /api/embed), loaded on the first request "
                    "for them. Default: the target, in a context of its own.")
-def serve(host, port, api_key, max_queue, cors_origins, allowed_hosts, parallel, kv_unified, cache_ram, prompt_cache,
-          prompt_cache_size, quiet, embedding_model, **opts):
+def serve(host, port, api_key, api_key_file, cache_share, max_queue, cors_origins, allowed_hosts, parallel, kv_unified,
+          cache_ram, prompt_cache, prompt_cache_size, quiet, embedding_model, **opts):
     """Serve the models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/responses,
     /v1/completions, /v1/embeddings, /v1/models) and Ollama's (/api/chat, /api/generate,
     /api/embed, /api/tags, ...), with /health and /metrics. The options set each request's
@@ -381,6 +388,10 @@ def serve(host, port, api_key, max_queue, cors_origins, allowed_hosts, parallel,
     settings = dataclasses.replace(settings_from(opts), parallel=parallel, kv_unified=kv_unified,
                                    calibration_wait=WAIT)
     check(settings)
+    from flylocal.front.serve.keys import Keys, read_key_file
+
+    api_keys = tuple(read_key_file(api_key_file)) if api_key_file else ()
+    Keys(((api_key,) if api_key else ()) + api_keys, cache_share)       # a --cache-share key without keys: one line
     cache = CacheOptions(cache_ram, usable_folder(prompt_cache, "--prompt-cache") if prompt_cache else None,
                          prompt_cache_size)
     for name in (settings.target, settings.draft):     # a bad model is one line before anything listens
@@ -389,7 +400,7 @@ def serve(host, port, api_key, max_queue, cors_origins, allowed_hosts, parallel,
     embedder = (embedding_model, registry.resolve(embedding_model, note)) if embedding_model else None
     server.serve(lambda: Session(load(settings, log=note)), settings, host, port, api_key or None, max_queue,
                  cors_origins, note, allowed_hosts=allowed_hosts, quiet=quiet, embedding_model=embedder,
-                 prompt_cache=cache)
+                 prompt_cache=cache, api_keys=api_keys, cache_share=cache_share)
 
 
 @cli.command("rpc-server")

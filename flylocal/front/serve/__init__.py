@@ -25,6 +25,7 @@ from flylocal.errors import FlylocalError
 from flylocal.front.serve import embeddings, ollama, openai, page, responses
 from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server
 from flylocal.front.serve.guard import Guard, HostRule
+from flylocal.front.serve.keys import Keys
 from flylocal.llama.net import check_port, is_loopback
 from flylocal.prompt_files import CacheOptions, open_cache
 from flylocal.session import Session
@@ -46,7 +47,7 @@ class MetricsPage(Endpoint):
 
 
 def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str | None = None,
-               max_queue: int = 16, cors_origins: tuple[str, ...] = (), host: str = "127.0.0.1", port: int = 8080,
+               api_keys: tuple[str, ...] = (), cache_share: str | None = None, max_queue: int = 16, cors_origins: tuple[str, ...] = (), host: str = "127.0.0.1", port: int = 8080,
                allowed_hosts: tuple[str, ...] = (), on_failure: Callable[[BaseException], None] = lambda e: None,
                log: Callable[[str], None] | None = None, dialects=DIALECTS,
                embedding_model: tuple[str, Path] | None = None, prompt_cache: CacheOptions = CacheOptions()):
@@ -55,9 +56,12 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
     where it listens (the Host rule), `log` takes a line per request (None: quiet), `dialects`
     the APIs it speaks (modules with `routes(app, server)`), `embedding_model` the model that
     computes embeddings (its name and file; None: the target), `prompt_cache` where the slots'
-    cells are kept when they take other prompts (flylocal.prompt_files)."""
+    cells are kept when they take other prompts (flylocal.prompt_files). `api_key` and
+    `api_keys` are the keys a request must carry one of, `cache_share` who shares the prompt
+    cache (flylocal.front.serve.keys)."""
     said = log or (lambda line: None)
-    server = Server(load, settings, api_key, max_queue, on_failure, log, embedding_model,
+    keys = Keys(((api_key,) if api_key else ()) + tuple(api_keys), cache_share)
+    server = Server(load, settings, keys, max_queue, on_failure, log, embedding_model,
                     lambda session: open_cache(session.models.target, session.models.draft, prompt_cache, said))
     app = FastAPI(title="flylocal", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = server.worker
@@ -109,16 +113,18 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
 def serve(load: Callable[[], Session], settings: Settings, host: str, port: int, api_key: str | None,
           max_queue: int, cors_origins: tuple[str, ...], log: Callable[[str], None],
           allowed_hosts: tuple[str, ...] = (), quiet: bool = False,
-          embedding_model: tuple[str, Path] | None = None, prompt_cache: CacheOptions = CacheOptions()) -> None:
+          embedding_model: tuple[str, Path] | None = None, prompt_cache: CacheOptions = CacheOptions(),
+          api_keys: tuple[str, ...] = (), cache_share: str | None = None) -> None:
     """Listen at once, load the models, and serve until SIGTERM or Ctrl-C: then stop accepting,
     let the requests in flight end, and return."""
     import uvicorn
 
     from flylocal.front.serve.guard import BoundedH11
 
-    if not is_loopback(host) and not api_key:
+    if not is_loopback(host) and not (api_key or api_keys):
         raise FlylocalError(f"--host {host} is reachable from other machines: give --api-key (or FLYLOCAL_API_KEY) "
-                            "to serve there")
+                            "or --api-key-file to serve there")
+    Keys(((api_key,) if api_key else ()) + tuple(api_keys), cache_share)     # a bad --cache-share before listening
     check_port(host, port)
     failure: list[BaseException] = []
     servers: list = []                   # the uvicorn server, once built: loading may fail before
@@ -139,9 +145,10 @@ def serve(load: Callable[[], Session], settings: Settings, host: str, port: int,
             f"{slots} request{'s' if slots > 1 else ''} at once, {how})")
         return session
 
-    app = create_app(ready, settings, api_key=api_key, max_queue=max_queue, cors_origins=cors_origins, host=host,
-                     port=port, allowed_hosts=allowed_hosts, on_failure=failed, log=None if quiet else log,
-                     embedding_model=embedding_model, prompt_cache=prompt_cache)
+    app = create_app(ready, settings, api_key=api_key, api_keys=api_keys, cache_share=cache_share,
+                     max_queue=max_queue, cors_origins=cors_origins, host=host, port=port, allowed_hosts=allowed_hosts,
+                     on_failure=failed, log=None if quiet else log, embedding_model=embedding_model,
+                     prompt_cache=prompt_cache)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                            http=BoundedH11, timeout_graceful_shutdown=30))
     servers.append(server)

@@ -13,7 +13,6 @@ A dialect is a parser and a renderer (docs/serving.md, "Adding an API dialect").
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import threading
 import time
@@ -32,6 +31,7 @@ from flylocal.errors import FlylocalError, OptionError
 from flylocal.front.serve import tools
 from flylocal.front.serve.answer import Answer
 from flylocal.front.serve.events import Computed, Done, Event, Failed, Text
+from flylocal.front.serve.keys import Keys
 from flylocal.front.serve.worker import Call, Job, Metrics, Refused, Worker
 from flylocal.loader import check
 from flylocal.session import Session
@@ -155,6 +155,7 @@ class Neutral:
     options: str | None = None                # where a settings error points (Ollama's "options"); None: the option's own field
     hints: tuple[str, ...] = ()               # Ollama's loading options given, which change nothing: logged once
     blame: Callable[[str], str] | None = None  # the field an encoding error is about (None: `where`)
+    salt: str | None = None                   # cache_salt: shares the prompt cache only with the same salt
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,7 @@ class Ask:
     grammar: tuple[str, str] | None = None    # (what it is, its llguidance grammar): the output under it
     calls: tuple[str, ...] = ()               # how an answer that is a tool call begins (held back)
     tokens: bool = False                      # per-token details with the text (kinds, logprobs)
+    partition: str | None = ""                # whose prompt-cache cells it may reuse (Keys.partition)
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,7 @@ class Exchange:
     session: Session | None = None  # set for an endpoint that names a model
     ask: Ask | None = None          # the generation it asked for
     kept: Any = None                # what the endpoint's job keeps for its renderer
+    key: str | None = None          # the id of the API key it came with (Keys.identify)
 
     @property
     def path(self) -> dict:
@@ -238,7 +241,7 @@ class Endpoint:
     def job(self, x: Exchange) -> Any:
         """A generation's request as the worker's Ask, the same way for every dialect."""
         n = self.read(x)
-        return self.server.ask(x.session, n) if isinstance(n, Neutral) else n
+        return self.server.ask(x.session, n, x.key) if isinstance(n, Neutral) else n
 
     def whole(self, x: Exchange, result) -> Any:
         raise NotImplementedError
@@ -264,26 +267,25 @@ def reply(value: Any) -> Response:
 class Server:
     """What the dialects share: the settings, the worker and its metrics, the key, the log."""
 
-    def __init__(self, load: Callable[[], Session], settings: Settings, api_key: str | None, max_queue: int,
+    def __init__(self, load: Callable[[], Session], settings: Settings, keys: Keys, max_queue: int,
                  on_failure: Callable[[BaseException], None], log: Callable[[str], None] | None,
                  embedding_model: tuple[str, Path] | None = None, open_cache=lambda session: None):
         self.settings = settings
         # --embedding-model: (the name given, its file); None: the target computes embeddings
         self.embedding_name, self.embedding_model = embedding_model or (None, None)
-        self.api_key = api_key
+        self.keys = keys
         self.metrics = Metrics()
         self.worker = Worker(load, self.metrics, max_queue, on_failure, open_cache)
         self.log = log
         self.hinted: set[str] = set()       # ollama's loading options a request gave, logged once each
 
     # ----- checks, in the order a request meets them -----
-    def authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
+    def authorize(self, request: Request) -> str | None:
+        """The id of the request's key (None where the server has none); ApiError 401 without one."""
+        try:
+            return self.keys.identify(request.headers.get("authorization", ""))
+        except ValueError:
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key") from None
 
     async def body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -356,7 +358,7 @@ class Server:
         failure and the log line."""
         x = Exchange(request, time.perf_counter())
         try:
-            self.authorize(request)
+            x.key = self.authorize(request)
             if endpoint.body is not None:
                 x.body = parse_request(endpoint.body, await self.body(request), endpoint.forbidden)
                 check_fields(x.body, endpoint.checked)
@@ -454,9 +456,10 @@ class Server:
         hinted(self, n.hints)
         return settings
 
-    def ask(self, session: Session, n: Neutral) -> Ask:
+    def ask(self, session: Session, n: Neutral, key: str | None = None) -> Ask:
         """A request in neutral terms, checked, as the worker's job: its settings, its prompt
-        encoded (with the tools' grammar, or else its format's), and checked to fit."""
+        encoded (with the tools' grammar, or else its format's), and checked to fit; `key`:
+        the id of its API key, which with its salt draws its prompt-cache partition."""
         settings = self.settings_of(n)
         try:
             if n.prompt is not None:
@@ -471,7 +474,7 @@ class Server:
             raise ApiError(400, str(e), param=n.blame(str(e)) if n.blame else n.where) from None
         self.check_fits(prompt.ids, session, n.where)
         return Ask(settings, prompt.ids, n.stops, prompt.grammar or n.grammar, prompt.calls,
-                   tokens=n.tokens or settings.logprobs is not None)
+                   tokens=n.tokens or settings.logprobs is not None, partition=self.keys.partition(key, n.salt))
 
     # ----- running a job -----
     def start(self, ask: Ask) -> Answer:
@@ -485,7 +488,8 @@ class Server:
             except RuntimeError:         # the loop is gone (shutdown)
                 pass
 
-        job = Job(ask.settings, ask.ids, list(ask.stops), emit, tokens=ask.tokens, grammar=ask.grammar)
+        job = Job(ask.settings, ask.ids, list(ask.stops), emit, tokens=ask.tokens, grammar=ask.grammar,
+                  partition=ask.partition)
         try:
             self.worker.submit(job)
         except Refused as e:

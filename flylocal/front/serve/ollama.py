@@ -32,6 +32,7 @@ from flylocal.front.serve import tools
 from flylocal.front.serve.answer import Whole, logprob_entries, stats_report
 from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Neutral, Prompt, Server, check_fields
 from flylocal.front.serve.events import Done, Text
+from flylocal.front.serve.keys import checked_salt
 from flylocal.front.serve.ollama_options import SAMPLING_OPTIONS, checked_keep_alive, read_options
 from flylocal.settings import Settings
 
@@ -112,6 +113,7 @@ class Generation(BaseModel):
     top_logprobs: int | None = None
     verifier: str | None = None     # flylocal's own, beside ollama's fields
     drafter: str | None = None
+    cache_salt: str | None = None   # vLLM's, here or in options: the prompt cache is shared only with the same salt
 
     @model_validator(mode="before")
     @classmethod
@@ -142,6 +144,11 @@ class Generation(BaseModel):
     def duration(cls, v):
         return checked_keep_alive(v)
 
+    @field_validator("cache_salt")
+    @classmethod
+    def salt(cls, v):
+        return checked_salt(v)
+
     @field_validator("think")
     @classmethod
     def no_thinking(cls, v):
@@ -163,6 +170,13 @@ class Generation(BaseModel):
         if self.format in (None, ""):
             return None
         return json_output() if self.format == "json" else json_output(self.format, "format")
+
+    def salt_given(self) -> str | None:
+        """cache_salt, beside the fields or in `options` (where Open WebUI's custom options go)."""
+        inside = (self.options or {}).get("cache_salt")
+        if inside is not None and self.cache_salt is not None and inside != self.cache_salt:
+            raise ApiError(400, "cache_salt and options.cache_salt differ: give one", param="cache_salt")
+        return self.cache_salt if self.cache_salt is not None else inside
 
     def params(self, n_ctx: int) -> tuple[dict, tuple[str, ...], tuple[str, ...]]:
         """The request's options as the command line's (for settings_from), its stop strings,
@@ -430,7 +444,7 @@ class Generate(Ollama):
         params, stops, hints = req.params(session.target.n_ctx)
         top = req.logprobs_wanted()
         n = Neutral(params | ({"logprobs": top} if top is not None else {}), "prompt", stops=stops,
-                    grammar=req.grammar(), options="options", hints=hints)
+                    grammar=req.grammar(), options="options", hints=hints, salt=req.salt_given())
         if self.chat:
             if req.messages is None:
                 raise ApiError(400, "messages must be a list")

@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from flylocal.front.serve.app import ApiError, Server, checked_option, checked_stops
+from flylocal.front.serve.keys import checked_salt
 from flylocal.settings import OPTIONS
 
 # option -> the declared option that checks it (and the sampling field it sets)
@@ -123,6 +124,8 @@ def read_options(options: dict | None, n_ctx: int, where: str | None = "options"
                         num_ctx = value
                 if name in HINTS:
                     hints.append(name)
+            elif name == "cache_salt":                # whose prompt cache it shares (Generation.salt_given)
+                checked_salt(value)
             elif name in FIXED:
                 if isinstance(value, bool) or value != FIXED[name]:
                     raise ValueError(f"{json.dumps(value)[:80]}; flylocal does not offer it (only {FIXED[name]!r})")

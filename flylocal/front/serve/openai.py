@@ -192,7 +192,7 @@ class Generate(Endpoint):
         stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         # A stream always carries how each token came (stream_kinds); logprobs only when asked.
         common = dict(params=params, stops=stops, tokens=req.stream, hints=req.ollama_hints,
-                      blame=lambda message: e_param(message, chat))
+                      blame=lambda message: e_param(message, chat), salt=req.cache_salt)
         if not chat:
             return Neutral(where="prompt", text=req.prompt if isinstance(req.prompt, str) else req.prompt[0], **common)
         try:

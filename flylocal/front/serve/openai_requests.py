@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flylocal.front.serve.app import ApiError, check_fields, checked_stops, parse_request
+from flylocal.front.serve.keys import checked_salt
 from flylocal.front.serve.ollama_options import FIXED, HINTS, IDLE, checked_keep_alive, read_options
 from flylocal.settings import Settings, settings_from
 
@@ -159,6 +160,12 @@ class Own(BaseModel):
     asd_gate: float | None = None
     asd_cap: int | None = None
     asd_budget: float | None = None
+    cache_salt: str | None = None          # vLLM's: the prompt cache is shared only with the same salt
+
+    @field_validator("cache_salt")
+    @classmethod
+    def salt(cls, v):
+        return checked_salt(v)
 
 
 # Ollama's names that Open WebUI passes along beside OpenAI's fields when its users set them

@@ -320,11 +320,12 @@ def input_items(given: str | list[dict]) -> list[dict]:
 
 @dataclass
 class Stored:
-    """A kept response: its body, the conversation it ends (for previous_response_id) and
-    its request's input items."""
+    """A kept response: its body, the conversation it ends (for previous_response_id), its
+    request's input items, and the id of the API key it was made with (no other key finds it)."""
     body: dict
     turns: list[dict]
     inputs: list[dict]
+    key: str | None = None
 
 
 class Responses:
@@ -339,8 +340,9 @@ class Responses:
         while len(self.kept) > self.limit:
             self.kept.popitem(last=False)
 
-    def find(self, rid: str, param: str | None = None) -> Stored:
-        if rid not in self.kept:
+    def find(self, rid: str, key: str | None, param: str | None = None) -> Stored:
+        """The response `rid` kept for the API key whose id is `key`; ApiError 404 otherwise."""
+        if rid not in self.kept or self.kept[rid].key != key:
             raise ApiError(404, f"no response with id {rid!r} is kept here (responses are kept in memory, the last "
                                 f"{self.limit}, for the server's life)", param=param, code="not_found")
         return self.kept[rid]
@@ -379,7 +381,7 @@ class Create(Endpoint):
             check_include(item, f"include[{i}]")
         grammar = None
         try:
-            history = self.kept.find(req.previous_response_id, "previous_response_id").turns \
+            history = self.kept.find(req.previous_response_id, x.key, "previous_response_id").turns \
                 if req.previous_response_id is not None else []
             items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
             system = [{"role": "system", "content": req.instructions}] if req.instructions else []
@@ -397,7 +399,8 @@ class Create(Endpoint):
         except FlylocalError as e:
             raise ApiError(400, str(e), param=param_of(str(e))) from None
         x.kept = Kept(new_id("resp"), time.time(), turns, input_items(items))
-        return Neutral(params, "input", prompt=prompt, grammar=grammar, tokens=top is not None, blame=param_of)
+        return Neutral(params, "input", prompt=prompt, grammar=grammar, tokens=top is not None, blame=param_of,
+                       salt=req.cache_salt)
 
     def truncated(self, session, system: list[dict], history: list[dict], items: list[dict], offered, choice,
                   room: int) -> tuple[list[dict], list[dict], list[dict], Prompt]:
@@ -454,7 +457,7 @@ class Create(Endpoint):
     def finish(self, x: Exchange, done: Done, output: list[dict]) -> dict:
         whole = self.body_of(x, "completed", output, done)
         if x.body.store is not False:
-            self.kept.keep(Stored(whole, x.kept.turns + output_turns(output), x.kept.inputs))
+            self.kept.keep(Stored(whole, x.kept.turns + output_turns(output), x.kept.inputs, x.key))
         return whole
 
     def whole(self, x: Exchange, whole: Whole) -> dict:
@@ -535,7 +538,7 @@ class Retrieve(Endpoint):
         self.kept = kept
 
     def job(self, x: Exchange) -> dict:
-        return self.kept.find(x.path["rid"]).body
+        return self.kept.find(x.path["rid"], x.key).body
 
 
 class InputItems(Retrieve):
@@ -544,7 +547,7 @@ class InputItems(Retrieve):
     QUERY = {"order", "after", "limit", "include"}
 
     def job(self, x: Exchange) -> dict:
-        items, query = self.kept.find(x.path["rid"]).inputs, x.request.query_params
+        items, query = self.kept.find(x.path["rid"], x.key).inputs, x.request.query_params
         unknown = sorted(set(query) - self.QUERY)
         if unknown:
             raise ApiError(400, f"{unknown[0]}: flylocal does not support this parameter", param=unknown[0])
@@ -571,7 +574,7 @@ class InputItems(Retrieve):
 class Delete(Retrieve):
     def job(self, x: Exchange) -> dict:
         rid = x.path["rid"]
-        self.kept.find(rid)
+        self.kept.find(rid, x.key)
         del self.kept.kept[rid]
         return {"id": rid, "object": "response.deleted", "deleted": True}
 

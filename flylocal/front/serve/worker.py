@@ -82,6 +82,7 @@ class Job:
     queued_at: float = field(default_factory=time.perf_counter)
     tokens: bool = False                      # emit OutTokens (logprobs, kinds) with the text
     grammar: tuple[str, str] | None = None    # (what it is, its llguidance grammar): the output under it
+    partition: str | None = ""                # whose prompt-cache cells it may reuse (None: no one's)
 
 
 @dataclass
@@ -107,10 +108,12 @@ class Worker:
                  on_failure: Callable[[BaseException], None] = lambda e: None,
                  open_cache: Callable[[Session], Any] = lambda session: None):
         """`open_cache`: the prompt cache of the loaded models (flylocal.prompt_files.open_cache),
-        or None for none."""
+        or None for one that keeps nothing."""
         self.metrics, self.max_queue = metrics, max_queue
         self.open_cache = open_cache
-        self.cache = None                                           # the prompt cache, once loaded
+        self.cache = None                                           # the prompt cache, once loaded (None: none)
+        self.seats = None                                           # what seats requests: the cache, or one
+                                                                    # that keeps nothing (Batch.place)
         self.session: Session | None = None         # None while the models load
         self.failed: BaseException | None = None    # why loading, or the worker, failed
         self.jobs: collections.deque[Job] = collections.deque()     # generations waiting, oldest first
@@ -177,6 +180,10 @@ class Worker:
             self.failed = e
             self.on_failure(e)
             return
+        if self.cache is not None and not self.cache.keeps:
+            self.seats, self.cache = self.cache, None              # it seats requests, and keeps nothing
+        else:
+            self.seats = self.cache
         self.metrics.watch(self.cache)
         self.session = session
         try:
@@ -243,7 +250,7 @@ class Worker:
         from flylocal.decoding.batch import Batch
 
         session = self.session
-        batch = Batch(session.target, cache=self.cache)
+        batch = Batch(session.target, cache=self.seats)
         streams = self._streams                   # Generation -> its Stream
         running: tuple[Call, Generator] | None = None
         while (taken := self._take(streams, running[0] if running else None)) is not None:
@@ -333,7 +340,7 @@ class Worker:
         no engine can run)."""
         session = self.session
         session.models.reconnect()       # a model whose rpc servers were lost: once they answer again
-        seq = batch.place(job.ids)
+        seq = batch.place(job.ids, job.partition)
         if seq is None:                  # (the worker takes no more generations than it has slots)
             raise FlylocalError("no free slot for the request")
         grammar = None
