@@ -305,7 +305,17 @@ def test_the_cost_curve_is_measured_once_per_machine_and_cached(tmp_path, all_co
     assert again["cost_curve"]["source"] == "measured" and again["cost_curve"]["passes"] >= 3    # whole, first
     other = json.loads(flylocal(*args, "--threads", "2", env=env).stdout)["stats"]
     assert other["cost_curve"]["source"] == "prior"     # another thread count is another curve, not yet measured
-    assert len(list((tmp_path / "costs").glob("*.json"))) == 2
+    # Each file holds one thread count's curve (settled, or provisional in a file of its own); the
+    # one thread's is cached whatever the load. Two threads' is cached too unless the load
+    # distorted its measurement past physics, which is never cached: on a busy machine it may not be.
+    files = list((tmp_path / "costs").glob("*.json"))
+    threads = {}
+    for path in files:
+        record = store.read_file(path)[0]
+        assert record is not None, path
+        threads.setdefault(record["key"]["threads"], set()).add(path.name.split(".")[0])
+    assert 1 in threads and set(threads) <= {1, 2} and all(len(names) == 1 for names in threads.values())
+    assert len({name for names in threads.values() for name in names}) == len(threads)   # one file name a curve
 
 
 # The cost curve a busy hour left for the default target (fast build, 2 threads): calibrated

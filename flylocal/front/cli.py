@@ -143,13 +143,16 @@ def prompt_options(f):
                    "method.")
 @click.option("--humaneval-limit", type=click.IntRange(min=1), default=None, help="Only the first N HumanEval problems.")
 @click.option("--execute", is_flag=True,
-              help="With --humaneval: run each model-written completion against its tests (off by default; "
-                   "without it there is no pass@1). Each program runs in `python -I` in a fresh temporary "
-                   "directory that is also its HOME and TMPDIR, with a minimal environment, in a new session, "
-                   "under limits on CPU time, memory, file size and processes, with a 10 s timeout; every "
-                   "process it leaves in its session or directory is killed and the directory removed. This "
-                   "guards against accidents, not attacks: it runs as you, with the network, and can reach any "
-                   "absolute path you can. Use a container for code you do not trust.")
+              help="With --humaneval or --tasks humaneval: run each model-written completion against its tests (off "
+                   "by default; without it there is no pass@1). Each program runs isolated by Linux namespaces: no "
+                   "network, the machine's system files read-only and nothing else of it but a fresh folder of its "
+                   "own, its own processes only, as an unprivileged user, under limits on CPU time, memory, file "
+                   "size and processes, with a 10 s timeout; nothing it starts outlives it. Where namespaces "
+                   "cannot be had, it refuses, saying why.")
+@click.option("--execute-unsafe", "execute_unsafe", is_flag=True,
+              help="--execute where namespaces cannot be had: each program runs as you, with the network, under "
+                   "the limits and a session alone. It guards against accidents, not attacks: it can reach any "
+                   "path you can.")
 @click.option("--preset", type=click.Choice(["standin"]), default=None,
               help="standin: the regime users live in, on this machine: the bandwidth-bound stand-in target "
                    "(gemma-3-270m-f32) with its Q2_K draft, Spec-Bench's questions (--per-category, 2 by default; "
@@ -178,8 +181,8 @@ def prompt_options(f):
 @json_schema_option
 @options("raw")
 @options(*DRAFTING, *LLAMA, *VERIFIER_PARAMS, *SAMPLING)
-def bench(prompts_path, category, per_category, humaneval, humaneval_limit, execute, preset, tasks, per_task, seeds,
-          out_dir, as_json, methods, repeat, json_schema_file, raw, **opts):
+def bench(prompts_path, category, per_category, humaneval, humaneval_limit, execute, execute_unsafe, preset, tasks,
+          per_task, seeds, out_dir, as_json, methods, repeat, json_schema_file, raw, **opts):
     """Compare methods side by side on the same prompts: speed, acceptance and quality.
 
     Every method runs with the same options; each sets its own verifier and drafter. Writes
@@ -196,6 +199,13 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
     if out_dir is None:
         raise click.UsageError("Missing option '--out'.")
     from flylocal.front import bench as b
+    from flylocal.front.sandbox import Sandbox, isolation
+
+    sandbox = Sandbox(unsafe=True) if execute_unsafe else Sandbox() if execute else None
+    if sandbox is not None and not sandbox.unsafe and (why := isolation()) is not None:
+        raise FlylocalError(f"--execute runs model-written code isolated by Linux namespaces, which this machine does "
+                            f"not allow ({why}); --execute-unsafe runs it under the guard's limits alone, as you, "
+                            "with the network")
 
     schema = read_input(json_schema_file, "JSON schema") if json_schema_file else None
     from click.core import ParameterSource
@@ -231,7 +241,7 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
 
     try:
         report, results = b.main(settings_from(opts), prompts_path=prompts_path, humaneval=humaneval,
-                        humaneval_limit=humaneval_limit, category=category, per_category=per_category, execute=execute,
+                        humaneval_limit=humaneval_limit, category=category, per_category=per_category, execute=sandbox,
                         out_dir=out_dir, methods=methods, repeat=repeat, raw=raw, note=note, progress=progress,
                         warn=warn, schema=schema, preset=preset, tasks=tasks, per_task=per_task, seeds=seeds,
                         task_max_tokens=task_max_tokens)

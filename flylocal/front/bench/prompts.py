@@ -10,7 +10,7 @@ from pathlib import Path
 
 from flylocal.errors import FlylocalError
 from flylocal.files import read_text
-from flylocal.front.sandbox import run_python
+from flylocal.front.sandbox import Sandbox
 
 
 # Spec-Bench's six groups: its eight MT-Bench categories pool as multi-turn conversation; any
@@ -155,10 +155,10 @@ def humaneval_prompts(limit: int | None) -> list[Prompt]:
                    source=p["task_id"]) for p in problems]
 
 
-def passes(prompt: Prompt, completion: str, timeout: float = 10.0) -> bool:
+def passes(prompt: Prompt, completion: str, sandbox: Sandbox = Sandbox(), timeout: float = 10.0) -> bool:
     """Run a HumanEval completion against its tests in the sandbox (flylocal.front.sandbox) with a timeout."""
     program = f"{prompt.text}{completion}\n\n{prompt.test}\n\ncheck({prompt.entry_point})\n"
-    return run_python(program, timeout).ok
+    return sandbox.run(program, timeout).ok
 
 
 def stop_code(text: str) -> str:

@@ -30,6 +30,7 @@ from flylocal.front.bench.prompts import (Prompt, encode_all, humaneval_prompts,
                                           per_group, standin_prompts, stop_code, valid_json)
 from flylocal.front.bench.tasks import TASKS, answer, cut, parse_tasks, task_prompts
 from flylocal.front.bench.report import COUNTS, Row, machine_info, metrics, per_prompt, write_results
+from flylocal.front.sandbox import Sandbox
 
 if TYPE_CHECKING:
     from flylocal.loader import Models
@@ -155,7 +156,7 @@ class _Turns:
             messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": text}]
         return outputs, sums, spent, loose
 
-    def judge(self, row: Row, p: Prompt, ids, execute: bool, schema: dict | None) -> None:
+    def judge(self, row: Row, p: Prompt, ids, execute: Sandbox | None, schema: dict | None) -> None:
         """The quality figures of row's answer to p: the target's NLL, the task's score and the
         loose tokens in it, HumanEval's tests, validity under the schema."""
         from flylocal.decoding.quality import target_nll
@@ -164,19 +165,22 @@ class _Turns:
         target = self.target
         row.nll[p.id] = target_nll(target, ids, tokens)
         if p.task is not None:
-            row.scores[p.id] = TASKS[p.task].score(p, answer(p, text))
+            task = TASKS[p.task]
+            said = answer(p, text)
+            row.scores[p.id] = task.score(p, said, execute) if task.executes else task.score(p, said)
             row.loose[p.id] = [{"at": j, "token": target.detokenize(tokens[j:j + 1]),
                                 "before": target.detokenize(tokens[max(0, j - 8):j])}
                                for j in row.loose.get(p.id, []) if j < len(tokens)]
         elif execute and p.test is not None:
-            row.passed[p.id] = passes(p, stop_code(text))
+            row.passed[p.id] = passes(p, stop_code(text), execute)
         if schema is not None:
             row.valid[p.id] = valid_json(text, schema)
 
 
 def run(settings: Settings, models: Models, baselines: dict, prompts: list[Prompt], methods: list[str],
         repeat: int, progress: Progress | None = None, raw: bool = False, *, encoded: dict | None = None,
-        execute: bool = False, warn: Callable[[str], None] = lambda s: None, schema: dict | None = None) -> dict[str, Row]:
+        execute: Sandbox | None = None, warn: Callable[[str], None] = lambda s: None,
+        schema: dict | None = None) -> dict[str, Row]:
     """Run every method on every prompt, `repeat` times, interleaved. `settings` carries the
     engine settings shared by all methods; each method sets its verifier and drafter.
     `encoded` is encode_all's result (computed here if not given). A method that raises on a
@@ -248,7 +252,7 @@ def _prompts(prompts_path, humaneval, humaneval_limit, category, per_category, e
     return prompts, source
 
 
-def _task_prompts(settings: Settings, spec: str, per_task: int | None, seeds: int | None, execute: bool,
+def _task_prompts(settings: Settings, spec: str, per_task: int | None, seeds: int | None, execute: Sandbox | None,
                   own_max_tokens: bool, base: bool, others: dict, say: Callable[[str], None]) -> tuple[list[Prompt], str]:
     """The questions of --tasks (a base model's question form with `base`), each at its task's
     max_tokens where `own_max_tokens`, once per seed with --seeds; and how to name them."""
@@ -303,7 +307,8 @@ def _check_schema(chosen: list[str], schema: tuple[str, str] | None, say: Callab
 
 
 def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, humaneval_limit: int | None,
-         category: str | None, per_category: int | None, execute: bool, out_dir: str, methods: str | None, repeat: int, raw: bool,
+         category: str | None, per_category: int | None, execute: Sandbox | None, out_dir: str, methods: str | None,
+         repeat: int, raw: bool,
          schema: tuple[str, str] | None = None,
          note: Callable[[str], None], progress: Progress | None = None,
          warn: Callable[[str], None] = lambda s: None, preset: str | None = None, tasks: str | None = None,
@@ -360,7 +365,8 @@ def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, human
                        "category": category, "per_category": per_category, "max_tokens": settings.max_tokens, "repeat": repeat,
                        "k": settings.k, "ctx": settings.ctx, "exact": settings.exact, "threads": settings.threads,
                        "target_rpc": list(settings.target_rpc), "draft_rpc": list(settings.draft_rpc),
-                       "methods": chosen, "executed": execute if humaneval or tasks else None, "json_schema": schema_source,
+                       "methods": chosen, "executed": bool(execute) if humaneval or tasks else None,
+                       "sandbox": execute.name if execute else None, "json_schema": schema_source,
                        "tasks": sorted({p.task for p in prompts if p.task}, key=list(TASKS).index) or None,
                        "per_task": per_task, "seeds": sorted({p.seed for p in prompts if p.seed is not None}) or None,
                        "temperature": settings.sampling.temperature},

@@ -29,7 +29,7 @@ from typing import Callable
 
 from flylocal.errors import FlylocalError
 from flylocal.front.bench.prompts import BASE_FORM, Prompt, data_dir, load_prompts, stop_code
-from flylocal.front.sandbox import run_python
+from flylocal.front.sandbox import Sandbox
 
 BASE_STOPS = ("\nQuestion:", "\n\n")     # where a base model's answer in BASE_FORM ends
 
@@ -42,7 +42,7 @@ class Task:
     max_tokens: int                  # enough for a whole answer of the models in the registry
     questions: Callable[[bool], list[Prompt]]     # (base form) -> the task's questions
     score: Callable[[Prompt, str], float]         # (question, answer) -> 0-100
-    executes: bool = False           # scoring runs model-written code (needs --execute)
+    executes: bool = False           # scoring runs model-written code (needs --execute): score(p, text, sandbox)
 
 
 # --- answers' ends ---------------------------------------------------------------------------
@@ -154,8 +154,8 @@ def code_program(p: Prompt, completion: str) -> str:
     return f"{GUARD}\n{code_of(p, completion)}\n\n{p.test}\n\ncheck({p.entry_point})\n"
 
 
-def score_code(p: Prompt, text: str, timeout: float = 10.0) -> float:
-    return 100.0 if run_python(code_program(p, text), timeout).ok else 0.0
+def score_code(p: Prompt, text: str, sandbox: Sandbox = Sandbox(), timeout: float = 10.0) -> float:
+    return 100.0 if sandbox.run(code_program(p, text), timeout).ok else 0.0
 
 
 WORDS = re.compile(r"-?\d+|[^\W\d_]+")
