@@ -82,12 +82,13 @@ def test_it_cannot_write_or_read_outside_its_folder(tmp_path):
     secret = outside / "secret.txt"
     secret.write_text("the caller's secret")
     secret.chmod(0o644)
+    probe = f"flylocal-probe-{os.getpid()}"
     out, lines = run(f"""
         import os
         {tries('write-outside', f"open({str(outside / 'new.txt')!r}, 'w').write('x')")}
-        {tries('write-usr', "open('/usr/flylocal-probe', 'w').write('x')")}
-        {tries('write-root', "open('/flylocal-probe', 'w').write('x')")}
-        {tries('write-tmp', "open('/tmp/flylocal-probe', 'w').write('x')")}
+        {tries('write-usr', f"open('/usr/{probe}', 'w').write('x')")}
+        {tries('write-root', f"open('/{probe}', 'w').write('x')")}
+        {tries('write-tmp', f"open('/tmp/{probe}', 'w').write('x')")}
         {tries('write-parent', "open(os.path.join(os.getcwd(), '..', 'escaped'), 'w').write('x')")}
         {tries('read-secret', f"print('secret-is', open({str(secret)!r}).read())")}
         {tries('read-shadow', "open('/etc/shadow').read()")}
@@ -100,8 +101,8 @@ def test_it_cannot_write_or_read_outside_its_folder(tmp_path):
         assert lines[name].startswith("refused"), (name, lines[name])
     assert lines["write-own"] == "ok"
     assert "the caller's secret" not in out.output
-    assert not (outside / "new.txt").exists() and not Path("/usr/flylocal-probe").exists()
-    assert not Path("/tmp/flylocal-probe").exists()
+    assert not (outside / "new.txt").exists() and not Path(f"/usr/{probe}").exists()
+    assert not Path(f"/tmp/{probe}").exists() and not Path(f"/{probe}").exists()
 
 
 @needs_namespaces
