@@ -343,6 +343,19 @@ def test_a_non_loopback_host_without_a_key_refuses_to_start():
     assert len(lines) == 1 and "--api-key" in lines[0], done.stderr
 
 
+@pytest.mark.parametrize("args,said", [
+    (["--cache-share", "key"], "--cache-share key needs --api-key or --api-key-file"),
+    (["--api-key-file", "/nonexistent/keys"], "cannot read --api-key-file /nonexistent/keys"),
+])
+def test_bad_key_options_are_one_line_before_anything_loads(args, said):
+    env = {k: v for k, v in os.environ.items() if k != "FLYLOCAL_API_KEY"}
+    done = subprocess.run([sys.executable, "-m", "flylocal", "serve", "--port", str(free_port()), *args],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and said in lines[0], done.stderr
+
+
 def test_a_port_in_use_is_one_line():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,5 +1,6 @@
 """The server's pure parts, without a model: stop strings, request validation, settings."""
 
+import json
 import math
 
 import pytest
@@ -347,6 +348,55 @@ def test_an_api_key_is_required_where_given():
         assert client.get("/health").status_code == 503             # open, and still loading
     finally:
         never.set()
+
+
+def test_several_keys_each_a_partition_of_the_prompt_cache(tmp_path):
+    """--api-key-file: any of its keys opens the server; each key (and each cache_salt within it)
+    draws a partition of its own; --cache-share all or none, and the bad files and choices, one
+    line each."""
+    from fastapi.testclient import TestClient
+
+    from flylocal.errors import FlylocalError
+    from flylocal.front.serve.keys import Keys, read_key_file
+
+    path = tmp_path / "keys"
+    path.write_text("# the team\nk-ada\n\n  k-bob  \n")
+    keys = read_key_file(path)
+    assert keys == ["k-ada", "k-bob"]
+    app, never = app_loading(api_keys=tuple(keys))
+    try:
+        client = TestClient(app, base_url=BASE)
+        for given, status in (("k-ada", 200), ("k-bob", 200), ("k-eve", 401), ("", 401)):
+            assert client.get("/v1/models", headers={"Authorization": f"Bearer {given}"}).status_code == status
+    finally:
+        never.set()
+    share = Keys(tuple(keys))
+    ada, bob = (share.identify(f"Bearer {k}") for k in keys)
+    assert share.share == "key" and ada != bob
+    parts = {share.partition(ada, None), share.partition(bob, None), share.partition(ada, "t1"),
+             share.partition(ada, "t2")}
+    assert len(parts) == 4 and "" not in parts and None not in parts
+    assert share.partition(ada, "t1") == Keys(tuple(keys)).partition(ada, "t1")     # stable across restarts
+    one = Keys()
+    assert one.share == "all" and one.partition(None, None) == "" and one.partition(None, "t1") not in ("", None)
+    assert Keys(("k",), "all").partition("x", None) == "" and Keys(("k",), "none").partition("x", "t") is None
+    with pytest.raises(FlylocalError, match="needs --api-key or --api-key-file"):
+        Keys((), "key")
+    (tmp_path / "empty").write_text("# nobody\n")
+    for bad, said in ((tmp_path / "empty", "holds no key"), (tmp_path / "missing", "cannot read --api-key-file")):
+        with pytest.raises(FlylocalError, match=said):
+            read_key_file(bad)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"cache_salt": ""}, "cache_salt"),
+    ({"cache_salt": 7}, "cache_salt"),
+    ({"cache_salt": "x" * 2000}, "cache_salt"),
+])
+def test_a_bad_cache_salt_is_a_400_naming_it(body, param):
+    with pytest.raises(ApiError) as e:
+        parse(ChatRequest, json.dumps({"messages": [{"role": "user", "content": "hi"}], **body}).encode())
+    assert e.value.status == 400 and e.value.param == param
 
 
 @pytest.mark.parametrize("fields,param,start", [

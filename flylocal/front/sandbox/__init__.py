@@ -14,18 +14,22 @@ namespaces, or, where the machine allows none and the user says so, under the gu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from flylocal.errors import FlylocalError
+from flylocal.front.sandbox import guard
 
 ADDRESS_SPACE = 1 << 30        # bytes of virtual memory
 FILE_SIZE = 16 << 20           # bytes any one file (and the captured output) may grow to
@@ -82,8 +86,6 @@ def run_python(program: str, timeout: float, unsafe: bool = False) -> Outcome:
         limits = [math.ceil(timeout) + 1, ADDRESS_SPACE, FILE_SIZE, PROCESSES, 0]
         with open(os.path.join(base, "output"), "w+b") as log:
             if unsafe:
-                from flylocal.front.sandbox import guard
-
                 code, timed_out = guard.run(path, work, env, limits, timeout, log)
             else:
                 code, timed_out = _jailed(base, work, path, env, limits, timeout, log)
@@ -120,12 +122,26 @@ def _jailed(base: str, work: str, program: Path, env: dict, limits: list[int], t
     finally:
         os.close(report_w)
     with os.fdopen(report_r, "r") as report:
-        timed_out = False
-        try:
-            proc.wait(timeout=timeout + SETUP_S)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        lines = _read_report(report, proc, timed_out)
+        os.set_blocking(report.fileno(), False)
+        lines: list[str] = []
+        reading = threading.Lock()
+
+        def kill() -> None:
+            """The timeout: the jail's init, whose end ends every process in its namespace
+            before the jail itself ends (so that none is left when this returns); the jail
+            itself where init is not started yet."""
+            with reading:
+                lines.extend(_lines(report))
+            init = next((line.split()[1] for line in lines if line.startswith("pid ")), None)
+            with contextlib.suppress(OSError, ValueError):
+                if init is not None:
+                    os.kill(int(init), signal.SIGKILL)
+                else:
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+        timed_out = guard.wait_for(proc, timeout + SETUP_S, kill)
+        with reading:
+            lines.extend(_lines(report))
     said = dict(line.split(" ", 1) for line in lines if " " in line)
     if "error:" in said:
         raise SandboxError(f"the sandbox could not be built: {said['error:'].strip()}")
@@ -138,30 +154,12 @@ def _jailed(base: str, work: str, program: Path, env: dict, limits: list[int], t
     raise SandboxError(f"the sandbox ended without its program's status (exit status {proc.returncode})")
 
 
-def _read_report(report, proc: subprocess.Popen, kill: bool) -> list[str]:
-    """The jail's report; the jail killed first (its init, then itself: every process in the
-    namespace dies with init) when `kill`. Its init's pid is the report's first line."""
-    import signal
-
-    if kill:
-        os.set_blocking(report.fileno(), False)
-        try:
-            early = report.read() or ""
-        except (BlockingIOError, TypeError):
-            early = ""
-        for line in early.splitlines():
-            if line.startswith("pid "):
-                try:
-                    os.kill(int(line.split()[1]), signal.SIGKILL)
-                except (ProcessLookupError, PermissionError, ValueError):
-                    pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
+def _lines(report) -> list[str]:
+    """What the jail's report holds now (it never blocks)."""
+    try:
+        return (report.read() or "").splitlines()
+    except (BlockingIOError, TypeError):
         return []
-    return report.read().splitlines()
 
 
 _ISOLATION: list[str | None] = []

@@ -128,11 +128,30 @@ def run(program: Path, work: str, env: dict, limits: list[int], timeout: float, 
                             start_new_session=True, close_fds=True)
     sid = proc.pid
     try:
-        code = proc.wait(timeout=timeout)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        code, timed_out = None, True
+        timed_out = wait_for(proc, timeout, lambda: _kill_all(sid, work))
     finally:
         _kill_all(sid, work)
         proc.wait()
-    return code, timed_out
+    return (None if timed_out else proc.returncode), timed_out
+
+
+def wait_for(proc: subprocess.Popen, timeout: float, kill) -> bool:
+    """Wait for `proc` to end, calling `kill()` (from another thread) if it has not after
+    `timeout` seconds; whether it had to. (Popen.wait with a timeout polls, up to 50 ms late,
+    which is most of what a short program costs.)"""
+    import threading
+
+    fired = threading.Event()
+
+    def expire():
+        fired.set()
+        kill()
+
+    timer = threading.Timer(timeout, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        proc.wait()
+    finally:
+        timer.cancel()
+    return fired.is_set()
