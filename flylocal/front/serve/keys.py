@@ -10,8 +10,8 @@ shared within a partition only, which --cache-share draws:
     key   requests of the same key and the same cache_salt share (the default with keys)
     none  no request shares with another
 
-A partition is a digest: neither a key nor a salt is kept in memory beyond the request, or
-written into the cache's files.
+A partition is a digest of the key's and the salt's: neither is kept in the cache or written
+into its files.
 """
 
 from __future__ import annotations
