@@ -287,34 +287,41 @@ def test_doctor_reports_both_builds():
 
 @pytest.mark.slow
 def test_the_cost_curve_is_measured_once_per_machine_and_cached(tmp_path, all_cores):
+    """The cost cache through real processes, asserting what holds whatever the machine's load
+    (that an idle machine caches a settled curve after the first answer, and the next process
+    reads it, is tested on the fake clock: tests/test_costs.py and tests/test_costs_poisoned.py)."""
     env = {"FLYLOCAL_COSTS": str(tmp_path / "costs")}
     # One thread, and two for another curve at the end (all_cores: the second core is allowed).
     args = ("generate", PROMPT, "--max-tokens", "8", "--json", "--drafter", "pld", "--threads", "1")
     first = json.loads(flylocal(*args, env=env).stdout)["stats"]["cost_curve"]
     # Nothing measured before the first token; after the answer, the calibration, cached.
     assert first["source"] == "prior" and first["state"] == "provisional" and first["shape"]["1"] == 1.0
+    # One curve at most: settled on a quiet machine, provisional (a file of its own) under load,
+    # none where the load distorted the measurement past physics (never cached).
     cached = list((tmp_path / "costs").glob("*.json"))
-    assert len(cached) == 1
-    provisional = store.read_file(cached[0])[0]["meta"].get("provisional")
+    assert len(cached) <= 1
+    record = store.read_file(cached[0])[0] if cached else None
+    assert record is None or record["key"]["threads"] == 1
     second = json.loads(flylocal(*args, env=env).stdout)["stats"]["cost_curve"]
-    if not provisional:                  # settled after the first answer: read, and used as it is
+    if record is not None and not record["meta"].get("provisional"):   # settled: read, and used as it is
         assert second["source"] == "cache" and second["state"] == "settled" and second["passes"] >= 3
-    else:                                # measured under load: a start, measured again in slices
+    elif record is not None:             # measured under load: a start, measured again in slices
         assert second["source"] in ("cache", "measured") and second["state"] == "provisional"
+    else:                                # nothing cached: a start again
+        assert second["source"] in ("prior", "measured") and second["state"] == "provisional"
     again = json.loads(flylocal(*args, "--recalibrate", env=env).stdout)["stats"]
     assert again["cost_curve"]["source"] == "measured" and again["cost_curve"]["passes"] >= 3    # whole, first
     other = json.loads(flylocal(*args, "--threads", "2", env=env).stdout)["stats"]
     assert other["cost_curve"]["source"] == "prior"     # another thread count is another curve, not yet measured
-    # Each file holds one thread count's curve (settled, or provisional in a file of its own); the
-    # one thread's is cached whatever the load. Two threads' is cached too unless the load
-    # distorted its measurement past physics, which is never cached: on a busy machine it may not be.
+    # Each file holds one thread count's curve (settled, or provisional in a file of its own). On
+    # a busy machine a curve whose measurement the load distorted past physics is not cached.
     files = list((tmp_path / "costs").glob("*.json"))
     threads = {}
     for path in files:
         record = store.read_file(path)[0]
         assert record is not None, path
         threads.setdefault(record["key"]["threads"], set()).add(path.name.split(".")[0])
-    assert 1 in threads and set(threads) <= {1, 2} and all(len(names) == 1 for names in threads.values())
+    assert set(threads) <= {1, 2} and all(len(names) == 1 for names in threads.values())
     assert len({name for names in threads.values() for name in names}) == len(threads)   # one file name a curve
 
 
