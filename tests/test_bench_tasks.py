@@ -12,7 +12,9 @@ import pytest
 
 from flylocal.errors import FlylocalError
 from flylocal.front.bench import Prompt, Row
-from flylocal.front.bench.paired import bootstrap, clopper_pearson, compare, mcnemar
+from flylocal.front.bench.scores import compare
+from flylocal.statistics import clopper_pearson, mcnemar
+from flylocal.statistics import mean_difference as bootstrap
 from flylocal.front.bench.scores import reference_of, task_results
 from flylocal.front.bench.tasks import (BASE_STOPS, REFUSED, TASKS, answer, basics_questions, code_program, cut,
                                         final_number, gsm8k_reference, parse_tasks, score_basics, score_chrf,

@@ -4,7 +4,9 @@ true once nobody is looking:
 - the llama.cpp edge (flylocal/llama) reaches the decoding core through its contracts alone;
 - outside the edge, nothing asks a model what it happens to have: no getattr/hasattr on a
   target, a runtime, a context or a model (what they offer is declared in
-  flylocal/decoding/contracts.py)."""
+  flylocal/decoding/contracts.py);
+- no two modules import each other, however far round (an import inside a function counts:
+  it ties the two as much)."""
 
 from __future__ import annotations
 
@@ -85,3 +87,68 @@ def test_the_scanners_see_what_they_look_for():
                      "from flylocal.decoding import batch, contracts\n")
     assert core_imports(tree) == [(1, "flylocal.decoding.costs.meter"), (4, "flylocal.decoding.engine"),
                                   (5, "flylocal.decoding.batch")]
+
+
+def module_of(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(tree: ast.AST, known: set[str]) -> set[str]:
+    """The project's modules `tree` imports, anywhere in it: `from a.b import c` names a.b.c
+    where that is a module, else a.b."""
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+            for a in n.names:
+                out.add(f"{n.module}.{a.name}" if f"{n.module}.{a.name}" in known else n.module)
+        elif isinstance(n, ast.Import):
+            out.update(a.name for a in n.names)
+    return out & known
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts of `graph` with more than one module (Tarjan's)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_itself_round_a_circle():
+    trees = {module_of(path): tree for path, tree in sources(ROOT)}
+    known = set(trees)
+    graph = {m: imported(tree, known) - {m} for m, tree in trees.items()}
+    assert not cycles(graph), "import circles: " + "; ".join(" <-> ".join(c) for c in cycles(graph))
+
+
+def test_the_circle_finder_finds_circles():
+    known = {"p.a", "p.b", "p.c", "p.d"}
+    tree = ast.parse("from p import b\ndef f():\n    import p.c\nfrom p.d import thing\n")
+    assert imported(tree, known) == {"p.b", "p.c", "p.d"}
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

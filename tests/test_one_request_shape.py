@@ -21,7 +21,7 @@ def test_no_dialect_runs_the_steps_itself():
 
     for module in (openai, ollama, responses):
         source = inspect.getsource(module)
-        for step in ("check_settings(", "check_fits(", "settings_from(", "hinted(", "Ask("):
+        for step in ("check_settings(", "check_fits(", "settings_from(", "hinted(", ".hint(", "Ask("):
             assert step not in source, (module.__name__, step)
 
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from flylocal.decoding.drafters import stop_at_eog
+from flylocal.decoding.drafters.pld import stop_at_eog
 from flylocal.decoding.drafters.pld import PromptLookup, confidence_level, find_match, find_matches
 
 

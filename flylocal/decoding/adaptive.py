@@ -26,7 +26,8 @@ import time
 import numpy as np
 
 from flylocal.decoding.contracts import Target
-from flylocal.decoding.costs import STALE, CostCurve, median
+from flylocal.decoding.costs import STALE, CostCurve
+from flylocal.statistics import middle
 
 # A drafter's prior acceptance per confidence level is worth PRIOR_WEIGHT observations;
 # measurements replace it within a few rounds.
@@ -205,7 +206,7 @@ class ModelDraftLength:
             return float(self.draft_costs.cost(1)[0])
         fresh = [r for c, r in self._steps if self.target_costs.decoded_s - c <= STALE]
         if fresh:
-            return median(fresh) * self.target_costs.speed()
+            return middle(fresh) * self.target_costs.speed()
         if not (self.draft_costs.calibrated and self.target_costs.calibrated):
             return self.target_costs.speed()
         return self.draft_costs.calibrated_step() / self.target_costs.calibrated_step() * self.target_costs.speed()
@@ -226,7 +227,7 @@ class ModelDraftLength:
         measured prefills' (the median of the last few, relative to the target's speed as
         `step_s` is), else PREFILL_PRIOR of its single step. A fixed or pinned curve: the prior."""
         if self._prefills and not (self.draft_costs.fixed or self.draft_costs.pinned):
-            return median(self._prefills) * self.target_costs.speed()
+            return middle(self._prefills) * self.target_costs.speed()
         return PREFILL_PRIOR * float(self.draft_costs.cost(1)[0])
 
     def prefilled(self, tokens: int, seconds: float) -> None:
@@ -249,7 +250,7 @@ class ModelDraftLength:
         plain = 1.0 / float(self.target_costs.cost(1)[0])
         if length == 0 or not rate > plain:
             return 0
-        answer = min(remaining, median(self.answers)) if self.answers else remaining
+        answer = min(remaining, middle(self.answers)) if self.answers else remaining
         saved = max(answer, 0) * (1.0 / plain - 1.0 / rate)
         return int(saved / (PAYBACK * self.prefill_s()))
 

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 from flylocal.host import QUIET, CpuLoad, costs_dir
+from flylocal.statistics import middle
 
 PROBES = 5              # decodes measured at a count being tried: their median counts
 ABORT = 1.5             # a trial decode this much slower than the current count's median ends the trial
@@ -66,11 +67,6 @@ def candidates(cores: int) -> list[int]:
         counts.add(p)
         p *= 2
     return sorted(counts)
-
-
-def median(values) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
 
 
 def free_cores(cores: int, busy: float | None) -> int:
@@ -120,7 +116,7 @@ class ThreadControl:
         self.recent = (self.recent + [step])[-RECENT:]
         if len(self.recent) < RECENT:
             return self.current
-        now = self.speed[self.home] = median(self.recent)     # a median: one stalled decode is no change
+        now = self.speed[self.home] = middle(self.recent)     # a median: one stalled decode is no change
         if self.reference is None:
             self.reference = now
         changed = not (self.reference / CHANGE < now < self.reference * CHANGE)
@@ -190,7 +186,7 @@ class ThreadControl:
         self.samples.append(step)
         if len(self.samples) < PROBES and step < ABORT * self.speed[self.home]:
             return
-        self.speed[self.current] = median(self.samples)
+        self.speed[self.current] = middle(self.samples)
         self.samples = []
         if self.trying:
             self.current = self.trying.pop(0)

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from flylocal.front.bench.servers import free_port, interval  # noqa: E402,F401 - the scripts' too
+from flylocal.front.bench.servers import free_port  # noqa: E402,F401 - the scripts' too
+from flylocal.statistics import median, median_interval as interval  # noqa: E402,F401 - the scripts' too
 
 
 def wait_ready(proc: subprocess.Popen, url: str, log, health: str = "/health", timeout: float = 300,
@@ -101,11 +102,6 @@ def spec_bench_questions(per_category: int, skip: int = 0, spec_bench: str | Non
     seen = {id(p) for p in per_group(prompts, skip)} if skip else set()
     chosen = {id(p) for p in per_group(prompts, skip + per_category)} - seen
     return [(p.group, p.text) for p in prompts if id(p) in chosen]
-
-
-def median(values) -> float:
-    values = [v for v in values if v == v]
-    return statistics.median(values) if values else float("nan")
 
 
 def timed(fn, repeat: int) -> float:

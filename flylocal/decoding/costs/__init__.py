@@ -4,9 +4,8 @@ model, as decisions see it (curve), how it is calibrated (calibration), what a c
 
 from flylocal.decoding.costs.calibration import BUDGET, CALIBRATION_SIZES
 from flylocal.decoding.costs.curve import EXPLORE, STALE, SWITCH_PRIOR, WAIT, CostCurve, Source, State
-from flylocal.decoding.costs.shape import median
 from flylocal.decoding.costs.store import read_file, read_record
 from flylocal.host import costs_dir
 
 __all__ = ["BUDGET", "CALIBRATION_SIZES", "EXPLORE", "STALE", "SWITCH_PRIOR", "WAIT", "CostCurve", "Source", "State",
-           "costs_dir", "median", "read_file", "read_record"]
+           "costs_dir", "read_file", "read_record"]

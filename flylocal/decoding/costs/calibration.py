@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from flylocal import host
-from flylocal.decoding.costs.shape import PRIOR_ROW_COST, SWITCH_MAX, distortion, median
+from flylocal.decoding.costs.shape import PRIOR_ROW_COST, SWITCH_MAX, distortion
+from flylocal.statistics import middle
 from flylocal.host import usable_cores
 
 CALIBRATION_SIZES = (1, 2, 3, 5, 9, 17)
@@ -152,7 +153,7 @@ class Measuring:
         # Medians of as many samples each: the lowest of many is lower than the lowest of few. A
         # switch no single-row decode can cost is a stall, not llama.cpp's graph being built again.
         back, steady = self.back, self.steady
-        switch = max(median(back) - median(steady), 0.0) if back and steady else None
+        switch = max(middle(back) - middle(steady), 0.0) if back and steady else None
         if switch is not None and switch > SWITCH_MAX * values[0]:
             switch = None
         meta = {"measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "passes": passes,

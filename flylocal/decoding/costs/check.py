@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 
 from flylocal.decoding.costs.calibration import SLOWER
-from flylocal.decoding.costs.shape import median
+from flylocal.statistics import middle
 
 CONTRADICT = 5           # pairs of two sizes (and rounds in all) before they may contradict the curve
 DISTRUST = 1.5           # two sizes' steps this far apart contradict the curve's shape
@@ -63,9 +63,9 @@ class Check:
                 low, high = fresh[len(fresh) // 4], fresh[-1 - len(fresh) // 4]     # the middle half
                 if low > math.log(DISTRUST) or high < -math.log(DISTRUST):
                     dearer, cheaper = (b, a) if low > 0 else (a, b)
-                    return (f"{dearer} rows take {math.exp(abs(median(fresh))):.1f}x what the curve gives them "
+                    return (f"{dearer} rows take {math.exp(abs(middle(fresh))):.1f}x what the curve gives them "
                             f"against {cheaper}")
         steps = [theirs for _, theirs in self.recent]
-        if len(steps) >= CONTRADICT and SLOWER * median(steps) < step:
-            return f"they ran {step / median(steps):.1f}x as fast as the curve says"
+        if len(steps) >= CONTRADICT and SLOWER * middle(steps) < step:
+            return f"they ran {step / middle(steps):.1f}x as fast as the curve says"
         return None

@@ -35,8 +35,9 @@ from flylocal import host
 from flylocal.decoding.costs import store
 from flylocal.decoding.costs.calibration import BUDGET, CALIBRATION_SIZES, Measuring, calibrate
 from flylocal.decoding.costs.check import STALE, Check
-from flylocal.decoding.costs.shape import (FLOOR, PHYSICS, SWITCH_MAX, consistent, distortion, fill, interpolate, median,
+from flylocal.decoding.costs.shape import (FLOOR, PHYSICS, SWITCH_MAX, consistent, distortion, fill, interpolate,
                                            plausible, prior_shape)
+from flylocal.statistics import middle
 
 SWITCH_PRIOR = 0.07      # single steps the round after a draft pays to go back to one row, where
                          # a curve has no measurement of it: llama.cpp rebuilds its compute graph
@@ -205,7 +206,7 @@ class CostCurve:
                 fresh = [r for c, r in self.samples[n] if self.decoded_s - c <= STALE]
                 if len(fresh) >= FRESH:
                     x.append(float(n))
-                    y.append(math.log(median(fresh) / shape[n - 1]))
+                    y.append(math.log(middle(fresh) / shape[n - 1]))
                     # kept until this size would have too few fresh samples (the median of
                     # the fresh ones, as they were at the last sample: one round's lag at most)
                     self._until = min(self._until, self.samples[n][-FRESH][0] + STALE)
@@ -224,7 +225,7 @@ class CostCurve:
         shape; the calibrated single step before any round (and for a pinned curve)."""
         if self._speed is None:
             use_rounds = not (self.pinned or self.fixed) and len(self.recent) >= 3
-            self._speed = median(self.recent) if use_rounds else self.calibrated_step()
+            self._speed = middle(self.recent) if use_rounds else self.calibrated_step()
         return self._speed
 
     def switch(self) -> float:
@@ -255,7 +256,7 @@ class CostCurve:
 
     def _anchor(self) -> float | None:
         fresh = self._fresh(self.anchors)
-        return median(fresh) if fresh else None
+        return middle(fresh) if fresh else None
 
     def _fresh(self, pairs) -> list[float]:
         return [s for c, s in pairs if self.decoded_s - c <= STALE]

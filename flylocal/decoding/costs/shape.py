@@ -82,8 +82,3 @@ def consistent(samples: dict[int, list[float]], size: int) -> np.ndarray:
 def plausible(rows: int, r: float, calibrated: float) -> bool:
     """Whether r single steps can be what `rows` rows cost, the calibration saying `calibrated`."""
     return FLOOR <= r <= PHYSICS * rows and calibrated / FAR <= r <= calibrated * FAR
-
-
-def median(values) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]

@@ -21,12 +21,6 @@ from flylocal.decoding.adaptive import Learned
 from flylocal.decoding.contracts import NO_DRAFT, Draft, Drafter, Target
 
 
-def stop_at_eog(tokens: np.ndarray, eog: np.ndarray) -> np.ndarray:
-    """Cut a draft after its first end-of-generation token (kept: it can be accepted)."""
-    hits = np.flatnonzero(eog[tokens])
-    return tokens[: hits[0] + 1] if hits.size else tokens
-
-
 class NoDraft(Drafter):
     """Every round is a plain autoregressive step."""
 

@@ -20,9 +20,8 @@ import numpy as np
 
 from flylocal.decoding.adaptive import DraftLength, Learned, ModelDraftLength, streak_after, top_probability
 from flylocal.decoding.contracts import Draft
-from flylocal.decoding.drafters import stop_at_eog
 from flylocal.decoding.drafters.model import ModelBased
-from flylocal.decoding.drafters.pld import confidence_level, find_match, level_prior
+from flylocal.decoding.drafters.pld import confidence_level, find_match, level_prior, stop_at_eog
 from flylocal.decoding.verifiers.base import native_prefix
 
 

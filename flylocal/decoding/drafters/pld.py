@@ -11,7 +11,12 @@ from __future__ import annotations
 import numpy as np
 
 from flylocal.decoding.contracts import EMPTY, NO_DRAFT, Draft, Drafter
-from flylocal.decoding.drafters import stop_at_eog
+
+
+def stop_at_eog(tokens: np.ndarray, eog: np.ndarray) -> np.ndarray:
+    """Cut a draft after its first end-of-generation token (kept: it can be accepted)."""
+    hits = np.flatnonzero(eog[tokens])
+    return tokens[: hits[0] + 1] if hits.size else tokens
 
 
 NO_ENDS = np.zeros(0, dtype=np.int64)

@@ -8,30 +8,12 @@ import json
 import os
 import platform
 import statistics
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from flylocal.errors import FlylocalError
 from flylocal.front.bench.figures import pyplot, save
 from flylocal.front.bench.prompts import GROUP_ORDER, Prompt
-
-
-COUNTS = ("tokens", "emitted_in_rounds", "decode_tokens", "decode_s", "wall_s", "rounds", "loose", "verify_s", "drafted", "accepted", "forced", "mask_s")    # summed per prompt over turns, repeats
-
-
-@dataclass
-class Row:
-    method: str
-    per_prompt: dict = field(default_factory=dict)  # prompt id -> {COUNTS}
-    outputs: dict = field(default_factory=dict)    # prompt id -> (token ids, text) of the first turn, last repeat
-    later: dict = field(default_factory=dict)      # prompt id -> [token ids of each later turn], last repeat
-    nll: dict = field(default_factory=dict)        # prompt id -> target NLL
-    spent: dict = field(default_factory=dict)      # prompt id -> ASD regret spent (every turn), last repeat
-    passed: dict = field(default_factory=dict)     # prompt id -> HumanEval tests passed (with execute)
-    failures: list = field(default_factory=list)   # {"prompt", "repeat", "error"} per failed prompt
-    valid: dict = field(default_factory=dict)      # prompt id -> the answer is valid under --json-schema
-    scores: dict = field(default_factory=dict)     # prompt id -> its task's score of the answer, 0-100
-    loose: dict = field(default_factory=dict)      # prompt id -> output positions accepted loosely (first turn)
+from flylocal.front.bench.rows import COUNTS, Row, interval, ratios, speed_of  # noqa: F401 - COUNTS, Row: the bench's names
 
 
 def _mean(values) -> float | None:
@@ -39,53 +21,8 @@ def _mean(values) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def _speed(row: Row, ids) -> dict:
-    """Summed counts of `row` over the prompt ids given."""
-    t = dict.fromkeys(COUNTS, 0)
-    for pid in ids:
-        for key, v in row.per_prompt[pid].items():
-            t[key] += v
-    return t
-
-
-def _ratios(mine: dict, ref: dict | None) -> dict:
-    """Decode and end-to-end tokens/s, and their ratios to `ref`'s (None where undefined)."""
-    tps = mine["decode_tokens"] / mine["decode_s"] if mine["decode_s"] > 0 else 0.0
-    e2e = mine["tokens"] / mine["wall_s"] if mine["wall_s"] > 0 else 0.0
-    out = {"tokens_per_s": round(tps, 2), "speedup": None, "e2e_tokens_per_s": round(e2e, 2), "e2e_speedup": None}
-    if ref is not None and tps and e2e:
-        ref_tps = ref["decode_tokens"] / ref["decode_s"] if ref["decode_s"] > 0 else 0.0
-        ref_e2e = ref["tokens"] / ref["wall_s"] if ref["wall_s"] > 0 else 0.0
-        out["speedup"] = round(tps / ref_tps, 3) if ref_tps else None
-        out["e2e_speedup"] = round(e2e / ref_e2e, 3) if ref_e2e else None
-    return out
-
-
-RESAMPLES = 2000         # bootstrap resamples of the prompts for a speed ratio's interval
 NEAR_ONE = 1.1           # mean accepted length below which a speedup is not speculation's doing
 BUSY = 0.25              # cores kept busy by other processes above which the report warns
-
-
-def interval(row: Row, ref: Row, ids: list[str], e2e: bool) -> list[float] | None:
-    """The 95% interval of a speed ratio (row's summed tokens over summed seconds, over ref's)
-    over the prompts `ids`: a percentile bootstrap of the prompts (RESAMPLES, a fixed seed, so
-    a report is reproducible). None for fewer than two prompts."""
-    import numpy as np
-
-    if len(ids) < 2:
-        return None
-    tokens, seconds = ("tokens", "wall_s") if e2e else ("decode_tokens", "decode_s")
-    a = np.array([[row.per_prompt[i][tokens], row.per_prompt[i][seconds],
-                   ref.per_prompt[i][tokens], ref.per_prompt[i][seconds]] for i in ids], dtype=np.float64)
-    pick = np.random.default_rng(0).integers(0, len(ids), size=(RESAMPLES, len(ids)))
-    sums = a[pick].sum(axis=1)                                     # [RESAMPLES, 4]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratios = (sums[:, 0] / sums[:, 1]) / (sums[:, 2] / sums[:, 3])
-    ratios = ratios[np.isfinite(ratios)]
-    if not len(ratios):
-        return None
-    low, high = np.percentile(ratios, [2.5, 97.5])
-    return [round(float(low), 3), round(float(high), 3)]
 
 
 def repeated_4grams(tokens) -> float | None:
@@ -111,10 +48,10 @@ def metrics(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
     for m, row in rows.items():
         done = [p for p in prompts if p.id in row.outputs]
         both = [p.id for p in done if ref is not None and p.id in ref.outputs]
-        mine = _speed(row, [p.id for p in done])
-        speed = _ratios(mine, None)
+        mine = speed_of(row, [p.id for p in done])
+        speed = ratios(mine, None)
         if both:
-            speed.update({k: v for k, v in _ratios(_speed(row, both), _speed(ref, both)).items()
+            speed.update({k: v for k, v in ratios(speed_of(row, both), speed_of(ref, both)).items()
                           if k.endswith("speedup")})
             if row is not ref:
                 speed["speedup_ci"] = interval(row, ref, both, e2e=False)
@@ -132,10 +69,10 @@ def metrics(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
             ref_ids = [pid for pid in ids if ref is not None and pid in ref.outputs]
             if not ids:
                 continue
-            g = _speed(row, ids)
+            g = speed_of(row, ids)
             cis = ({"speedup_ci": interval(row, ref, ref_ids, e2e=False),
                     "e2e_speedup_ci": interval(row, ref, ref_ids, e2e=True)} if ref_ids and row is not ref else {})
-            categories[group] = {**_ratios(_speed(row, ref_ids), _speed(ref, ref_ids) if ref_ids else None), **cis,
+            categories[group] = {**ratios(speed_of(row, ref_ids), speed_of(ref, ref_ids) if ref_ids else None), **cis,
                                  "mean_accepted_length": round(g["emitted_in_rounds"] / g["rounds"], 3) if g["rounds"] else None,
                                  "prompts": len(ids)}
         nll = _mean(row.nll.values())
@@ -203,7 +140,7 @@ def per_prompt(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
             mine = row.per_prompt[p.id]
             r = ref.per_prompt.get(p.id) if ref is not None and p.id in ref.outputs else None
             out.append({"prompt": p.id, "category": p.category, "method": m, "tokens": mine["tokens"],
-                        **_ratios(mine, r),
+                        **ratios(mine, r),
                         "mean_accepted_length": round(mine["emitted_in_rounds"] / mine["rounds"], 3) if mine["rounds"] else None,
                         "wall_s": round(mine["wall_s"], 4), "answer": row.outputs[p.id][1],
                         **({"task": p.task, "seed": p.seed, "score": round(row.scores[p.id], 2),

@@ -1,7 +1,10 @@
 """Task scores beside speed (docs/design.md, "Task scores"): per task and method the mean score,
-its paired difference from the reference's with a 95% interval (flylocal.front.bench.paired),
-the speed on the task's questions, the answers lost to the reference and the tokens accepted
-loosely in them; the report's Quality section, and quality.png."""
+its paired difference from the reference's with a 95% interval (`compare`, through
+flylocal.statistics), the speed on the task's questions, the answers lost to the reference and
+the tokens accepted loosely in them; the report's Quality section, and quality.png.
+
+A method *loses* when the whole interval of its difference lies below 0. It *keeps* the
+reference's score when the interval reaches 0 or above, or when its loss is under KEEP_POINTS."""
 
 from __future__ import annotations
 
@@ -10,12 +13,27 @@ from pathlib import Path
 
 from flylocal.front.bench.figures import pyplot, save
 from flylocal.front.bench.methods import METHODS
-from flylocal.front.bench.paired import KEEP_POINTS, compare
 from flylocal.front.bench.prompts import Prompt
-from flylocal.front.bench.report import Row, _ratios, _speed, interval
+from flylocal.front.bench.rows import Row, interval, ratios, speed_of
 from flylocal.front.bench.tasks import TASKS
+from flylocal.statistics import mcnemar, mean_difference
 
 LOST_SHOWN = 5           # lost answers listed per task and method in report.md (results.json has all)
+KEEP_POINTS = 1.0        # a loss under one point of the 0-100 scale is kept
+
+
+def compare(reference: list[float], method: list[float], kind: str) -> dict:
+    """`method`'s scores against `reference`'s on the same questions, in the same order:
+    {diff, ci, p, lost, gained, loses, keeps}. Right/wrong tasks (`kind` "pass", scores 0 or 100)
+    go through McNemar, anything else through the paired bootstrap (flylocal.statistics)."""
+    if kind == "pass" and all(v in (0.0, 100.0) for v in (*reference, *method)):
+        out = mcnemar([v > 0 for v in reference], [v > 0 for v in method])
+    else:
+        out = mean_difference(reference, method)
+    ci = out["ci"]
+    out["loses"] = ci is not None and ci[1] < 0
+    out["keeps"] = ci is None or ci[1] >= 0 or -out["diff"] < KEEP_POINTS
+    return out
 
 
 def reference_of(rows: dict[str, Row]) -> str | None:
@@ -55,9 +73,9 @@ def task_results(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
             timed = [i for i in done if i in row.per_prompt]
             if timed:
                 both = [i for i in timed if plain is not None and i in plain.per_prompt and i in plain.outputs]
-                entry.update(_ratios(_speed(row, timed), None))
+                entry.update(ratios(speed_of(row, timed), None))
                 if both:
-                    entry.update({k: v for k, v in _ratios(_speed(row, both), _speed(plain, both)).items()
+                    entry.update({k: v for k, v in ratios(speed_of(row, both), speed_of(plain, both)).items()
                                   if k.endswith("speedup")})
                     if row is not plain:
                         entry["e2e_speedup_ci"] = interval(row, plain, both, e2e=True)

@@ -33,6 +33,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 
 from flylocal.errors import FlylocalError
+from flylocal.statistics import median, median_interval
 
 # flylocal's configurations by name: its methods (`flylocal bench`'s names) through `flylocal serve`.
 FLYLOCAL = {"autoregressive": "--drafter none --verifier strict",
@@ -336,17 +337,9 @@ def rates(replies: list[Reply]) -> dict:
     decode = [(r.tokens - 1) / (r.last - r.first) for r in ok if r.tokens > 1 and r.last > r.first]
     whole = ok and len(ok) == len(replies) and wall > 0        # a wave with a failure has no rate
     return {"tokens": tokens, "wall": wall, "rate": tokens / wall if whole else float("nan"),
-            "decode": _median(decode), "ttft": [r.first - r.start for r in ok],
+            "decode": median(decode), "ttft": [r.first - r.start for r in ok],
             "errors": [r.error or "no text" for r in replies if r.error or r.last is None],
             "requests": len(replies), "counted": all(r.counted for r in ok)}
-
-
-def _median(values) -> float:
-    values = sorted(v for v in values if v == v)
-    if not values:
-        return float("nan")
-    n = len(values)
-    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -389,18 +382,6 @@ def run(plan: Plan, say) -> dict:
 
 # -- the report ---------------------------------------------------------------------------------
 
-def interval(ratios: list[float], draws: int = 10_000, seed: int = 0) -> tuple[float, float]:
-    """A 95% bootstrap interval of the median of per-wave ratios (waves resampled, a fixed seed)."""
-    import numpy as np
-
-    r = np.asarray([x for x in ratios if x == x])
-    if len(r) < 2:
-        return (float(r[0]), float(r[0])) if len(r) else (float("nan"), float("nan"))
-    picks = np.random.default_rng(seed).integers(0, len(r), size=(draws, len(r)))
-    lo, hi = np.percentile(np.median(r[picks], axis=1), [2.5, 97.5])
-    return float(lo), float(hi)
-
-
 def paired(got: dict, name: str, other: str, key: str = "rate") -> list[tuple[float, str]]:
     """`name`'s figure over `other`'s, wave by wave, with each wave's label (waves where
     either failed left out)."""
@@ -413,9 +394,9 @@ def ratio_text(pairs: list[tuple[float, str]], worst: bool = True) -> str:
     if not pairs:
         return "-"
     values = [v for v, _ in pairs]
-    lo, hi = interval(values)
+    lo, hi = median_interval(values)
     low = min(pairs)
-    return f"{_median(values):.2f} ({lo:.2f}-{hi:.2f})" + (f", worst {low[0]:.2f} ({low[1]})" if worst else "")
+    return f"{median(values):.2f} ({lo:.2f}-{hi:.2f})" + (f", worst {low[0]:.2f} ({low[1]})" if worst else "")
 
 
 def _drafts_nothing(server: Server) -> bool:
@@ -459,9 +440,9 @@ def report(plan: Plan, results: dict, turns: int) -> str:
             ttft = [t for w in waves for t in w["ttft"]]
             wall = sum(w["wall"] for w in waves if w["wall"] > 0)
             lines.append(f"| {name} | {sum(w['requests'] for w in waves)} | {sum(w['tokens'] for w in waves)} | "
-                         f"{_median(w['rate'] for w in waves):.1f} | "
+                         f"{median(w['rate'] for w in waves):.1f} | "
                          f"{'1' if name == plan.base else ratio_text(paired(got, name, plan.base))} | "
-                         f"{_median(w['decode'] for w in waves):.1f} | "
+                         f"{median(w['decode'] for w in waves):.1f} | "
                          f"{'1' if name == plan.base else ratio_text(paired(got, name, plan.base, 'decode'), False)} | "
                          f"{sum(w['tokens'] for w in waves) / wall if wall else float('nan'):.1f} | "
                          f"{_percentile(ttft, 0.5):.2f} | {_percentile(ttft, 0.95):.2f} | "
@@ -474,7 +455,7 @@ def report(plan: Plan, results: dict, turns: int) -> str:
             lines += [f"{m} / {plain}: {ratio_text(paired(got, m, plain))}" for m in ours if m != plain]
         others = [m for m in names if not by_name[m].flylocal]
         if ours and others:
-            best = max(others, key=lambda m: _median(v for v, _ in paired(got, m, plan.base)))
+            best = max(others, key=lambda m: median(v for v, _ in paired(got, m, plan.base)))
             lines += [f"{m} / {best} (the best of the other servers here): {ratio_text(paired(got, m, best))}"
                       for m in ours]
         for name in names:

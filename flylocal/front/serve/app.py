@@ -38,6 +38,13 @@ from flylocal.session import Session
 from flylocal.settings import OPTIONS, Settings
 
 MAX_BODY = 4 << 20          # bytes of a request body
+# Options that tune how a model is loaded or run (context, threads, batches, memory, devices), as
+# Ollama names them: flylocal sets them when the server starts, so a request's value is a hint
+# that changes nothing (the log says so once per option: Server.hint). The command line's option
+# for it, where it has one.
+LOADING_OPTIONS = {"num_ctx": "--ctx", "num_gpu": "--gpu-layers", "main_gpu": None, "num_thread": "--threads",
+                   "num_batch": "--batch-size", "num_keep": None, "use_mmap": None, "use_mlock": None, "numa": None,
+                   "low_vram": None, "f16_kv": None, "vocab_only": None, "logits_all": None, "num_gqa": None}
 MAX_STOPS = 64           # stop strings in one request (local servers take any number; a bound keeps a
                          # request's cost per token bounded)
 
@@ -448,13 +455,24 @@ class Server:
     def settings_of(self, n: Neutral) -> Settings:
         """The server's settings with the request's applied, checked: a 400 naming the field at
         fault for settings no engine can run."""
-        from flylocal.front.serve.ollama_options import hinted
         from flylocal.settings import settings_from
 
         settings = settings_from(n.params, self.settings)
         self.check_settings(settings, param=n.options)
-        hinted(self, n.hints)
+        self.hint(n.hints)
         return settings
+
+    def hint(self, names: tuple[str, ...]) -> None:
+        """Log, once per option for the server's life, that a request's loading option
+        (LOADING_OPTIONS) changes nothing."""
+        new = [name for name in names if name not in self.hinted]
+        if not new:
+            return
+        self.hinted.update(new)
+        if self.log is not None:
+            flags = sorted({LOADING_OPTIONS[n] for n in new if LOADING_OPTIONS.get(n)})
+            self.log(f"options {', '.join(new)}: taken as hints, which change nothing here: flylocal sets how its "
+                     "models are loaded and run when it starts" + (f" ({', '.join(flags)})" if flags else ""))
 
     def ask(self, session: Session, n: Neutral, key: str | None = None) -> Ask:
         """A request in neutral terms, checked, as the worker's job: its settings, its prompt

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from flylocal.errors import FlylocalError
 from flylocal.front.serve.app import ApiError, Compute, Endpoint, Exchange, Server
 from flylocal.front.serve.ollama import Ollama
-from flylocal.front.serve.ollama_options import checked_keep_alive, hinted, read_options
+from flylocal.front.serve.ollama_options import checked_keep_alive, read_options
 
 MAX_INPUTS = 2048          # inputs in one request (OpenAI's own bound)
 
@@ -84,7 +84,7 @@ def check_options(server: Server, options: dict | None) -> int | None:
     not sampled, so the sampling options change nothing here); the num_ctx wished for, if
     any: inputs are cut to it, within the embedding context, when truncating."""
     given = read_options(options, server.settings.ctx)
-    hinted(server, given.hints)
+    server.hint(given.hints)
     return given.num_ctx
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from flylocal.front.serve.app import ApiError, Server, checked_option, checked_stops
+from flylocal.front.serve.app import LOADING_OPTIONS, ApiError, checked_option, checked_stops
 from flylocal.front.serve.keys import checked_salt
 from flylocal.settings import OPTIONS
 
@@ -24,12 +24,8 @@ from flylocal.settings import OPTIONS
 SAMPLING_OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                     "seed": "seed", "repeat_penalty": "repeat_penalty", "presence_penalty": "presence_penalty",
                     "frequency_penalty": "frequency_penalty"}
-# Options that tune how a model is loaded or run (context, threads, batches, memory, devices):
-# flylocal sets them when the server starts, so a request's value is a hint that changes nothing
-# (the log says so once per option). The command line's option for it, where it has one.
-HINTS = {"num_ctx": "--ctx", "num_gpu": "--gpu-layers", "main_gpu": None, "num_thread": "--threads",
-         "num_batch": "--batch-size", "num_keep": None, "use_mmap": None, "use_mlock": None, "numa": None,
-         "low_vram": None, "f16_kv": None, "vocab_only": None, "logits_all": None, "num_gqa": None}
+# Options that tune how a model is loaded or run: a request's value is a hint (flylocal.front.serve.app).
+HINTS = LOADING_OPTIONS
 # Options that change the text at any value but one, which is flylocal's: another is a 400.
 FIXED = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0, "rope_frequency_base": 0, "rope_frequency_scale": 0}
 # Options that change nothing here at any value: mirostat's rates (mirostat is 0), and
@@ -137,15 +133,3 @@ def read_options(options: dict | None, n_ctx: int, where: str | None = "options"
         del params["repeat_last_n"]
         params.update(repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
     return Options(params, tuple(stops), tuple(hints), num_ctx)
-
-
-def hinted(server: Server, hints: tuple[str, ...]) -> None:
-    """Log, once per option for the server's life, that a request's hint changes nothing."""
-    new = [name for name in hints if name not in server.hinted]
-    if not new:
-        return
-    server.hinted.update(new)
-    if server.log is not None:
-        flags = sorted({HINTS[n] for n in new if HINTS[n]})
-        server.log(f"options {', '.join(new)}: taken as hints, which change nothing here: flylocal sets how its models "
-                   "are loaded and run when it starts" + (f" ({', '.join(flags)})" if flags else ""))
