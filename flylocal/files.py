@@ -85,3 +85,16 @@ def write_atomically(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def usable_folder(folder: str | os.PathLike, what: str) -> Path:
+    """`folder`, made if need be and writable; FlylocalError naming `what` otherwise."""
+    path = Path(folder).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, tmp = new_temp(path, ".probe.", ".tmp")
+        os.close(fd)
+        tmp.unlink()
+    except OSError as e:
+        raise FlylocalError(f"{what} {folder}: {e.strerror or e}") from None
+    return path

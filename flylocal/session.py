@@ -22,7 +22,7 @@ from pathlib import Path
 from flylocal.decoding.engine import Engine, Generation
 from flylocal.decoding.stats import Stats
 from flylocal.decoding.verifiers import make_verifier
-from flylocal import prompt_files
+from flylocal.decoding import prompt_files
 from flylocal.errors import FlylocalError
 from flylocal.files import read_text, write_atomically
 from flylocal.loader import Models

@@ -14,7 +14,7 @@ import pytest
 from flylocal.errors import FlylocalError
 from flylocal.front import bench as b
 from flylocal.front.bench import METHODS, Prompt, humaneval_prompts, passes, stop_code
-from flylocal.front.sandbox import ADDRESS_SPACE, run_python
+from flylocal.front.bench.sandbox import ADDRESS_SPACE, run_python
 from conftest import SMOL, model_path
 from test_cli import assert_one_line_error
 

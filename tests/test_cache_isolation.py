@@ -174,7 +174,7 @@ def test_a_forged_file_is_refused_and_the_answer_is_a_fresh_servers(tmp_path):
     """Conversation 5's header and tokens with conversation 3's states and digest, in DIR: the
     restarted server refuses it in one line and answers conversation 5 as a server with no
     cache does (before, it answered about conversation 3's document)."""
-    from flylocal.prompt_files import DIGEST, MAGIC
+    from flylocal.decoding.prompt_files import DIGEST, MAGIC
 
     folder = tmp_path / "dir"
     files = {}

@@ -15,7 +15,7 @@ from flylocal.decoding.batch import Batch
 from flylocal.decoding.engine import Engine, EngineConfig
 from flylocal.decoding.prompt_cache import PromptCache
 from flylocal.decoding.verifiers.strict import Strict
-from flylocal.prompt_files import Shelf
+from flylocal.decoding.prompt_files import Shelf
 
 LM = FakeLM(seed=11, n_vocab=32, eog=(), p_eog=0.0)
 N_CTX = 400
@@ -192,7 +192,7 @@ def test_a_file_with_a_hostile_header_is_deleted_not_a_traceback(tmp_path):
     import json
     import struct
 
-    from flylocal.prompt_files import MAGIC
+    from flylocal.decoding.prompt_files import MAGIC
 
     target = FakeSequences(LM, 1, N_CTX, 64, fixed_costs(0.1, rows=64))
     for header in ({"key": [target.state_key()], "tokens": [["a"]], "sizes": [4], "sha256": ""},
@@ -304,7 +304,7 @@ def test_a_disk_tier_that_cannot_be_written_drops_entries_in_one_true_line(tmp_p
     line saying why, never said to be on disk; no later request fails."""
     import errno
 
-    from flylocal import prompt_files
+    from flylocal.decoding import prompt_files
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -344,7 +344,7 @@ def test_a_forged_file_is_refused_before_its_states_are_loaded(tmp_path):
     request prefills; nothing is restored."""
     import struct
 
-    from flylocal.prompt_files import DIGEST, MAGIC, Unusable, read
+    from flylocal.decoding.prompt_files import DIGEST, MAGIC, Unusable, read
 
     target = FakeSequences(LM, 1, N_CTX, 64, fixed_costs(0.1, rows=64))
     cache = PromptCache([target], 1 << 20, Shelf(tmp_path, 1 << 20, [target.state_key()]))
@@ -381,7 +381,7 @@ def test_a_fifo_a_link_or_a_device_in_the_folder_is_skipped_in_one_line(tmp_path
     import os
     import threading
 
-    from flylocal.prompt_files import Unusable, read
+    from flylocal.decoding.prompt_files import Unusable, read
 
     os.mkfifo(tmp_path / "fifo.prompt")
     (tmp_path / "link.prompt").symlink_to("/dev/zero")

@@ -16,7 +16,7 @@ from flylocal.decoding.drafters import make_drafter
 from flylocal.decoding.engine import Engine, EngineConfig
 from flylocal.decoding.prompt_cache import PromptCache
 from flylocal.decoding.verifiers.strict import Strict
-from flylocal.prompt_files import Shelf, read, write
+from flylocal.decoding.prompt_files import Shelf, read, write
 from test_exact import plain
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The sandbox model-written code runs in (flylocal/front/sandbox, docs/operations.md "Running
+"""The sandbox model-written code runs in (flylocal/front/bench/sandbox, docs/operations.md "Running
 model-written code"): each of the red team's escapes, tried from inside, must fail, and the caller
 and its files must come out untouched; the folder's removal never crosses a mount; `bench
 --execute` refuses in one line where namespaces cannot be had. These run real processes, no
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flylocal.front.sandbox import PROCESSES, isolation, remove_tree, run_python
+from flylocal.front.bench.sandbox import PROCESSES, isolation, remove_tree, run_python
 
 WHY = isolation()
 needs_namespaces = pytest.mark.skipif(WHY is not None, reason=f"no namespaces here: {WHY}")
@@ -42,7 +42,7 @@ def test_it_cannot_kill_or_see_its_caller(tmp_path):
     is gone."""
     caller = textwrap.dedent("""\
         import os, sys
-        from flylocal.front.sandbox import run_python
+        from flylocal.front.bench.sandbox import run_python
         me = os.getpid()
         program = f'''
         import os, signal, sys
@@ -269,7 +269,7 @@ def test_the_folders_removal_never_crosses_a_mount_or_follows_a_link(tmp_path):
     script = textwrap.dedent(f"""\
         import ctypes, os, sys
         sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
-        from flylocal.front.sandbox import remove_tree
+        from flylocal.front.bench.sandbox import remove_tree
         libc = ctypes.CDLL(None, use_errno=True)
         assert libc.mount({str(outside).encode()!r}, {str(folder / 'inner' / 'm').encode()!r}, None, 4096, None) == 0
         remove_tree({str(folder)!r})

@@ -310,7 +310,7 @@ KEPT, RETRACTED = "kept", "retracted"
 
 
 class Verifier(Protocol):
-    """How much of a draft to commit (docs/design.md, "Verifiers"). `decide` is a function of the
+    """How much of a draft to commit (docs/verifiers.md). `decide` is a function of the
     round's arrays and of what the verifier carries across rounds (a ledger, an open window);
     `commit`, `begin` and `reset` keep that state."""
 

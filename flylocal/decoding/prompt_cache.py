@@ -57,7 +57,7 @@ class Entry:
 
 
 class Shelf(Protocol):
-    """Where entries go past the memory bound and across restarts (flylocal.prompt_files.Shelf)."""
+    """Where entries go past the memory bound and across restarts (flylocal.decoding.prompt_files.Shelf)."""
     limit: int
 
     def entries(self) -> list[Entry]:

@@ -21,7 +21,7 @@ from flylocal.front.chat import chat
 from flylocal.front.model_commands import models
 from flylocal.front.terminal import (compile_constraint, constrained_output, json_schema_option, note, open_output,
                                      read_constraint, read_input, read_prompt, say, shown)
-from flylocal.prompt_files import CacheOptions, usable_folder
+from flylocal.files import usable_folder
 from flylocal.settings import (DRAFTING, GENERATION, LLAMA, MODEL, SAMPLING, VERIFIER_PARAMS, Mebibytes, Slots, options,
                                settings_from)
 
@@ -199,7 +199,7 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
     if out_dir is None:
         raise click.UsageError("Missing option '--out'.")
     from flylocal.front import bench as b
-    from flylocal.front.sandbox import Sandbox, isolation
+    from flylocal.front.bench.sandbox import Sandbox, isolation
 
     sandbox = Sandbox(unsafe=True) if execute_unsafe else Sandbox() if execute else None
     if sandbox is not None and not sandbox.unsafe and (why := isolation()) is not None:
@@ -398,6 +398,7 @@ def serve(host, port, api_key, api_key_file, cache_share, max_queue, cors_origin
     settings = dataclasses.replace(settings_from(opts), parallel=parallel, kv_unified=kv_unified,
                                    calibration_wait=WAIT)
     check(settings)
+    from flylocal.front.serve.cache import CacheOptions
     from flylocal.front.serve.keys import Keys, read_key_file
 
     api_keys = tuple(read_key_file(api_key_file)) if api_key_file else ()

@@ -20,7 +20,7 @@ import time
 
 from harness import interval
 
-from flylocal.front.sandbox import isolation, run_python
+from flylocal.front.bench.sandbox import isolation, run_python
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Verifiers: how much of a draft to commit (docs/design.md, "Verifiers").
+"""Verifiers: how much of a draft to commit (docs/verifiers.md).
 
 Each rule is a pure numpy function of the round's arrays (`strict`, `fly`, `asd`), testable with
 a few hand-written numbers and knowing nothing of llama.cpp, and a small `Verifier` object

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from flylocal.errors import FlylocalError
 from flylocal.files import read_text
-from flylocal.front.sandbox import Sandbox
+from flylocal.front.bench.sandbox import Sandbox
 
 
 # Spec-Bench's six groups: its eight MT-Bench categories pool as multi-turn conversation; any
@@ -156,7 +156,7 @@ def humaneval_prompts(limit: int | None) -> list[Prompt]:
 
 
 def passes(prompt: Prompt, completion: str, sandbox: Sandbox = Sandbox(), timeout: float = 10.0) -> bool:
-    """Run a HumanEval completion against its tests in the sandbox (flylocal.front.sandbox) with a timeout."""
+    """Run a HumanEval completion against its tests in the sandbox (flylocal.front.bench.sandbox) with a timeout."""
     program = f"{prompt.text}{completion}\n\n{prompt.test}\n\ncheck({prompt.entry_point})\n"
     return sandbox.run(program, timeout).ok
 

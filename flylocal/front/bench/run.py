@@ -30,7 +30,7 @@ from flylocal.front.bench.prompts import (Prompt, encode_all, humaneval_prompts,
                                           per_group, standin_prompts, stop_code, valid_json)
 from flylocal.front.bench.tasks import TASKS, answer, cut, parse_tasks, task_prompts
 from flylocal.front.bench.report import COUNTS, Row, machine_info, metrics, per_prompt, write_results
-from flylocal.front.sandbox import Sandbox
+from flylocal.front.bench.sandbox import Sandbox
 
 if TYPE_CHECKING:
     from flylocal.loader import Models
@@ -185,7 +185,7 @@ def run(settings: Settings, models: Models, baselines: dict, prompts: list[Promp
     engine settings shared by all methods; each method sets its verifier and drafter.
     `encoded` is encode_all's result (computed here if not given). A method that raises on a
     prompt gets a failure recorded for it and is not run on that prompt again. With `execute`,
-    HumanEval completions are run against their tests (in flylocal.front.sandbox). With a JSON
+    HumanEval completions are run against their tests (in flylocal.front.bench.sandbox). With a JSON
     `schema`, every answer is generated under it, and checked against it. `progress(step,
     total, what)` is told of each step before it runs."""
     rows = {m: Row(m) for m in methods}

@@ -9,7 +9,7 @@ questions of each, its scorer, and where an answer ends.
 - `rag`: Spec-Bench's retrieved-passages questions; right when one of the reference answers is
   found in the answer (lower case, punctuation and spacing ignored).
 - `humaneval`: HumanEval's 164 problems; right when the completion passes the problem's tests,
-  run in the sandbox (flylocal.front.sandbox), which the test program checks before it runs.
+  run in the sandbox (flylocal.front.bench.sandbox), which the test program checks before it runs.
 - `basics`: flylocal's own short questions (one-digit sums, extraction, the next day or month, the larger of two numbers), built from
   a fixed seed so that the small registry models answer some and miss some: a difference
   between methods can show on the models every machine has.
@@ -29,7 +29,7 @@ from typing import Callable
 
 from flylocal.errors import FlylocalError
 from flylocal.front.bench.prompts import BASE_FORM, Prompt, data_dir, load_prompts, stop_code
-from flylocal.front.sandbox import Sandbox
+from flylocal.front.bench.sandbox import Sandbox
 
 BASE_STOPS = ("\nQuestion:", "\n\n")     # where a base model's answer in BASE_FORM ends
 

@@ -27,7 +27,7 @@ from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server
 from flylocal.front.serve.guard import Guard, HostRule
 from flylocal.front.serve.keys import Keys
 from flylocal.llama.net import check_port, is_loopback
-from flylocal.prompt_files import CacheOptions, open_cache
+from flylocal.front.serve.cache import CacheOptions, open_cache
 from flylocal.session import Session
 from flylocal.settings import Settings
 
@@ -56,7 +56,7 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
     where it listens (the Host rule), `log` takes a line per request (None: quiet), `dialects`
     the APIs it speaks (modules with `routes(app, server)`), `embedding_model` the model that
     computes embeddings (its name and file; None: the target), `prompt_cache` where the slots'
-    cells are kept when they take other prompts (flylocal.prompt_files). `api_key` and
+    cells are kept when they take other prompts (flylocal.front.serve.cache). `api_key` and
     `api_keys` are the keys a request must carry one of, `cache_share` who shares the prompt
     cache (flylocal.front.serve.keys)."""
     said = log or (lambda line: None)

@@ -107,7 +107,7 @@ class Worker:
     def __init__(self, load: Callable[[], Session], metrics: Metrics, max_queue: int,
                  on_failure: Callable[[BaseException], None] = lambda e: None,
                  open_cache: Callable[[Session], Any] = lambda session: None):
-        """`open_cache`: the prompt cache of the loaded models (flylocal.prompt_files.open_cache),
+        """`open_cache`: the prompt cache of the loaded models (flylocal.front.serve.cache.open_cache),
         or None for one that keeps nothing."""
         self.metrics, self.max_queue = metrics, max_queue
         self.open_cache = open_cache

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flylocal.errors import FlylocalError
-from flylocal.front.sandbox import guard
+from flylocal.front.bench.sandbox import guard
 
 ADDRESS_SPACE = 1 << 30        # bytes of virtual memory
 FILE_SIZE = 16 << 20           # bytes any one file (and the captured output) may grow to

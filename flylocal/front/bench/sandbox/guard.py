@@ -1,5 +1,5 @@
 """The guard (`bench --execute-unsafe`, where namespaces are not to be had): rlimits and a
-session, not isolation (flylocal.front.sandbox for what isolates).
+session, not isolation (flylocal.front.bench.sandbox for what isolates).
 
 The program runs in a fresh `python -I` (isolated mode) in its folder, which is also its HOME
 and TMPDIR, with a minimal environment, no stdin, in a new session, under resource limits (CPU

@@ -1,5 +1,5 @@
 """The sandbox's jail: run as a script (`python -I -S jail.py CONFIG`), on the standard library
-alone, by flylocal.front.sandbox, never imported. It runs one program where (docs/operations.md,
+alone, by flylocal.front.bench.sandbox, never imported. It runs one program where (docs/operations.md,
 "Running model-written code"):
 
 - it has no network: a network namespace of its own, whose loopback is down;
