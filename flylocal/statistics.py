@@ -1,5 +1,5 @@
 """The project's statistics, in one place: medians, percentile bootstrap intervals and the paired
-tests that compare a method with a reference (docs/design.md, "Benchmarks" and "Task scores").
+tests that compare a method with a reference (docs/bench.md, "Methods side by side" and "Task scores").
 Pure functions over numbers; bench, its report and task scores, `bench serve`, the thread
 control and the cost curves all use these.
 

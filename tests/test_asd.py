@@ -1,4 +1,4 @@
-"""ASD's rules, each on a hand-made case that fails if the rule is broken (docs/design.md, "ASD")."""
+"""ASD's rules, each on a hand-made case that fails if the rule is broken (docs/verifiers.md, "ASD")."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""FLy's rules, each on a hand-made case that fails if the rule is broken (docs/design.md, "FLy")."""
+"""FLy's rules, each on a hand-made case that fails if the rule is broken (docs/verifiers.md, "FLy")."""
 
 import math
 from dataclasses import replace

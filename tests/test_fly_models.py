@@ -74,7 +74,7 @@ def check_round(row: dict, p: FlyParams) -> None:
 
 
 def replay_across(rows: list[dict], p: FlyParams) -> None:
-    """Re-decide each traced round by the rule across rounds (docs/design.md, "FLy"), from its
+    """Re-decide each traced round by the rule across rounds (docs/verifiers.md, "FLy"), from its
     draft, the target's tokens and the entropy the trace records, carrying the open window from
     row to row; independently of the verifier."""
     window = None                                       # [native matches, rounds that drafted nothing]

@@ -1,4 +1,4 @@
-"""FLy's window across rounds (docs/design.md, "FLy"), over thousands of random cases on the fake
+"""FLy's window across rounds (docs/verifiers.md, "FLy"), over thousands of random cases on the fake
 backend (tests/fake_backend.py), each run checked round by round by test_engine_properties'
 `Follow`: the engine's output equals a slow reference implementation of the rule, token by
 token; every kept loose token had the gate open (with `candidates`, for one of the target's top

@@ -296,7 +296,7 @@ class Decision:
     entropy: np.ndarray | None = None          # [k] float64, NaN where not computed
     budget_spent: float | None = None          # ASD's ledger s after this round's charge
     budget_left: float | None = None           # B - s
-    # A window across rounds (FLy's; docs/design.md, "FLy"): a token accepted provisionally is
+    # A window across rounds (FLy's; docs/verifiers.md, "FLy"): a token accepted provisionally is
     # held back from the output until its window closes.
     provisional: int | None = None             # the draft position of a token this round accepted
                                                # provisionally, its window still open after the round

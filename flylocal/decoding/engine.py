@@ -151,7 +151,7 @@ class Engine:
         self.config = config
         self.clock = clock            # seconds; tests give a simulated machine's
         # Every cost curve a decision here reads: pinned for a run whose output must not depend
-        # on timings (a seeded run; docs/design.md, "Temperature > 0"). The target's is
+        # on timings (a seeded run; docs/verifiers.md, "Temperature > 0"). The target's is
         # calibrated before the first round and refined by every round's timing.
         self.curves = drafter.cost_curves()
         self.costs = target.costs if any(c is target.costs for c in self.curves) else None
@@ -337,7 +337,7 @@ class Engine:
 
     def _decide(self, req: Request, r: Round) -> None:
         """a[0..k]: the target's token at each position, its argmax at temperature 0 and its
-        speculative-sampling decision otherwise (docs/design.md, "Temperature > 0"); then the
+        speculative-sampling decision otherwise (docs/verifiers.md, "Temperature > 0"); then the
         verifier's decision and the tokens it emits."""
         t0 = self.clock()
         sampling, history = self.config.sampling, req.context[: req.n]
@@ -393,7 +393,7 @@ class Engine:
 
     def _retract(self, req: Request, r: Round) -> None:
         """Take back the provisional token at P and everything after it: the caches roll back
-        to P, and the target's own token goes there (docs/design.md, "FLy")."""
+        to P, and the target's own token goes there (docs/verifiers.md, "FLy")."""
         P, r.retracted_accepted, r.recovered = req.window.taken_back()
         token, r.retracted = r.recovered[0], req.n - P
         self.target.truncate(P)

@@ -49,7 +49,7 @@ class Round:
 
 
 class Window:
-    """FLy's window across rounds, for one request (docs/design.md, "FLy"): the token accepted
+    """FLy's window across rounds, for one request (docs/verifiers.md, "FLy"): the token accepted
     provisionally at position `at` of the context, the target's own token there (`recovered`,
     with its logprobs entry: what goes in its place if the window is taken back), the output
     held back from `at` on, and the draft tokens accepted from `at` on. The verifier decides

@@ -1,4 +1,4 @@
-"""Sampling at temperature > 0, lossless under speculation (docs/design.md, "Temperature > 0").
+"""Sampling at temperature > 0, lossless under speculation (docs/verifiers.md, "Temperature > 0").
 
 The target's distribution at a draft position is the *processed* one, in the order of
 llama.cpp's own sampler chain: logit bias, then the penalties (repeat, frequency, presence)
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 
-# A temperature below this is greedy decoding (docs/design.md, "Temperature > 0"). Two float32
+# A temperature below this is greedy decoding (docs/verifiers.md, "Temperature > 0"). Two float32
 # logits of magnitude 1 or more that differ at all differ by at least 1.19e-7, so below 1e-10
 # the runner-up's weight is under e**-1190 of the top token's, which float64 holds as 0: the
 # sample is the argmax whatever the noise, and the division no longer overflows (1e-320 did).

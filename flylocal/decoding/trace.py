@@ -1,4 +1,4 @@
-"""The per-round trace (docs/design.md, "Trace and stats"): one JSON object per round, from
+"""The per-round trace (docs/verifiers.md, "Trace and stats"): one JSON object per round, from
 which every decision can be re-checked."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What holding text back costs: FLy's window across rounds keeps the output from a provisional
-token on until its window closes (docs/design.md, "FLy"). For each output token, the delay is
+token on until its window closes (docs/verifiers.md, "FLy"). For each output token, the delay is
 the time from the round that committed it for good to the event that showed it; for the
 method's whole answer, time to each token against FLy within rounds and strict.
 

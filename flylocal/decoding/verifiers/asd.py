@@ -1,4 +1,4 @@
-"""ASD: approximate speculative decoding with a regret budget (docs/design.md, "ASD").
+"""ASD: approximate speculative decoding with a regret budget (docs/verifiers.md, "ASD").
 
 A mismatch ("exception") is accepted when its local regret r_j = z_j(a[j]) - z_j(d[j]), the
 target's raw-logit preference for its own token, is small for the suffix it unlocks, and

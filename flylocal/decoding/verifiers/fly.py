@@ -1,4 +1,4 @@
-"""FLy: entropy gate + deferred window, training-free loose verification (docs/design.md, "FLy").
+"""FLy: entropy gate + deferred window, training-free loose verification (docs/verifiers.md, "FLy").
 
 A draft token the target would not have chosen is still accepted ("loose") when
 1. the target was unsure at that position: its top-m entropy h_j >= theta, the draft's token is

@@ -1,4 +1,4 @@
-"""Strict verification (exact match): the lossless baseline (docs/design.md, "Strict").
+"""Strict verification (exact match): the lossless baseline (docs/verifiers.md, "Strict").
 
 L is the longest prefix where the draft equals the target's greedy choice. With a
 batch-invariant build the output is token for token the target's plain greedy decoding.

@@ -1,4 +1,4 @@
-"""`flylocal bench`: methods side by side on the same prompts (docs/design.md, "Benchmarks"):
+"""`flylocal bench`: methods side by side on the same prompts (docs/bench.md, "Methods side by side"):
 the methods (methods), the prompts (prompts), the interleaved run (run), the report
 (report), and llama-cpp-python's own generation as a point of comparison (baseline)."""
 

@@ -1,4 +1,4 @@
-"""Task scores beside speed (docs/design.md, "Task scores"): per task and method the mean score,
+"""Task scores beside speed (docs/bench.md, "Task scores"): per task and method the mean score,
 its paired difference from the reference's with a 95% interval (`compare`, through
 flylocal.statistics), the speed on the task's questions, the answers lost to the reference and
 the tokens accepted loosely in them; the report's Quality section, and quality.png.

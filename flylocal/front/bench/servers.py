@@ -1,5 +1,5 @@
-"""`flylocal bench serve`: servers side by side, as their clients see them (docs/serving.md,
-"Benchmarking servers").
+"""`flylocal bench serve`: servers side by side, as their clients see them (docs/bench.md,
+"Servers side by side").
 
 Any OpenAI-compatible server takes part: one already running (a URL: ollama, LM Studio, a
 llama-server of the user's), or one this command starts on a free loopback port and stops on

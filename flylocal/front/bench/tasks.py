@@ -1,4 +1,4 @@
-"""Tasks whose answers a program scores (docs/design.md, "Benchmarks", "Task scores"): the
+"""Tasks whose answers a program scores (docs/bench.md, "Methods side by side", "Task scores"): the
 questions of each, its scorer, and where an answer ends.
 
 - `gsm8k`: Spec-Bench's math_reasoning questions (GSM8K); right when the answer's last number
