@@ -299,3 +299,36 @@ def test_execute_refuses_in_one_line_where_namespaces_cannot_be_had(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "isolated by Linux namespaces" in lines[0] and "--execute-unsafe" in lines[0], done.stderr
     assert "Traceback" not in done.stderr
+
+
+@needs_namespaces
+@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
+def test_a_caller_stopped_midway_leaves_no_program_behind(how):
+    """A Ctrl-C in the caller while a program runs, or the caller killed: the program and all it
+    started end with the caller."""
+    import signal
+    import time
+
+    marker = f"304.{os.getpid()}"
+    caller = textwrap.dedent(f"""\
+        import sys
+        from flylocal.front.bench.sandbox import run_python
+        print("started", flush=True)
+        run_python('import os, subprocess, time\\nsubprocess.Popen(["sleep", "{marker}"], start_new_session=True)\\n'
+                   'print("folder", os.getcwd(), flush=True)\\ntime.sleep(60)\\n', 60)
+        """)
+    proc = subprocess.Popen([sys.executable, "-c", caller], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 20
+        while not alive_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert alive_with(marker), "the program did not start"
+        proc.send_signal(getattr(signal, how))
+        proc.wait(timeout=20)
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 5
+    while alive_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert alive_with(marker) == []

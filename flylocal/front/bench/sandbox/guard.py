@@ -152,6 +152,11 @@ def wait_for(proc: subprocess.Popen, timeout: float, kill) -> bool:
     timer.start()
     try:
         proc.wait()
+    except BaseException:                 # a Ctrl-C: nothing of the program outlives the caller's wait
+        timer.cancel()
+        kill()
+        proc.wait()
+        raise
     finally:
         timer.cancel()
     return fired.is_set()

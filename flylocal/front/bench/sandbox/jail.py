@@ -14,7 +14,8 @@ alone, by flylocal.front.bench.sandbox, never imported. It runs one program wher
   with the guard's limits on CPU time, memory, file size and core files;
 - nothing it starts outlives it: when the program ends, `init` ends, and the kernel kills
   every process left in the namespace; each process here dies with its parent
-  (PR_SET_PDEATHSIG), so a caller that kills this script kills them all.
+  (PR_SET_PDEATHSIG), this script with its caller, so a caller that ends, however it ends,
+  ends them all.
 
     caller -> this script (the caller's namespaces; writes the child's id maps)
              -> child: unshare(user, mount, PID, network, IPC, UTS), waits for its maps
@@ -224,6 +225,10 @@ def write_maps(pid: int, cfg: dict) -> None:
 
 
 def main() -> None:
+    caller = os.getppid()
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)              # the caller killed: the jail goes with it
+    if os.getppid() != caller:
+        sys.exit(FAILED)
     cfg = json.loads(sys.argv[1])
     os.set_inheritable(cfg["report"], False)                 # the program never gets it
     report = os.fdopen(cfg["report"], "w")
