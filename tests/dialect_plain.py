@@ -8,7 +8,8 @@ from __future__ import annotations
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
-from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Neutral
+from flylocal.front.serve.app import ApiError, Endpoint, Exchange
+from flylocal.front.serve.request import Body
 from flylocal.front.serve.events import Done, Text
 
 
@@ -28,9 +29,9 @@ class Plain(Endpoint):
     def streams(self, body) -> bool:
         return True
 
-    def read(self, x: Exchange) -> Neutral:
+    def read(self, x: Exchange) -> Body:
         given = {"max_tokens": x.body.max_tokens} if x.body.max_tokens is not None else {}
-        return Neutral(given, "prompt", text=x.body.prompt)
+        return Body(text=x.body.prompt, options=given, names={"prompt": None})
 
     async def chunks(self, x: Exchange, events):
         async for event in events:

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("fastapi", reason="the server extra: pip install -e '.[serve]'")
 
 from flylocal.front.serve.app import ApiError
-from flylocal.front.serve.openai_requests import ChatRequest, CompletionRequest, parse, request_settings
+from flylocal.front.serve.openai_requests import ChatRequest, CompletionRequest, parse
 from flylocal.front.serve.worker import StopStrings
 from flylocal.settings import Settings
 
@@ -25,6 +25,20 @@ def run(stops, pieces):
         text, hit = s.feed("", final=True)
         out.append(text)
     return out, hit
+
+
+def request_settings(base: Settings, req, n_vocab: int | None = None) -> Settings:
+    """An OpenAI request's settings, as Server.ask makes them of its body (a Refusal as the
+    ApiError the server makes of it)."""
+    from flylocal.front.serve.openai import body_of
+    from flylocal.front.serve.request import Refusal, grammar_for, settings_for
+
+    try:
+        body = body_of(req, chat=isinstance(req, ChatRequest))
+        grammar_for(body)
+        return settings_for(body, base, n_vocab=n_vocab)
+    except Refusal as e:
+        raise ApiError(400, e.message, param=e.param) from None
 
 
 def test_a_stop_string_spanning_pieces_is_cut_and_not_sent():
@@ -65,10 +79,10 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ({"stop": [f"s{i}" for i in range(65)]}, "stop", "65 stop strings; at most 64"), ({"frequency_penalty": 2.5}, "frequency_penalty", ""),
     ({"presence_penalty": -3}, "presence_penalty", ""), ({"temperature": True}, "temperature", ""),
     ({"max_tokens": "5"}, "max_tokens", ""), ({"logprobs": 3}, "logprobs", ""),
-    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "21"), ({"top_logprobs": 2}, None, "logprobs: true"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "21"), ({"top_logprobs": 2}, "top_logprobs", "logprobs: true"),
     ({"response_format": {"type": "yaml"}}, "response_format.type", "json_schema"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema"),
-    ({"response_format": {"type": "json_object"}, "tools": [TOOL]}, None, "one of them"),
+    ({"response_format": {"type": "json_object"}, "tools": [TOOL]}, "response_format", "one of them"),
     ({"store": True}, "store", "keeps no completions"),
     ({"logit_bias": {"12": 101}}, "logit_bias", "101"), ({"logit_bias": {"x": 1}}, "logit_bias", "x"),
     ({"service_tier": "flex"}, "service_tier", "flex"), ({"functions": []}, "functions", "functions"),
@@ -86,7 +100,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 ])
 def test_fields_flylocal_cannot_honour_are_400_naming_the_field_and_value(fields, param, words):
     with pytest.raises(ApiError) as e:
-        parse(ChatRequest, body(**fields))
+        request_settings(Settings(), parse(ChatRequest, body(**fields)))
     assert e.value.status == 400 and e.value.param == param, e.value.message
     assert words in e.value.message
 
@@ -498,12 +512,16 @@ def test_ollama_settings_open_webui_passes_to_an_openai_server_change_nothing_or
 
 def ollama_request(raw: bytes, n_ctx: int = 1024):
     """An /api/generate body, parsed and turned into settings as the server does."""
-    from flylocal.front.serve.app import parse_request
-    from flylocal.front.serve.ollama import GenerateRequest
-    from flylocal.settings import settings_from
+    from flylocal.front.serve.app import check_fields, parse_request
+    from flylocal.front.serve.ollama import GenerateText, GenerateRequest
+    from flylocal.front.serve.request import Refusal, settings_for
 
     req = parse_request(GenerateRequest, raw)
-    return req, settings_from(req.params(n_ctx)[0], Settings())
+    check_fields(req, GenerateText.checked)
+    try:
+        return req, settings_for(req.body(), Settings(), n_ctx=n_ctx)
+    except Refusal as e:
+        raise ApiError(400, e.message, param=e.param) from None
 
 
 @pytest.mark.parametrize("raw,field", [

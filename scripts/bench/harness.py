@@ -1,8 +1,8 @@
 """What flylocal's benchmark scripts share: servers started on free loopback ports and stopped on
 the way out, waiting until they answer, held-out Spec-Bench questions, and the statistics every
 comparison reports (medians, per-question ratios with a bootstrap interval, timing a call).
-Servers side by side are `flylocal bench serve`'s (flylocal.front.bench.servers), whose port
-finder and interval these scripts share.
+Servers are started as `flylocal bench serve` starts its fleet (flylocal.front.bench.servers),
+whose port finder these scripts share.
 
 Each script in this folder runs as `.venv/bin/python scripts/bench/NAME.py`; its folder is then
 the first place Python imports from, so `import harness` finds this file."""
@@ -10,11 +10,8 @@ the first place Python imports from, so `import harness` finds this file."""
 from __future__ import annotations
 
 import contextlib
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,64 +19,22 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from flylocal.front.bench.servers import free_port  # noqa: E402,F401 - the scripts' too
+from flylocal.front.bench.servers import Server, fleet, free_port  # noqa: E402,F401 - the scripts' too
 from flylocal.statistics import median, median_interval as interval  # noqa: E402,F401 - the scripts' too
 
 
-def wait_ready(proc: subprocess.Popen, url: str, log, health: str = "/health", timeout: float = 300,
-               name: str = "server") -> None:
-    """Wait until `url + health` answers 200; SystemExit with the end of the server's `log` (a
-    file) when it exits first or takes longer than `timeout` seconds."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            log.seek(0)
-            tail = log.read()[-2000:]
-            raise SystemExit(f"{name} exited: {tail.decode(errors='replace') if isinstance(tail, bytes) else tail}")
-        try:
-            if httpx.get(url + health, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{name} did not become ready in {timeout:g} s")
-        time.sleep(0.25)
-
-
-def stop(procs) -> None:
-    """SIGTERM every process, then wait for each (a minute at most, then kill)."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
 @contextlib.contextmanager
-def servers(commands: dict[str, list[str]], health: str = "/health", env: dict | None = None):
+def servers(commands: dict[str, list[str]], env: dict | None = None, startup: float = 300):
     """Start one server per name, each with its command (`{port}` in it is filled with a free
-    port), wait until all answer, and yield {name: url}; every one is stopped on the way out."""
-    procs, urls, logs = [], {}, []
-    try:
-        for name, command in commands.items():
-            port = free_port()
-            log = tempfile.TemporaryFile()           # a pipe nobody reads would stall the server
-            procs.append(subprocess.Popen([part.replace("{port}", str(port)) for part in command], stdout=log,
-                                          stderr=log, env=env))
-            urls[name] = f"http://127.0.0.1:{port}"
-            logs.append(log)
-        for (name, url), proc, log in zip(urls.items(), procs, logs):
-            wait_ready(proc, url, log, health, name=name)
+    port), as `flylocal bench serve` starts its fleet (flylocal.front.bench.servers.fleet), wait
+    until all answer, and yield {name: url}; every one is stopped on the way out. A server that
+    does not come up ends the script, saying why. `env`: variables added to this one's."""
+    fleet_of = [Server(name, command=command, env=env or {}) for name, command in commands.items()]
+    failed: list[str] = []
+    with fleet(fleet_of, clients=1, ctx=0, startup=startup, say=failed.append) as urls:
+        if failed:
+            raise SystemExit("; ".join(failed))
         yield urls
-    finally:
-        stop(procs)
-        for log in logs:
-            log.close()
 
 
 def flylocal_serve(*options: str) -> list[str]:

@@ -4,7 +4,7 @@ the Endpoint a dialect writes, and the Server, whose `handle` takes every reques
 one pipeline:
 
     authorize -> body -> parse (the endpoint's request model) -> model check
-              -> job: an Ask (a generation: the parser's Neutral, through Server.ask), a Compute
+              -> job: an Ask (a generation: the parser's Body, through Server.ask), a Compute
                  (embeddings) or the reply itself
               -> start -> whole or stream (the endpoint renders) -> failure -> log line
 
@@ -28,10 +28,10 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
 from flylocal.errors import FlylocalError, OptionError
-from flylocal.front.serve import tools
 from flylocal.front.serve.answer import Answer
 from flylocal.front.serve.events import Computed, Done, Event, Failed, Text
 from flylocal.front.serve.keys import Keys
+from flylocal.front.serve.request import Body, Refusal, grammar_for, prompt_for, settings_for
 from flylocal.front.serve.worker import Call, Job, Metrics, Refused, Worker
 from flylocal.loader import check
 from flylocal.session import Session
@@ -135,37 +135,6 @@ def check_fields(req, checked: dict[str, str]) -> None:
 
 
 @dataclass(frozen=True)
-class Prompt:
-    """A prompt's ids; for a conversation that can call tools, the tools' grammar and how a
-    call begins (Server.prompt)."""
-    ids: np.ndarray                           # [n] int32
-    grammar: tuple[str, str] | None = None
-    calls: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Neutral:
-    """A request of any dialect in the server's own terms, as the dialect's parser reads it,
-    before anything but its fields' types and ranges is checked. Server.ask turns it into the
-    worker's Ask: one way for every dialect (docs/serving.md, "Adding an API dialect")."""
-    params: dict                              # option -> value, through the option table (settings_from);
-                                              # logprobs among them, as --logprobs
-    where: str                                # the field the prompt came in, named by its errors
-    messages: list[dict] | None = None        # a conversation (OpenAI's message shapes) ...
-    text: str | None = None                   # ... or a prompt's text (plain text, after the model's BOS)
-    prompt: Prompt | None = None              # ... or a prompt encoded already (a continued context)
-    tools: tuple = ()                         # the tools a conversation offers, and its choice among them
-    tool_choice: Any = "auto"
-    grammar: tuple[str, str] | None = None    # a format the answer must follow where no tool is called
-    stops: tuple[str, ...] = ()
-    tokens: bool = False                      # per-token details with the text (a stream's kinds, a context)
-    options: str | None = None                # where a settings error points (Ollama's "options"); None: the option's own field
-    hints: tuple[str, ...] = ()               # Ollama's loading options given, which change nothing: logged once
-    blame: Callable[[str], str] | None = None  # the field an encoding error is about (None: `where`)
-    salt: str | None = None                   # cache_salt: shares the prompt cache only with the same salt
-
-
-@dataclass(frozen=True)
 class Ask:
     """What a request of any dialect asks the worker for, checked."""
     settings: Settings
@@ -175,6 +144,7 @@ class Ask:
     calls: tuple[str, ...] = ()               # how an answer that is a tool call begins (held back)
     tokens: bool = False                      # per-token details with the text (kinds, logprobs)
     partition: str | None = ""                # whose prompt-cache cells it may reuse (Keys.partition)
+    dropped: int = 0                          # messages truncation left out (Prompt.dropped)
 
 
 @dataclass(frozen=True)
@@ -213,8 +183,9 @@ class Endpoint:
       names none), required
       when `model_required`, looked up without ollama's ":latest" when `latest`, and `listed`
       where the models are listed;
-    - `read(x)`: a generation's request in the server's terms (Neutral: its parser), which the
-      server turns into an Ask, or the reply itself;
+    - `read(x)`: a generation's request as the one request body (Body: its parser), which the
+      server turns into an Ask, or the reply itself; `loaded(x)`: the reply to a body that asks
+      only that the model be loaded (Body.load);
     - `job(x)`: what isn't a generation: a Compute, or the reply itself (a dict, a pydantic model, a
       Response); an ApiError refuses it;
     - `whole(x, result)`: the reply to a whole answer (a Whole) or to a Compute (its value);
@@ -247,8 +218,14 @@ class Endpoint:
 
     def job(self, x: Exchange) -> Any:
         """A generation's request as the worker's Ask, the same way for every dialect."""
-        n = self.read(x)
-        return self.server.ask(x.session, n, x.key) if isinstance(n, Neutral) else n
+        body = self.read(x)
+        if not isinstance(body, Body):
+            return body
+        ask = self.server.ask(x.session, body, x.key)
+        return ask if ask is not None else self.loaded(x)
+
+    def loaded(self, x: Exchange) -> Any:
+        raise NotImplementedError
 
     def whole(self, x: Exchange, result) -> Any:
         raise NotImplementedError
@@ -443,25 +420,6 @@ class Server:
                            param=param, code="context_length_exceeded")
 
     # ----- requests -----
-    def prompt(self, session: Session, turns: list[dict], offered, choice) -> Prompt:
-        """A conversation (OpenAI's message shapes) that offers `offered` tools, encoded
-        (FlylocalError for a conversation or tools the template cannot take)."""
-        plan = tools.plan(turns, list(offered), choice, session.target.tools_template())
-        ids = session.encode(plan.messages, plan.tools)
-        if plan.grammar is None:
-            return Prompt(ids)
-        return Prompt(ids, ("the tools' grammar", plan.grammar), plan.call_starts)
-
-    def settings_of(self, n: Neutral) -> Settings:
-        """The server's settings with the request's applied, checked: a 400 naming the field at
-        fault for settings no engine can run."""
-        from flylocal.settings import settings_from
-
-        settings = settings_from(n.params, self.settings)
-        self.check_settings(settings, param=n.options)
-        self.hint(n.hints)
-        return settings
-
     def hint(self, names: tuple[str, ...]) -> None:
         """Log, once per option for the server's life, that a request's loading option
         (LOADING_OPTIONS) changes nothing."""
@@ -474,25 +432,27 @@ class Server:
             self.log(f"options {', '.join(new)}: taken as hints, which change nothing here: flylocal sets how its "
                      "models are loaded and run when it starts" + (f" ({', '.join(flags)})" if flags else ""))
 
-    def ask(self, session: Session, n: Neutral, key: str | None = None) -> Ask:
-        """A request in neutral terms, checked, as the worker's job: its settings, its prompt
-        encoded (with the tools' grammar, or else its format's), and checked to fit; `key`:
-        the id of its API key, which with its salt draws its prompt-cache partition."""
-        settings = self.settings_of(n)
+    def ask(self, session: Session, body: Body, key: str | None = None) -> Ask | None:
+        """A request's body, checked, as the worker's job (docs/serving.md, "Adding an API dialect"):
+        its settings, checked to run; its output's grammar; its prompt encoded (with the tools'
+        grammar where a tool may be called), truncated where it asks, checked to fit. `key`: the
+        id of its API key, which with its salt draws its prompt-cache partition. None for a body
+        that asks only that the model be loaded (its settings checked)."""
+        target = session.target
         try:
-            if n.prompt is not None:
-                prompt = n.prompt
-            elif n.messages is not None:
-                prompt = self.prompt(session, n.messages, n.tools, n.tool_choice)
-            else:
-                if not n.text:
-                    raise ApiError(400, f"the {n.where} is empty", param=n.where)
-                prompt = Prompt(session.target.tokenize(n.text, add_special=True, parse_special=False))
-        except FlylocalError as e:
-            raise ApiError(400, str(e), param=n.blame(str(e)) if n.blame else n.where) from None
-        self.check_fits(prompt.ids, session, n.where)
-        return Ask(settings, prompt.ids, n.stops, prompt.grammar or n.grammar, prompt.calls,
-                   tokens=n.tokens or settings.logprobs is not None, partition=self.keys.partition(key, n.salt))
+            settings = settings_for(body, self.settings, target.n_ctx, target.n_vocab)
+            self.check_settings(settings, param=body.names.get("options"))
+            self.hint(body.hints)
+            if body.load and body.empty():
+                return None
+            grammar = grammar_for(body)
+            prompt = prompt_for(session, body, target.n_ctx - min(settings.max_tokens, target.n_ctx // 2))
+        except Refusal as e:
+            raise ApiError(400, e.message, param=e.param) from None
+        self.check_fits(prompt.ids, session, body.name("prompt"))
+        return Ask(settings, prompt.ids, body.stops, prompt.grammar or grammar, prompt.calls,
+                   tokens=body.tokens or settings.logprobs is not None, partition=self.keys.partition(key, body.salt),
+                   dropped=prompt.dropped)
 
     # ----- running a job -----
     def start(self, ask: Ask) -> Answer:

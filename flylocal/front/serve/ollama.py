@@ -17,23 +17,23 @@ delete say so.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import time
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
 
-import numpy as np
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from flylocal.front.serve import tools
 from flylocal.front.serve.answer import Whole, logprob_entries, stats_report
-from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Neutral, Prompt, Server, check_fields
+from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server
 from flylocal.front.serve.events import Done, Text
 from flylocal.front.serve.keys import checked_salt
 from flylocal.front.serve.ollama_options import SAMPLING_OPTIONS, checked_keep_alive, read_options
+from flylocal.front.serve.request import Body, JsonOutput, TopLogprobs
 from flylocal.settings import Settings
 
 VERSION = "0.6.0"              # the Ollama API this dialect follows
@@ -110,7 +110,7 @@ class Generation(BaseModel):
     truncate: bool | None = None
     shift: bool | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     verifier: str | None = None     # flylocal's own, beside ollama's fields
     drafter: str | None = None
     cache_salt: str | None = None   # vLLM's, here or in options: the prompt cache is shared only with the same salt
@@ -125,19 +125,6 @@ class Generation(BaseModel):
             if misplaced:
                 raise ValueError(f"{misplaced[0]}: an option; ollama takes it in \"options\"")
         return data
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def top_range(cls, v):
-        if v is not None and not 0 <= v <= 20:
-            raise ValueError(f"{v}; between 0 and 20")
-        return v
-
-    def logprobs_wanted(self) -> int | None:
-        """How many most likely tokens each output token carries (None: no logprobs)."""
-        if self.top_logprobs and not self.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("keep_alive")
     @classmethod
@@ -163,13 +150,11 @@ class Generation(BaseModel):
             raise ValueError(f"{json.dumps(v)[:80]}; \"json\" or a JSON schema")
         return v
 
-    def grammar(self) -> tuple[str, str] | None:
-        """`format`: "json" (any JSON object) or a JSON schema; (what it is, its grammar)."""
-        from flylocal.decoding.grammar import json_output
-
+    def output(self) -> JsonOutput | None:
+        """`format`: "json" (any JSON object) or a JSON schema, in the body's terms."""
         if self.format in (None, ""):
             return None
-        return json_output() if self.format == "json" else json_output(self.format, "format")
+        return JsonOutput(None if self.format == "json" else self.format, "format")
 
     def salt_given(self) -> str | None:
         """cache_salt, beside the fields or in `options` (where Open WebUI's custom options go)."""
@@ -178,13 +163,13 @@ class Generation(BaseModel):
             raise ApiError(400, "cache_salt and options.cache_salt differ: give one", param="cache_salt")
         return self.cache_salt if self.cache_salt is not None else inside
 
-    def params(self, n_ctx: int) -> tuple[dict, tuple[str, ...], tuple[str, ...]]:
-        """The request's options as the command line's (for settings_from), its stop strings,
-        and the hints among its options."""
-        check_fields(self, {"verifier": "verifier", "drafter": "drafter"})
-        given = read_options(self.options, n_ctx)
-        params = {k: v for k, v in (("verifier", self.verifier), ("drafter", self.drafter)) if v is not None}
-        return params | given.params, given.stops, given.hints
+    def body(self, **prompt) -> Body:
+        """The request as the one request body, with its prompt (`prompt`: Body's fields)."""
+        given = read_options(self.options)
+        options = {k: v for k, v in (("verifier", self.verifier), ("drafter", self.drafter)) if v is not None}
+        return Body(**prompt, load=True, options=options | given.params, logprobs=bool(self.logprobs),
+                    top_logprobs=self.top_logprobs, format=self.output(), stops=given.stops, hints=given.hints,
+                    salt=self.salt_given(), names={"options": "options", "prompt": "prompt"})
 
 
 class ChatRequest(Generation):
@@ -224,50 +209,16 @@ class GenerateRequest(Generation):
             raise ValueError("/api/generate calls no tools (/api/chat does)")
         return v
 
-    def history(self, n_vocab: int) -> np.ndarray:
-        """`context` as ids ([n] int32), each one of the vocabulary's; ApiError 400 otherwise."""
-        bad = next((t for t in self.context or () if not 0 <= t < n_vocab), None)
-        if bad is not None:
-            raise ApiError(400, f"context: {bad} is no token of this model (0 to {n_vocab - 1}); send back the "
-                                "context an answer gave", param="context")
-        return np.array(self.context or (), dtype=np.int32)
-
-
-def next_turn(target, prompt: str) -> np.ndarray | None:
-    """The chat template's ids after an assistant's answer: the end of that turn, the user's
-    `prompt` and the start of the next answer ([n] int32), read off a conversation rendered with
-    and without them; None for a template whose earlier turns are not a prefix of the later ones."""
-    ask = [{"role": "user", "content": "a"}]
-    first = target.tokenize_chat(ask)
-    answer = target.tokenize("b", add_special=False)
-    full = target.tokenize_chat(ask + [{"role": "assistant", "content": "b"}, {"role": "user", "content": prompt}])
-    end = len(first) + len(answer)
-    if len(full) <= end or not np.array_equal(full[:end], np.concatenate([first, answer])):
-        return None
-    return full[end:]
-
-
-def generate_ids(session, req: GenerateRequest) -> np.ndarray:
-    """The ids ([n] int32) of a /api/generate prompt, after the `context` it continues: raw (or
-    for a model with no template) the prompt's text follows on; otherwise it is the user's next
-    turn, as the chat template renders a conversation."""
-    target = session.target
-    history = req.history(target.n_vocab)
-    if req.raw or not session.has_template:
-        return np.concatenate([history, target.tokenize(req.prompt, add_special=not len(history),
-                                                        parse_special=False)]).astype(np.int32)
-    if not len(history):
-        return target.tokenize_chat(([{"role": "system", "content": req.system}] if req.system else [])
-                                    + [{"role": "user", "content": req.prompt}])
-    if req.system:
-        raise ApiError(400, "system: the context a request continues holds its system prompt (give system with "
-                            "the first request)", param="system")
-    turn = next_turn(target, req.prompt)
-    if turn is None:
-        raise ApiError(400, f"context: the chat template of {target.name} does not render a conversation turn "
-                            "after turn, so a context cannot be continued (/api/chat takes the conversation)",
-                       param="context")
-    return np.concatenate([history, turn]).astype(np.int32)
+    def prompt_fields(self) -> dict:
+        """The prompt in the body's terms: raw, the text as it is; else the user's turn (after
+        its system prompt); either after the `context` it continues."""
+        context = tuple(self.context or ())
+        if not self.prompt:
+            return {"messages": []}
+        if self.raw:
+            return {"text": self.prompt, "context": context}
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return {"messages": system + [{"role": "user", "content": self.prompt}], "context": context}
 
 
 # ----- answers -----
@@ -435,32 +386,21 @@ class Unmanaged(Ollama):
 class Generate(Ollama):
     """/api/chat (`chat`) and /api/generate."""
     role, model_required, media_type, stream_headers = "target", True, "application/x-ndjson", {}
+    checked = {"verifier": "verifier", "drafter": "drafter"}
     chat = True
 
-    def read(self, x: Exchange) -> Neutral | JSONResponse:
-        """The request in the server's terms; a load-only reply, its settings checked, when it has
-        no prompt (ollama's way to load a model, which is loaded already)."""
-        req, session = x.body, x.session
-        params, stops, hints = req.params(session.target.n_ctx)
-        top = req.logprobs_wanted()
-        n = Neutral(params | ({"logprobs": top} if top is not None else {}), "prompt", stops=stops,
-                    grammar=req.grammar(), options="options", hints=hints, salt=req.salt_given())
-        if self.chat:
-            if req.messages is None:
-                raise ApiError(400, "messages must be a list")
-            if not req.messages:
-                return self.load_only(n)
-            if req.tools and n.grammar is not None:
-                raise ApiError(400, "format and tools: flylocal constrains an answer to one of them")
-            turns = [m.turn() for m in req.messages if m.role != "thinking"]
-            return dataclasses.replace(n, messages=turns, tools=tuple(req.tools or ()))
-        if not req.prompt:
-            return self.load_only(n)
-        # the answer's tokens too: its `context` holds them
-        return dataclasses.replace(n, prompt=Prompt(generate_ids(session, req)), tokens=True)
+    def read(self, x: Exchange) -> Body:
+        """The request as the one request body; one with no prompt asks only that the model be
+        loaded (ollama's way to load a model, which is loaded already)."""
+        req = x.body
+        if not self.chat:        # the answer's tokens too: its `context` holds them
+            return replace(req.body(**req.prompt_fields()), tokens=True)
+        if req.messages is None:
+            raise ApiError(400, "messages must be a list")
+        turns = [m.turn() for m in req.messages if m.role != "thinking"] if req.messages else []
+        return req.body(messages=turns, tools=tuple(req.tools or ()))
 
-    def load_only(self, n: Neutral) -> JSONResponse:
-        self.server.settings_of(n)
+    def loaded(self, x: Exchange) -> JSONResponse:
         head = {"model": self.server.settings.target, "created_at": now(), "done": True, "done_reason": "load"}
         return JSONResponse(head | ({"message": {"role": "assistant", "content": ""}} if self.chat
                                     else {"response": ""}))

@@ -18,6 +18,7 @@ import click
 
 from flylocal.front.serve.app import LOADING_OPTIONS, ApiError, checked_option, checked_stops
 from flylocal.front.serve.keys import checked_salt
+from flylocal.front.serve.request import CONTEXT
 from flylocal.settings import OPTIONS
 
 # option -> the declared option that checks it (and the sampling field it sets)
@@ -72,13 +73,13 @@ def sampling_option(name: str, value):
 @dataclasses.dataclass(frozen=True)
 class Options:
     """Ollama's `options` as flylocal reads them (read_options)."""
-    params: dict                        # declared option -> value, for settings_from
+    params: dict                        # declared option -> value (CONTEXT: the context's end)
     stops: tuple[str, ...] = ()
     hints: tuple[str, ...] = ()         # options given that change nothing here (HINTS)
     num_ctx: int | None = None          # the context the client wished for
 
 
-def read_options(options: dict | None, n_ctx: int, where: str | None = "options") -> Options:
+def read_options(options: dict | None, where: str | None = "options") -> Options:
     """`options` checked as ollama's documentation types them: a sampling option by its
     declaration, num_predict and repeat_last_n as counts, a hint (HINTS) or an idle option by
     its type alone, a FIXED one at its value; ApiError 400 naming the first that is not, or
@@ -97,14 +98,14 @@ def read_options(options: dict | None, n_ctx: int, where: str | None = "options"
                 value = whole(value)
                 if value < -2 or value == 0:
                     raise ValueError(f"{value}; a positive count, or -1 (to the context's end)")
-                params["max_tokens"] = n_ctx if value < 0 else value
+                params["max_tokens"] = CONTEXT if value < 0 else value
             elif name == "stop":
                 stops = checked_stops(value)
             elif name == "repeat_last_n":
                 value = whole(value)
                 if value < -1:
                     raise ValueError(f"{value}; a count of tokens, -1 (the context) or 0 (no penalties)")
-                params["repeat_last_n"] = n_ctx if value == -1 else value
+                params["repeat_last_n"] = CONTEXT if value == -1 else value
             elif name in HINTS or name in IDLE:
                 if name in FLAGS:
                     if not isinstance(value, bool):

@@ -15,13 +15,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, field_serializer, model_serializer
 
 from flylocal.decoding.engine import KIND_LETTERS
-from flylocal.errors import FlylocalError
 from flylocal.front.serve import tools
 from flylocal.front.serve.answer import Whole, logprob_entries, stats_report
-from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Neutral, Server
+from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server
 from flylocal.front.serve.events import Done, Text
-from flylocal.front.serve.openai_requests import (CHECKED, ChatRequest, CompletionRequest, logprobs_wanted,
-                                                  request_params)
+from flylocal.front.serve.openai_requests import CHECKED, ChatRequest, CompletionRequest, options_of
+from flylocal.front.serve.request import Body
 from flylocal.settings import Settings
 
 # ----- responses: OpenAI's shapes -----
@@ -138,13 +137,22 @@ def openai_call(call: dict) -> dict:
             "function": {"name": call["name"], "arguments": tools.call_arguments(call)}}
 
 
-def e_param(message: str, chat: bool) -> str:
-    """The request field an encoding error is about."""
-    for field, param in (("tools", "tools"), ("the tools'", "tools"), ("tool_choice", "tool_choice"),
-                         ("tool_calls", "messages"), ("response_format", "response_format")):
-        if message.startswith(field):
-            return param
-    return "messages" if chat else "prompt"
+def body_of(req, chat: bool) -> Body:
+    """A chat or completions request as the one request body."""
+    stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    # A stream always carries how each token came (stream_kinds); logprobs only when asked.
+    common = dict(options=options_of(req), logit_bias=req.logit_bias, stops=stops, tokens=req.stream,
+                  hints=req.ollama_hints, salt=req.cache_salt, names={"options": None})
+    if not chat:
+        if req.logprobs is not None:
+            common.update(logprobs=True, top_logprobs=req.logprobs)
+        text = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+        return Body(text=text, **common)
+    fmt = req.response_format.output() if req.response_format is not None else None
+    return Body(messages=[m.turn() for m in req.messages], tools=tuple(req.tools or ()),
+                tool_choice=req.tool_choice if req.tool_choice is not None else "auto", format=fmt,
+                logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs,
+                **common | {"names": {"options": None, "prompt": "messages", "format": "response_format"}})
 
 
 def model_entries(server: Server) -> list[dict]:
@@ -184,23 +192,8 @@ class Generate(Endpoint):
     checked = CHECKED
     chat = True
 
-    def read(self, x: Exchange) -> Neutral:
-        """The request in the server's terms."""
-        req, chat = x.body, self.chat
-        top = logprobs_wanted(req, chat)
-        params = request_params(req, x.session.target.n_vocab) | ({"logprobs": top} if top is not None else {})
-        stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        # A stream always carries how each token came (stream_kinds); logprobs only when asked.
-        common = dict(params=params, stops=stops, tokens=req.stream, hints=req.ollama_hints,
-                      blame=lambda message: e_param(message, chat), salt=req.cache_salt)
-        if not chat:
-            return Neutral(where="prompt", text=req.prompt if isinstance(req.prompt, str) else req.prompt[0], **common)
-        try:
-            grammar = req.response_format.grammar() if req.response_format is not None else None
-        except FlylocalError as e:
-            raise ApiError(400, str(e), param=e_param(str(e), chat)) from None
-        return Neutral(where="messages", messages=[m.turn() for m in req.messages], tools=tuple(req.tools or ()),
-                       tool_choice=req.tool_choice, grammar=grammar, **common)
+    def read(self, x: Exchange) -> Body:
+        return body_of(x.body, self.chat)
 
     def head(self, x: Exchange) -> dict:
         return {"id": ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),

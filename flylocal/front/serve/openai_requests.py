@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from flylocal.front.serve.app import ApiError, check_fields, checked_stops, parse_request
 from flylocal.front.serve.keys import checked_salt
 from flylocal.front.serve.ollama_options import FIXED, HINTS, IDLE, checked_keep_alive, read_options
-from flylocal.settings import Settings, settings_from
+from flylocal.front.serve.request import JsonOutput, TopLogprobs
 
 # Request field -> the declared option whose type and range it must satisfy.
 CHECKED = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "top_k": "top_k", "min_p": "min_p",
@@ -102,14 +102,12 @@ class ResponseFormat(BaseModel):
             raise ValueError(f"json_schema: type {self.type} takes none (a schema goes with type json_schema)")
         return self
 
-    def grammar(self) -> tuple[str, str] | None:
-        """(what it is, its grammar) of the output, or None for free text."""
-        from flylocal.decoding.grammar import json_output
-
+    def output(self) -> JsonOutput | None:
+        """The output's format in the body's terms, or None for free text."""
         if self.type == "json_object":
-            return json_output()
+            return JsonOutput(None, "response_format")
         if self.type == "json_schema":
-            return json_output(self.json_schema.schema_ or {}, f"response_format.json_schema {self.json_schema.name!r}")
+            return JsonOutput(self.json_schema.schema_ or {}, f"response_format.json_schema {self.json_schema.name!r}")
         return None
 
 
@@ -209,7 +207,7 @@ class Common(Own):
             raise ApiError(400, f"keep_alive: {e}", param="keep_alive") from None
         if given.pop("think", None) not in (None, False):
             raise ApiError(400, f"think: {json.dumps(data['think'])[:80]}; flylocal runs no thinking mode", param="think")
-        hints = read_options(given, 0, where=None).hints
+        hints = read_options(given, where=None).hints
         return {k: v for k, v in data.items() if k not in OLLAMA_ONLY} | {"ollama_hints": hints}
 
     @field_validator("metadata")
@@ -271,7 +269,7 @@ class ChatRequest(Common):
     messages: list[Message]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -286,25 +284,6 @@ class ChatRequest(Common):
             raise ValueError("messages must not be empty")
         return v
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def top_range(cls, v):
-        if v is not None and not 0 <= v <= 20:
-            refuse(v, "top_logprobs lies between 0 and 20")
-        return v
-
-    @model_validator(mode="after")
-    def one_constraint(self):
-        if self.tools and self.tool_choice != "none" and self.response_format is not None \
-                and self.response_format.type != "text":
-            raise ValueError("response_format and tools: flylocal constrains an answer to one of them")
-        return self
-
-    @model_validator(mode="after")
-    def top_needs_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        return self
 
 
 class CompletionRequest(Common):
@@ -357,28 +336,9 @@ def parse(model: type[BaseModel], raw: bytes) -> Any:
     return req
 
 
-def request_settings(base: Settings, req: Own, n_vocab: int | None = None) -> Settings:
-    """The server's settings with a request's fields applied (request_params)."""
-    return settings_from(request_params(req, n_vocab), base)
-
-
-def request_params(req: Own, n_vocab: int | None = None) -> dict:
+def options_of(req: Own) -> dict:
     """A request's fields as the command line's options (CHECKED names the option each field
-    sets; a later field wins: max_completion_tokens over max_tokens), for settings_from."""
+    sets; a later field wins: max_completion_tokens over max_tokens)."""
     given = type(req).model_fields
-    params = {option: getattr(req, name) for name, option in CHECKED.items()
-              if name in given and getattr(req, name) is not None}
-    if getattr(req, "logit_bias", None):
-        bias = tuple(sorted((int(k), float(v)) for k, v in req.logit_bias.items()))
-        if n_vocab is not None and bias[-1][0] >= n_vocab:
-            raise ApiError(400, f"logit_bias: token id {bias[-1][0]} is not in the vocabulary (0..{n_vocab - 1})",
-                           param="logit_bias")
-        params["logit_bias"] = bias
-    return params
-
-
-def logprobs_wanted(req: Common, chat: bool) -> int | None:
-    """How many most likely tokens each output token carries (None: no logprobs)."""
-    if chat:
-        return (req.top_logprobs or 0) if req.logprobs else None
-    return req.logprobs
+    return {option: getattr(req, name) for name, option in CHECKED.items()
+            if name in given and getattr(req, name) is not None}

@@ -3,8 +3,8 @@
 
 The same generation path as chat completions: the request's `input` items become a
 conversation (messages, earlier function calls and their outputs), `instructions` its system
-turn, `tools` the functions offered and `text.format` the output's grammar, in the server's
-terms (Neutral); the Server's `ask` and `start` do the rest. The answer is one output item: a `message` with its
+turn (kept by `truncation: "auto"`), `tools` the functions offered and `text.format` the
+output's format, in the one request body (Body); the Server's `ask` and `start` do the rest. The answer is one output item: a `message` with its
 `output_text`, or one `function_call`.
 
 Responses are kept in memory for the server's life, the last MAX_STORED of them (`store`,
@@ -28,10 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from flylocal.errors import FlylocalError
 from flylocal.front.serve.answer import Whole, logprob_entries, stats_report
 from flylocal.front.serve import tools
-from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Neutral, Prompt, Server
+from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server
 from flylocal.front.serve.events import Done, Text
-from flylocal.front.serve.openai_requests import (CHECKED, EFFORTS, Own, checked_identifier, checked_metadata,
-                                                  request_params)
+from flylocal.front.serve.openai_requests import CHECKED, EFFORTS, Own, checked_identifier, checked_metadata, options_of
+from flylocal.front.serve.request import Body, JsonOutput, TopLogprobs
 
 MAX_STORED = 256           # responses kept for previous_response_id, the newest
 
@@ -104,7 +104,7 @@ class ResponsesRequest(Own):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     store: bool | None = None
@@ -136,13 +136,6 @@ class ResponsesRequest(Own):
     def bounded_identifier(cls, v):
         return checked_identifier(v)
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def top_range(cls, v):
-        if v is not None and not 0 <= v <= 20:
-            raise ValueError(f"{v}; top_logprobs lies between 0 and 20")
-        return v
-
     @field_validator("max_tool_calls")
     @classmethod
     def at_least_one(cls, v):
@@ -157,11 +150,17 @@ class ResponsesRequest(Own):
             raise ValueError(f"{json.dumps(v)}; flylocal has one service tier (auto, default)")
         return v
 
-    def logprobs(self) -> int | None:
-        """How many most likely tokens each output token carries (None: no logprobs)."""
-        if "message.output_text.logprobs" in (self.include or ()) or self.top_logprobs:
-            return self.top_logprobs or 0
-        return None
+    def logprobs(self) -> bool:
+        """Whether the answer carries logprobs: included, or asked for by a count of tokens."""
+        return "message.output_text.logprobs" in (self.include or ()) or bool(self.top_logprobs)
+
+    def output(self) -> JsonOutput | None:
+        """text.format in the body's terms, or None for free text."""
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return None
+        return JsonOutput(None, "text.format") if fmt.type == "json_object" else \
+            JsonOutput(fmt.schema_, f"text.format {fmt.name!r}")
 
 
 # ----- input items -> a conversation -----
@@ -202,42 +201,49 @@ def _fields(item: dict, where: str, allowed: set[str]) -> None:
         raise FlylocalError(f"{where}.{sorted(extra)[0]}: flylocal does not support this field")
 
 
-def turns_of(items: str | list, where: str = "input") -> list[dict]:
+def turns_of(items: str | list, where: str = "input", landed: list[int] | None = None) -> list[dict]:
     """Input items as a conversation in chat completions' shapes (flylocal.front.serve.tools):
-    consecutive function calls become one assistant turn that makes them."""
+    consecutive function calls become one assistant turn that makes them. `landed`, where
+    given, gets the turn each item went into."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        items = [{"role": "user", "content": items}]
     out: list[dict] = []
     for i, item in enumerate(items):
-        at = f"{where}[{i}]"
-        kind = item.get("type", "message")
-        if kind == "message":
-            _fields(item, at, {"role", "content"})
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise FlylocalError(f"{at}.role: {json.dumps(role)}; user, system, developer or assistant")
-            out.append({"role": "system" if role == "developer" else role,
-                        "content": _text(item.get("content", ""), f"{at}.content")})
-        elif kind == "function_call":
-            _fields(item, at, {"call_id", "name", "arguments", "caller", "namespace"})
-            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
-                raise FlylocalError(f"{at}: a function_call has call_id, name and arguments (JSON text)")
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
-                out[-1]["tool_calls"].append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            _fields(item, at, {"call_id", "output"})
-            if not isinstance(item.get("call_id"), str):
-                raise FlylocalError(f"{at}.call_id: the call this output answers")
-            out.append({"role": "tool", "tool_call_id": item["call_id"],
-                        "content": _text(item.get("output", ""), f"{at}.output")})
-        else:
-            raise FlylocalError(f"{at}.type: flylocal takes message, function_call and function_call_output "
-                                f"items, not {json.dumps(kind)}")
+        _add_turn(out, item, f"{where}[{i}]")
+        if landed is not None:
+            landed.append(len(out) - 1)
     return out
+
+
+def _add_turn(out: list[dict], item: dict, at: str) -> None:
+    """One input item onto the conversation `out`."""
+    kind = item.get("type", "message")
+    if kind == "message":
+        _fields(item, at, {"role", "content"})
+        role = item.get("role")
+        if role not in ("user", "system", "developer", "assistant"):
+            raise FlylocalError(f"{at}.role: {json.dumps(role)}; user, system, developer or assistant")
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _text(item.get("content", ""), f"{at}.content")})
+    elif kind == "function_call":
+        _fields(item, at, {"call_id", "name", "arguments", "caller", "namespace"})
+        if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+            raise FlylocalError(f"{at}: a function_call has call_id, name and arguments (JSON text)")
+        call = {"id": item["call_id"], "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]}}
+        if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+            out[-1]["tool_calls"].append(call)
+        else:
+            out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    elif kind == "function_call_output":
+        _fields(item, at, {"call_id", "output"})
+        if not isinstance(item.get("call_id"), str):
+            raise FlylocalError(f"{at}.call_id: the call this output answers")
+        out.append({"role": "tool", "tool_call_id": item["call_id"],
+                    "content": _text(item.get("output", ""), f"{at}.output")})
+    else:
+        raise FlylocalError(f"{at}.type: flylocal takes message, function_call and function_call_output "
+                            f"items, not {json.dumps(kind)}")
 
 
 def chat_tools(tools: list | None) -> list[dict]:
@@ -265,14 +271,6 @@ def chat_choice(choice):
                                 '{"type": "function", "name": ...}', param="tool_choice")
         return {"type": "function", "function": {"name": choice.get("name")}}
     return choice
-
-
-def param_of(message: str) -> str:
-    for prefix, param in (("tools", "tools"), ("the tools'", "tools"), ("tool_choice", "tool_choice"),
-                          ("text.format", "text.format"), ("tool_calls", "input")):
-        if message.startswith(prefix):
-            return param
-    return "input"
 
 
 # ----- responses -----
@@ -351,12 +349,19 @@ class Responses:
 @dataclass
 class Kept:
     """What a request's job keeps for its renderer: the response's id and time, the
-    conversation the request makes (without instructions) and its input items (those left
-    after truncation)."""
+    conversation the request makes (without instructions) and its input items, each with the
+    turn it went into (`landed`), until truncation says which are left (`left`)."""
     id: str
     created: float
     turns: list[dict]
-    inputs: list[dict]
+    items: list[dict]
+    landed: list[int]           # the turn of `turns` each item went into
+    inputs: list[dict] | None = None
+
+    def left(self, dropped: int) -> None:
+        """The conversation without its first `dropped` turns, and the items left in it."""
+        self.turns = self.turns[dropped:]
+        self.inputs = input_items([item for item, turn in zip(self.items, self.landed) if turn >= dropped])
 
 
 class Create(Endpoint):
@@ -366,67 +371,31 @@ class Create(Endpoint):
         super().__init__(server)
         self.kept = kept
 
-    def read(self, x: Exchange) -> Neutral:
-        """The request in the server's terms: its conversation encoded (truncated first with
-        `truncation: "auto"`), and what its renderer keeps."""
-        req, session, server = x.body, x.session, self.server
-        top = req.logprobs()
-        params = request_params(req, session.target.n_vocab) | ({"logprobs": top} if top is not None else {})
-        offered, choice = chat_tools(req.tools), chat_choice(req.tool_choice)
-        fmt = req.text.format if req.text is not None else None
-        if offered and choice != "none" and fmt is not None and fmt.type != "text":
-            raise ApiError(400, "text.format and tools: flylocal constrains an answer to one of them",
-                           param="text.format")
+    def read(self, x: Exchange) -> Body:
+        """The request as the one request body: its earlier responses' conversation, then its
+        input items, after its instructions; and what its renderer keeps."""
+        req = x.body
         for i, item in enumerate(req.include or ()):
             check_include(item, f"include[{i}]")
-        grammar = None
+        history = self.kept.find(req.previous_response_id, x.key, "previous_response_id").turns \
+            if req.previous_response_id is not None else []
+        items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+        landed: list[int] = []
         try:
-            history = self.kept.find(req.previous_response_id, x.key, "previous_response_id").turns \
-                if req.previous_response_id is not None else []
-            items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-            system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-            turns = history + turns_of(items)
-            prompt = server.prompt(session, system + turns, offered, choice)
-            n_ctx = session.target.n_ctx
-            room = n_ctx - min(params.get("max_tokens", server.settings.max_tokens), n_ctx // 2)
-            if req.truncation == "auto" and len(prompt.ids) > room:
-                history, items, turns, prompt = self.truncated(session, system, history, items, offered, choice, room)
-            if fmt is not None and fmt.type != "text":
-                from flylocal.decoding.grammar import json_output
-
-                grammar = json_output() if fmt.type == "json_object" else \
-                    json_output(fmt.schema_, f"text.format {fmt.name!r}")
+            turns = history + turns_of(items, landed=landed)
         except FlylocalError as e:
-            raise ApiError(400, str(e), param=param_of(str(e))) from None
-        x.kept = Kept(new_id("resp"), time.time(), turns, input_items(items))
-        return Neutral(params, "input", prompt=prompt, grammar=grammar, tokens=top is not None, blame=param_of,
-                       salt=req.cache_salt)
+            raise ApiError(400, str(e), param="input") from None
+        x.kept = Kept(new_id("resp"), time.time(), turns, items, [len(history) + t for t in landed])
+        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        return Body(messages=system + turns, keep=len(system), truncate=req.truncation == "auto",
+                    options=options_of(req), logprobs=req.logprobs(), top_logprobs=req.top_logprobs,
+                    format=req.output(), tools=tuple(chat_tools(req.tools)), tool_choice=chat_choice(req.tool_choice),
+                    salt=req.cache_salt, names={"options": None, "prompt": "input", "format": "text.format"})
 
-    def truncated(self, session, system: list[dict], history: list[dict], items: list[dict], offered, choice,
-                  room: int) -> tuple[list[dict], list[dict], list[dict], Prompt]:
-        """`truncation: "auto"`: the conversation without its oldest turns (the earlier
-        responses' first, then the input's items), as few as leave `room` tokens to answer (as
-        `flylocal chat` drops them; a binary search). The instructions and the last item stay;
-        a function's output whose call went goes with it. (history, items, turns, its Prompt)."""
-        def without(n: int):
-            h, i = history[n:], items[max(0, n - len(history)):]
-            while h and h[0]["role"] == "tool":
-                h = h[1:]
-            while not h and len(i) > 1 and i[0].get("type") == "function_call_output":
-                i = i[1:]
-            turns = h + turns_of(i)
-            return h, i, turns, self.server.prompt(session, system + turns, offered, choice)
-
-        low, high = 1, len(history) + len(items) - 1       # the fewest that may fit; the most that may go
-        best = without(high)
-        while low < high:
-            mid = (low + high) // 2
-            found = without(mid)
-            if len(found[3].ids) <= room:
-                high, best = mid, found
-            else:
-                low = mid + 1
-        return best
+    def job(self, x: Exchange):
+        ask = super().job(x)
+        x.kept.left(ask.dropped)
+        return ask
 
     def body_of(self, x: Exchange, status: str, output: list[dict], done: Done | None = None,
                 error: dict | None = None) -> dict:
