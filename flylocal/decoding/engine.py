@@ -183,7 +183,7 @@ class Engine:
             while (r := self.plan(req)) is not None:
                 t0 = self.clock()
                 tokens = self.rows(req, r)
-                self.scored(req, r, self.target.decode(tokens, logits_from=r.head), self.clock() - t0)
+                self.score(req, r, self.target.decode(tokens, logits_from=r.head), self.clock() - t0)
                 yield self.verify(req, r)
         except GeneratorExit:
             self.stop(req, req.stats.stop or "interrupted")     # closed after its last event: it had ended
@@ -231,7 +231,7 @@ class Engine:
         r.head, r.n_past = h, self.target.n_past
         return batch
 
-    def scored(self, req: Request, r: Round, logits: np.ndarray, seconds: float) -> None:
+    def score(self, req: Request, r: Round, logits: np.ndarray, seconds: float) -> None:
         """The decode of `rows` gave `logits` [k+1, n_vocab] in `seconds`."""
         r.logits, r.score_s = logits, seconds
         r.n_past += r.head
