@@ -66,13 +66,13 @@ def test_budget_carries_across_rounds_and_runs_out():
     d, a, z = case([1, 2, 3, 4], [7, 2, 3], gaps={0: 1.0})
     outcomes = []
     for _ in range(4):
-        decision = verifier.decide(d, a, z)
+        decision, _ = verifier.decide(d, a, z)
         outcomes.append(verifier.commit(decision, decision.accepted))
     assert [o.accepted for o in outcomes] == [3, 3, 0, 0]
     assert verifier.spent == pytest.approx(2.0)
     assert (outcomes[-1].budget_spent, outcomes[-1].budget_left) == (pytest.approx(2.0), pytest.approx(0.5))
     verifier.reset()
-    assert verifier.decide(d, a, z).accepted == 3
+    assert verifier.decide(d, a, z)[0].accepted == 3
 
 
 def test_only_committed_draft_tokens_are_charged():
@@ -80,12 +80,12 @@ def test_only_committed_draft_tokens_are_charged():
     # the committed prefix at 2 draft tokens: only the regret of d[0..1] is charged
     verifier = Asd(AsdParams(gate=10.0, cap=3, budget=100.0))
     d, a, z = case([1, 2, 3, 4, 5], [1, 7, 3, 7], gaps={1: 0.5, 3: 2.0})
-    decision = verifier.decide(d, a, z)
+    decision, _ = verifier.decide(d, a, z)
     assert decision.accepted == 4 and verifier.spent == 0.0      # deciding charges nothing
     committed = verifier.commit(decision, 2)
     assert verifier.spent == pytest.approx(0.5)
     assert (committed.budget_spent, committed.budget_left) == (pytest.approx(0.5), pytest.approx(99.5))
-    verifier.commit(verifier.decide(d, a, z), 0)                         # nothing committed: nothing charged
+    verifier.commit(verifier.decide(d, a, z)[0], 0)                         # nothing committed: nothing charged
     assert verifier.spent == pytest.approx(0.5)
 
 

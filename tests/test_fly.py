@@ -133,7 +133,7 @@ def test_the_gate_opens_only_for_one_of_the_targets_own_top_m_tokens():
     assert fly(d, a, z, P).entropy[1] > 0.3                          # closed by the rank, not the entropy
     assert fly(d, a, z, replace(P, topk=4)).loose == (1,)            # its 4th of 4
     assert fly(d, a, z, replace(P, candidates=False)).loose == (1,)  # any token: the reference's gate
-    assert fly_across(d, a, z, A).accepted == 1
+    assert fly_across(d, a, z, A)[0].accepted == 1
     z[1, 9] = 1.12                                                   # tied with the 3rd: one of them
     assert fly(d, a, z, P).loose == (1,)
 
@@ -148,8 +148,8 @@ def test_the_gate_never_opens_over_the_targets_end_of_generation():
     dec = fly(d, a, z, P, ends)
     assert (dec.accepted, dec.loose) == (1, ()) and np.isnan(dec.entropy[1])
     assert fly(d, a, z, replace(P, candidates=False), ends).loose == (1,)  # the reference's gate
-    assert fly_across(d, a, z, A, ends=ends).accepted == 1
-    assert fly_across(d, a, z, A, open_window=(0, 0), ends=ends).closed == RETRACTED   # inside a window: as any mismatch
+    assert fly_across(d, a, z, A, ends=ends)[0].accepted == 1
+    assert fly_across(d, a, z, A, opened(0, 0), ends=ends)[0].verdict == REJECT   # inside a window: as any mismatch
 
 
 def test_the_gate_never_opens_for_a_token_that_repeats_the_answer():
@@ -162,7 +162,7 @@ def test_the_gate_never_opens_for_a_token_that_repeats_the_answer():
     assert fly(d, a, z, P).loose == (1,)                               # nothing to repeat
     dec = fly(d, a, z, P, output=looped)
     assert (dec.accepted, dec.loose) == (1, ()) and np.isnan(dec.entropy[1])
-    assert fly_across(d, a, z, A, output=looped).accepted == 1
+    assert fly_across(d, a, z, A, output=looped)[0].accepted == 1
     assert fly(d, a, z, replace(P, echo=5), output=looped).loose == (1,)     # a 5-gram it does not hold
     assert fly(d, a, z, replace(P, echo=0), output=looped).loose == (1,)     # the rule off
     assert fly(d, a, z, replace(P, candidates=False), output=looped).loose == (1,)   # the reference's gate
@@ -185,16 +185,28 @@ def test_the_verifier_sees_the_answer_the_engine_gives_it():
     d, a, z = case([1, 2, 3, 4, 5, 6, 7], [1, 9, 3, 4, 5, 6], unsure={1})
     z[1, 9] = 1.1
     v.see(np.array([2, 8, 1, 9, 3, 2, 8], dtype=np.int32))
-    assert v.decide(d, a, z).accepted == 1
+    assert v.decide(d, a, z)[0].accepted == 1
     v.see(np.zeros(0, dtype=np.int32))
-    assert v.decide(d, a, z).loose == (1,)
+    assert v.decide(d, a, z)[0].loose == (1,)
 
 
 # ---------------------------------------------------------------- the window across rounds
 
 A = FlyParams(window=3, entropy=0.3, topk=3)          # across rounds: the default
-from flylocal.decoding.contracts import KEPT, RETRACTED   # noqa: E402
+from flylocal.decoding.contracts import ACCEPT, REJECT, Window   # noqa: E402
+from flylocal.decoding.round import split_output   # noqa: E402
 from flylocal.decoding.verifiers.fly import Fly, fly_across   # noqa: E402
+
+
+def opened(matches: int, idle: int) -> Window:
+    """A window opened in an earlier round (its pending token before draft token 0, at start 0),
+    with `matches` native matches and `idle` empty rounds since."""
+    return Window(at=-1, recovered=0, matches=matches, idle=idle)
+
+
+def counts(window: Window | None) -> tuple[int, int] | None:
+    """(native matches, rounds that drafted nothing) of an open window; None: none is open."""
+    return (window.matches, window.idle) if window is not None else None
 
 
 def test_a_window_that_does_not_fit_the_round_stays_open():
@@ -202,74 +214,91 @@ def test_a_window_that_does_not_fit_the_round_stays_open():
     # rounds it is accepted provisionally, with the bonus token after it, and its window open.
     d, a, z = case([1, 2, 3, 4], [1, 2, 9], unsure={2})
     assert fly(d, a, z, A).accepted == 2
-    dec = fly_across(d, a, z, A)
-    assert (dec.accepted, dec.provisional, dec.window, dec.loose, dec.closed) == (3, 2, (0, 0), (), "")
+    dec, window = fly_across(d, a, z, A)
+    assert (dec.accepted, window.at, counts(window), dec.loose, dec.verdict) == (3, 2, (0, 0), (), "")
 
 
 def test_the_window_is_kept_after_w_minus_1_native_matches_in_later_rounds():
     d, a, z = case([5, 6], [5])                       # one native match: not yet enough
-    dec = fly_across(d, a, z, A, open_window=(0, 0))
-    assert (dec.closed, dec.window, dec.accepted) == ("", (1, 0), 1)
+    dec, window = fly_across(d, a, z, A, opened(0, 0))
+    assert (dec.verdict, counts(window), dec.accepted) == ("", (1, 0), 1)
     d, a, z = case([7, 8, 9, 4], [7, 9, 9], unsure={1})   # the second match closes it; 9 opens another
-    dec = fly_across(d, a, z, A, open_window=(1, 0))
-    assert (dec.closed, dec.provisional, dec.window, dec.accepted) == (KEPT, 1, (1, 0), 3)
+    dec, window = fly_across(d, a, z, A, opened(1, 0))
+    assert (dec.verdict, window.at, counts(window), dec.accepted) == (ACCEPT, 1, (1, 0), 3)
 
 
 def test_a_mismatch_inside_the_window_retracts_it_even_where_the_target_is_unsure():
     d, a, z = case([5, 6, 7], [5, 9], unsure={1})
-    dec = fly_across(d, a, z, A, open_window=(0, 0))
-    assert (dec.closed, dec.accepted, dec.window) == (RETRACTED, 1, None)
+    dec, window = fly_across(d, a, z, A, opened(0, 0))
+    assert (dec.verdict, dec.accepted, window) == (REJECT, 1, None)
     # within one round: a rejection at the provisional position, the target's token there
     d, a, z = case([1, 2, 3, 4, 5], [1, 9, 9, 4], unsure={1, 2})
-    dec = fly_across(d, a, z, A)
-    assert (dec.accepted, dec.provisional, dec.closed) == (1, None, "")
+    dec, window = fly_across(d, a, z, A)
+    assert (dec.accepted, window, dec.verdict) == (1, None, "")
 
 
 def test_rounds_that_draft_nothing_give_no_evidence_and_retract_after_w_minus_1():
     d, a, z = case([5], [])
-    dec = fly_across(d, a, z, A, open_window=(1, 0))
-    assert (dec.closed, dec.window) == ("", (1, 1))
-    dec = fly_across(d, a, z, A, open_window=(1, 1))
-    assert dec.closed == RETRACTED
+    dec, window = fly_across(d, a, z, A, opened(1, 0))
+    assert (dec.verdict, counts(window)) == ("", (1, 1))
+    dec, window = fly_across(d, a, z, A, opened(1, 1))
+    assert dec.verdict == REJECT
     # a bonus token after a non-empty draft is no evidence either way: the count stays
     d, a, z = case([5, 6], [5])
-    assert fly_across(d, a, z, FlyParams(window=4), open_window=(0, 1)).window == (1, 1)
+    assert counts(fly_across(d, a, z, FlyParams(window=4), opened(0, 1))[1]) == (1, 1)
 
 
 def test_a_window_closing_in_its_own_round_is_an_ordinary_loose_token():
     d, a, z = case([1, 2, 3, 4, 5, 6, 7], [1, 9, 3, 4, 5, 6], unsure={1})
-    assert fly_across(d, a, z, A).loose == fly(d, a, z, A).loose == (1,)
-    assert fly_across(d, a, z, A).accepted == 6 and fly_across(d, a, z, A).provisional is None
+    assert fly_across(d, a, z, A)[0].loose == fly(d, a, z, A).loose == (1,)
+    assert fly_across(d, a, z, A)[0].accepted == 6 and fly_across(d, a, z, A)[1] is None
 
 
 def test_a_window_longer_than_any_draft_still_closes():
     W = FlyParams(window=10, entropy=0.3, topk=3)
     d, a, z = case([1, 2, 3], [1, 9], unsure={1})
     assert fly(d, a, z, W).accepted == 1                          # within rounds: never
-    state = fly_across(d, a, z, W).window
+    _, state = fly_across(d, a, z, W)
+    start = 0
     for _ in range(4):                                             # 4 rounds of 2 native matches
+        start += len(d) + 1                                        # (each commits its draft and bonus)
         d, a, z = case([1, 2, 3], [1, 2])
-        dec = fly_across(d, a, z, W, open_window=state)
-        state = dec.window
+        _, state = fly_across(d, a, z, W, state, start)
     d, a, z = case([1, 2, 3], [1, 2])
-    assert fly_across(d, a, z, W, open_window=state).closed == KEPT
+    assert fly_across(d, a, z, W, state, start + len(d) + 1)[0].verdict == ACCEPT
 
 
 def test_the_gate_and_theta_infinity_hold_across_rounds():
     d, a, z = case([1, 2, 3, 4], [1, 2, 9])                       # the target is sure at 2
-    assert fly_across(d, a, z, A).accepted == 2
+    assert fly_across(d, a, z, A)[0].accepted == 2
     d, a, z = case([1, 2, 3, 4], [1, 2, 9], unsure={2})
-    assert fly_across(d, a, z, FlyParams(window=3, entropy=math.inf)).accepted == strict(d, a, z).accepted
+    assert fly_across(d, a, z, FlyParams(window=3, entropy=math.inf))[0].accepted == strict(d, a, z).accepted
 
 
-def test_the_verifier_carries_its_window_and_begin_forgets_it():
+def test_the_verifier_returns_its_window_and_a_new_request_has_none():
     v = Fly(A)
     d, a, z = case([1, 2, 3, 4], [1, 2, 9], unsure={2})
-    v.commit(v.decide(d, a, z), 3)
-    assert v.open == (0, 0)
+    dec, window = v.decide(d, a, z)
+    v.commit(dec, 3)
+    assert counts(window) == (0, 0)
     d, a, z = case([5, 6, 7], [5, 6])
-    assert v.decide(d, a, z).closed == KEPT
-    v.begin()
-    assert v.decide(d, a, z).closed == ""
-    v.commit(fly_across(*case([1, 2, 3, 4], [1, 2, 9], unsure={2}), A), 2)   # the end cut the provisional token
-    assert v.open is None
+    assert v.decide(d, a, z, window, 4)[0].verdict == ACCEPT      # the request's window, passed back in
+    assert v.decide(d, a, z)[0].verdict == ""                     # a new request: none is open
+    _, window = fly_across(*case([1, 2, 3, 4], [1, 2, 9], unsure={2}), A)
+    new = [(1, "accepted", None), (2, "accepted", None)]
+    assert split_output(window, (), 0, 2, 2, new)[1] is None       # the end cut the pending token
+
+
+def test_the_window_keeps_pending_what_follows_its_token_until_the_verdict():
+    # a window opened at draft position 2 of a round that committed 3 draft tokens and its bonus
+    # from context position 10: its two tokens before it are output, the rest pending
+    window = Window(at=12, recovered=9)
+    new = [(t, "accepted", None) for t in (1, 2, 3, 4)]
+    out, window = split_output(window, (), 10, 14, 3, new)
+    assert out == new[:2] and (window.pending, window.accepted) == (tuple(new[2:]), 1)
+    # the next round (4 tokens, 3 of them drafted) adds to it, and shows nothing
+    more = [(t, "accepted", None) for t in (5, 6, 7, 8)]
+    out, after = split_output(window, (), 14, 18, 3, more)
+    assert out == [] and (after.pending, after.accepted, after.at) == (tuple(new[2:] + more), 4, 12)
+    # a verdict that accepts it releases what it held, before the round's own output
+    assert split_output(None, after.pending, 18, 20, 1, more[:2]) == ([*new[2:], *more, *more[:2]], None)

@@ -332,8 +332,8 @@ class AcceptAll(Verifier):
 
     name = "accept-all"
 
-    def decide(self, draft, target_argmax, logits):
-        return Decision(accepted=len(draft))
+    def decide(self, draft, target_argmax, logits, window=None, start=0):
+        return Decision(accepted=len(draft)), window
 
 
 def expected_pairs(rt, ids, p: SamplingParams, top: int = 6) -> dict:

@@ -282,7 +282,7 @@ class Batch:
             r, m.plan = m.plan, None
             r.shared = shared
             try:
-                m.engine.scored(m.req, r, out_logits, seconds)
+                m.engine.score(m.req, r, out_logits, seconds)
                 event = m.engine.verify(m.req, r)
             except Exception as e:  # noqa: BLE001 - its grammar, its verifier: its own failure
                 self._fail(m, e, out)

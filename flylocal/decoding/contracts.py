@@ -1,16 +1,17 @@
 """The contracts of the decoding core (docs/design.md, "Contracts"): what the round loop
 (flylocal.decoding.engine) asks of the model it verifies on (`Target`), of where drafts come
 from (`Drafter`) and of what decides how much of a draft to keep (`Verifier`), and the records
-they pass: `Draft` and `Decision`; what a batch asks of a cache of several sequences
+they pass: `Draft`, `Decision` and FLy's `Window`; what a batch asks of a cache of several sequences
 (`Sequences`), and what text drafting and grammars read of a model's tokens (`Vocabulary`).
 
 A round, in these words:
 
     drafter.propose(context, k) -> Draft                          draft
     target.decode([last, *draft], logits for its k+1 rows)        score
-    verifier.decide(draft, target_argmax, logits) -> Decision     decide
+    verifier.decide(draft, target_argmax, logits, window, start)  decide
+        -> Decision, Window
     target.truncate(n_past + m); verifier.commit(decision, n)     commit
-    (a RETRACTED decision: target.truncate(P), the target's token at P)
+    (a REJECT verdict: target.truncate(P), the window's recovered token at P)
     drafter.observe(draft as verified, accepted)                  account
 
 A hook a part has nothing to say in has a no-op default here: a class that subclasses the
@@ -296,30 +297,49 @@ class Decision:
     entropy: np.ndarray | None = None          # [k] float64, NaN where not computed
     budget_spent: float | None = None          # ASD's ledger s after this round's charge
     budget_left: float | None = None           # B - s
-    # A window across rounds (FLy's; docs/verifiers.md, "FLy"): a token accepted provisionally is
-    # held back from the output until its window closes.
-    provisional: int | None = None             # the draft position of a token this round accepted
-                                               # provisionally, its window still open after the round
-    closed: str = ""                           # the window open before this round closed in it: KEPT or RETRACTED
-                                               # ("": none was open, or it is still open)
-    window: tuple[int, int] | None = None      # the open window after the round: (native matches, rounds
-                                               # that drafted nothing) since its provisional token
+    verdict: str = ""                          # on the Window open before the round: ACCEPT, REJECT, or ""
+                                               # (none was open, or it is still open)
 
 
-KEPT, RETRACTED = "kept", "retracted"
+# A verdict on a window open before the round (FLy's; docs/verifiers.md, "FLy"). ACCEPT: its
+# pending token stays for good and its pending output is shown. REJECT: its pending token is
+# taken back, the caches roll back to it and its recovered token takes its place; nothing of the
+# round stays. (The values are the trace's words for them: docs/verifiers.md, "Trace and stats".)
+ACCEPT, REJECT = "kept", "retracted"
+
+
+@dataclass(frozen=True)
+class Window:
+    """FLy's deferred window across rounds, one request's (docs/verifiers.md, "FLy"): a draft token
+    accepted while its window is open (the *pending* token, at context position `at`), and what
+    the window has seen since. It is the one record of the window: the verifier's `decide` takes
+    the window open before a round and returns the one open after it, and the engine keeps that
+    between rounds, adding what the round committed from `at` on (`accepted`, `pending`)."""
+
+    at: int                        # P: the context position of the pending token
+    recovered: int                 # the target's own token at P: what takes its place if it is rejected
+    matches: int = 0               # native matches since it (W-1 accept it)
+    idle: int = 0                  # rounds since it that drafted nothing (W-1 reject it)
+    accepted: int = 0              # draft tokens committed from P on, the pending token included
+    pending: tuple = ()            # (token, kind, logprobs entry) of the output committed from P on, held
+                                   # back until the verdict
+    recovered_logprobs: tuple | None = None   # the recovered token's logprobs entry (EngineConfig.logprobs)
 
 
 class Verifier(Protocol):
-    """How much of a draft to commit (docs/verifiers.md). `decide` is a function of the
-    round's arrays and of what the verifier carries across rounds (a ledger, an open window);
-    `commit`, `begin` and `reset` keep that state."""
+    """How much of a draft to commit (docs/verifiers.md). `decide` is a function of the round's
+    arrays and of what is carried across rounds: the request's open Window, passed in and
+    returned (FLy), or a ledger the verifier keeps (ASD: `commit` charges it, `reset` empties it)."""
 
     name: str
 
-    def decide(self, draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray) -> Decision:
+    def decide(self, draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray,
+               window: Window | None = None, start: int = 0) -> tuple[Decision, Window | None]:
         """draft [k] int32, target_argmax [k+1] int32 (the target's token at each draft position
         and at the bonus position), logits [k+1, n_vocab] float32 (the target's raw logits for
-        exactly those rows)."""
+        exactly those rows); `window`: the request's window open before the round (None: none);
+        `start`: the context position of draft token 0. Returns the decision and the window open
+        after it, before the commit (a verifier with no window returns `window` as it came)."""
         ...
 
     def commit(self, decision: Decision, n: int) -> Decision:
@@ -334,11 +354,6 @@ class Verifier(Protocol):
     def see(self, output: np.ndarray) -> None:
         """The answer so far (output [m] int32, the committed tokens after the prompt; a view,
         valid until the round commits), given by the engine before each `decide`."""
-
-    def begin(self) -> None:
-        """Decoding goes on from committed tokens with nothing provisional among them: a new
-        request, or the engine took back a provisional token whose window the generation's end
-        cut short."""
 
     def reset(self) -> None:
         """A new conversation."""

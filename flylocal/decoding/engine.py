@@ -2,10 +2,12 @@
 (docs/design.md, "The round").
 
     context -> drafter.propose -> target.decode([last, *draft], k+1 rows of logits)
-            -> verifier.decide(draft, a, logits) -> target.truncate(n_past + m) -> stats, feedback
+            -> verifier.decide(draft, a, logits, window) -> target.truncate(n_past + m) -> stats, feedback
 
 Each step is a method over a small record of the round (flylocal.decoding.round); the loop is
-`Engine._rounds`.
+`Engine._rounds`. FLy's window across rounds is one record per request (`Window`,
+flylocal.decoding.contracts): the engine passes it in to each decision and keeps the one the
+decision returns, with what the round committed from its pending token on.
 The target's cache always holds the committed tokens but the last one (`last`), which is
 decoded at the head of the next round's batch. `Engine.generate` returns a Generation: an
 iterable of RoundEvents that owns the request's stats, its output tokens and its stop reason.
@@ -17,15 +19,15 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
 from flylocal.decoding.adaptive import timed_decode
-from flylocal.decoding.contracts import EMPTY, KEPT, NO_DRAFT, RETRACTED, Drafter, Target, Verifier
+from flylocal.decoding.contracts import ACCEPT, EMPTY, NO_DRAFT, REJECT, Drafter, Target, Verifier, Window
 from flylocal.decoding.costs import Source
-from flylocal.decoding.round import Round, Window
+from flylocal.decoding.round import Round, split_output
 from flylocal.decoding.sampling import SamplingParams, position_noise, sample_targets, target_argmax, token_logprobs
 from flylocal.decoding.stats import Stats
 from flylocal.decoding.trace import trace_row
@@ -81,9 +83,9 @@ class Request:
         self.seed = seed                        # a position's randomness: (seed, position)
         self.eog_ids = frozenset(np.flatnonzero(target.eog_mask).tolist())
         self.started = 0.0
-        # A token accepted provisionally (FLy's window across rounds) and what follows it are
-        # committed to the caches but held back from the output until the window closes.
-        self.window = Window()
+        # FLy's window across rounds, the one record of it: its pending token and what follows it
+        # are committed to the caches but held back from the output until the verdict.
+        self.window: Window | None = None
         self.gen = gen
         self.source: str | None = None          # where the target's cost curve came from (`Engine.prefill`)
         self.closed = False                     # `Engine.stop` has run
@@ -181,7 +183,7 @@ class Engine:
             while (r := self.plan(req)) is not None:
                 t0 = self.clock()
                 tokens = self.rows(req, r)
-                self.scored(req, r, self.target.decode(tokens, logits_from=r.head), self.clock() - t0)
+                self.score(req, r, self.target.decode(tokens, logits_from=r.head), self.clock() - t0)
                 yield self.verify(req, r)
         except GeneratorExit:
             self.stop(req, req.stats.stop or "interrupted")     # closed after its last event: it had ended
@@ -196,7 +198,7 @@ class Engine:
 
     # ----- a request's steps: `_rounds` runs them alone, flylocal.decoding.batch beside others' -----
     def start(self, prompt: np.ndarray, gen: Generation) -> Request:
-        """A request's record, its drafter and verifier begun. `stop` ends it, however it ends."""
+        """A request's record, its drafter begun. `stop` ends it, however it ends."""
         # The randomness of a position depends on the seed and the position only (no seed: a
         # fresh one per request), so drafting cannot change what is sampled.
         seed = self.config.sampling.seed
@@ -206,7 +208,6 @@ class Engine:
             for curve in self.curves:
                 curve.pin(True)
         self.drafter.begin(self.config.max_tokens)
-        self.verifier.begin()
         return req
 
     def prefill(self, req: Request, rows: int | None = None) -> None:
@@ -230,7 +231,7 @@ class Engine:
         r.head, r.n_past = h, self.target.n_past
         return batch
 
-    def scored(self, req: Request, r: Round, logits: np.ndarray, seconds: float) -> None:
+    def score(self, req: Request, r: Round, logits: np.ndarray, seconds: float) -> None:
         """The decode of `rows` gave `logits` [k+1, n_vocab] in `seconds`."""
         r.logits, r.score_s = logits, seconds
         r.n_past += r.head
@@ -347,55 +348,43 @@ class Engine:
             positions = np.arange(req.n, req.n + len(r.draft) + 1)
             r.target = sample_targets(r.draft, r.logits, history, sampling, position_noise(req.seed, positions))
         self.verifier.see(history[len(req.prompt):])
-        r.decision = self.verifier.decide(r.draft, r.target, r.logits)
+        r.decision, r.window = self.verifier.decide(r.draft, r.target, r.logits, req.window, req.n)
         r.emitted = emitted_tokens(r.draft, r.target, r.decision.accepted)             # [L+1]
         r.decide_s = self.clock() - t0
 
     def _commit(self, req: Request, r: Round) -> None:
         """Cut the emitted tokens at the first end-of-generation token, at max_tokens and at the
         context's end; roll the cache back to keep [last, *committed[:-1]] (committed[-1] is
-        the new last); charge the verifier for what was committed. A provisional token is
-        remembered; one the decision retracts, or whose window the generation's end cuts short,
-        is taken back (`_retract`)."""
+        the new last); charge the verifier for what was committed. A REJECT verdict takes the
+        request's window back instead (`_reject`), and nothing of the round stays."""
         t0 = self.clock()
         decision = r.decision
-        if decision.closed == RETRACTED:           # nothing of this round stays
+        if decision.verdict == REJECT:
             r.emitted = r.emitted[:0]
             r.decision = self.verifier.commit(decision, 0)
-            self._retract(req, r)
+            self._reject(req, r)
             r.commit_s = self.clock() - t0
             return
-        eog_ids, n0 = req.eog_ids, req.n
+        eog_ids = req.eog_ids
         ids = r.emitted.tolist()          # a few ids: Python beats numpy's per-call cost here
         eog = next((j for j, t in enumerate(ids) if t in eog_ids), None)
         m = eog + 1 if eog is not None else len(ids)
         m = min(m, self.config.max_tokens - req.produced, self.target.n_ctx - req.n)
         self.target.truncate(r.n_past + m)
-        ended = eog is not None and eog < m
-        r.committed, r.ended, r.shown, r.accepted = m, ended, m - ended, min(decision.accepted, m)
+        r.committed, r.ended, r.accepted = m, eog is not None and eog < m, min(decision.accepted, m)
         r.decision = self.verifier.commit(decision, r.accepted)      # a ledger pays for what stays
         req.context[req.n : req.n + m] = r.emitted[:m]
         req.n += m
         if req.constraint is not None:    # (the grammar allowed the end; it ends the generation)
-            req.constraint.commit(r.emitted[: r.shown])
-        j = decision.provisional
-        if j is not None and j < r.accepted:
-            token = int(r.target[j])
-            logprob = (token_logprobs(r.target[j : j + 1], r.logits[j : j + 1],
-                                      np.concatenate([req.context[:n0], r.draft[:j]]), self.config.sampling,
-                                      self.config.logprobs)[0] if self.config.logprobs is not None else None)
-            req.window.opens(n0 + j, (token, logprob), r.accepted - j)
-        elif decision.closed == KEPT:
-            req.window.close()
-        elif req.window.open:
-            req.window.accepted += r.accepted
+            req.constraint.commit(r.emitted[: m - r.ended])
         r.commit_s = self.clock() - t0
 
-    def _retract(self, req: Request, r: Round) -> None:
-        """Take back the provisional token at P and everything after it: the caches roll back
-        to P, and the target's own token goes there (docs/verifiers.md, "FLy")."""
-        P, r.retracted_accepted, r.recovered = req.window.taken_back()
-        token, r.retracted = r.recovered[0], req.n - P
+    def _reject(self, req: Request, r: Round) -> None:
+        """Take back the window's pending token at P and everything after it: the caches roll
+        back to P, and its recovered token goes there (docs/verifiers.md, "FLy")."""
+        window = r.rejected = req.window
+        P, token = window.at, window.recovered
+        r.retracted, req.window = req.n - P, None
         self.target.truncate(P)
         if req.constraint is not None:
             req.constraint.truncate(P - len(req.prompt))
@@ -409,29 +398,27 @@ class Engine:
         """Stats, the drafter's feedback, the cost curve's timing, trace and logprobs; the
         event that carries the round's output."""
         cfg, stats = self.config, req.stats
-        out = [] if r.retracted else self._output(req, r)
-        if req.window.open and (r.ended or req.produced >= cfg.max_tokens or req.n >= self.target.n_ctx):
-            self._retract(req, r)         # the end cuts its window short: the provisional token goes
-            self.verifier.begin()
-        if r.retracted:                   # the target's token where the provisional one stood
-            token, logprob = r.recovered
-            out += [] if r.ended else [(token, TARGET, logprob)]
+        out = [] if r.rejected is not None else self._output(req, r)
+        if req.window is not None and (r.ended or req.produced >= cfg.max_tokens or req.n >= self.target.n_ctx):
+            self._reject(req, r)          # the end cuts its window short: the pending token goes
+        if r.rejected is not None and not r.ended:    # its recovered token where the pending one stood
+            out.append((r.rejected.recovered, TARGET, r.rejected.recovered_logprobs))
         stats.add(r)
         # The drafter's share of the round: its tokens after the forced ones, judged where the
-        # target reached them (a round that retracted a window: as far as they matched).
+        # target reached them (a round that rejected a window: as far as they matched).
         f, proposal = r.forced, r.proposal
-        accepted = r.accepted if r.decision.closed != RETRACTED else min(r.decision.accepted, len(r.draft))
+        accepted = r.accepted if r.decision.verdict != REJECT else min(r.decision.accepted, len(r.draft))
         if accepted >= f:
             own = len(r.draft) - f
             verified = proposal if own == len(proposal.tokens) else proposal.cut(own)
             self.drafter.observe(verified, accepted - f)
         if self.costs is not None and not r.head and not r.shared:    # the decode's cost (a grammar's masks are not
                                                                       # the target's; a shared decode: the batch's)
-            self.costs.update(len(r.draft) + 1, r.score_s + r.decide_s + r.commit_s, emitted=max(r.net, 0))
+            self.costs.update(len(r.draft) + 1, r.score_s + r.decide_s + r.commit_s, emitted=max(r.added, 0))
         tokens = tuple(t for t, _, _ in out)
         kinds = tuple(kind for _, kind, _ in out)
         logprobs = tuple(lp for _, _, lp in out) if cfg.logprobs is not None else None
-        trace = trace_row(r, grammar=req.constraint is not None, held=len(req.window.held)) if cfg.trace else None
+        trace = trace_row(r, grammar=req.constraint is not None, window=req.window) if cfg.trace else None
         req.out.extend(tokens)
         # The stop is known before the event goes out: a consumer that closes the generation
         # right after it gets the real reason.
@@ -441,26 +428,24 @@ class Engine:
         return RoundEvent(r.index, tokens, kinds, trace, logprobs)
 
     def _output(self, req: Request, r: Round) -> list[tuple]:
-        """(token, kind, logprobs entry) of what the round makes output: the tokens held back
-        for a window it kept, then its own shown tokens, but those from an open window's
-        provisional token on, which it holds back."""
-        cfg, decision, shown = self.config, r.decision, r.shown
-        L, loose, j = decision.accepted, decision.loose, decision.provisional
-        tokens = r.emitted[:shown].tolist()
-        kinds = [LOOSE if i in loose or i == j else ACCEPTED if i < L else TARGET for i in range(shown)]
+        """(token, kind, logprobs entry) of what the round makes output, and the request's window
+        after it (`split_output`): the pending output of a window the verdict accepted, then the
+        round's own output tokens up to the pending token of the window left open."""
+        cfg, decision, window = self.config, r.decision, r.window
+        n, start = r.committed - r.ended, req.n - r.committed     # its output tokens; draft token 0's position
+        L, loose = decision.accepted, decision.loose
+        j = window.at - start if window is not None else -1       # a pending token of this round's
+        tokens = r.emitted[:n].tolist()
+        kinds = [LOOSE if i in loose or i == j else ACCEPTED if i < L else TARGET for i in range(n)]
         # Row i scored the position of committed[i] under the prefix committed before it.
-        logprobs = (token_logprobs(r.emitted[:shown], r.logits, req.context[: req.n - r.committed], cfg.sampling,
-                                   cfg.logprobs) if cfg.logprobs is not None else [None] * shown)
-        new = list(zip(tokens, kinds, logprobs))
-        window = req.window
-        out = window.release() if decision.closed == KEPT else []
-        if not window.open:
-            return out + new
-        if j is not None and j < r.accepted:     # opened this round
-            out += new[:j]
-            window.held = new[j:]
-        else:
-            window.held.extend(new)
+        logprobs = (token_logprobs(r.emitted[:n], r.logits, req.context[:start], cfg.sampling, cfg.logprobs)
+                    if cfg.logprobs is not None else [None] * n)
+        if 0 <= j < r.accepted and cfg.logprobs is not None:    # what its recovered token will be output with
+            entry = token_logprobs(r.target[j : j + 1], r.logits[j : j + 1], req.context[: start + j], cfg.sampling,
+                                   cfg.logprobs)[0]
+            window = replace(window, recovered_logprobs=entry)
+        pending = req.window.pending if decision.verdict == ACCEPT else ()     # now output
+        out, req.window = split_output(window, pending, start, req.n, r.accepted, list(zip(tokens, kinds, logprobs)))
         return out
 
 

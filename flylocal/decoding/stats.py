@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from flylocal.decoding.contracts import KEPT
+from flylocal.decoding.contracts import ACCEPT
 
 if TYPE_CHECKING:
     from flylocal.decoding.round import Round
@@ -23,9 +23,9 @@ class Stats:
     accepted: int = 0            # draft tokens committed (native matches and loose) that stayed
     loose: int = 0               # committed draft tokens that did not match natively
     mismatches: int = 0          # native mismatches seen: loose ones plus each round's rejected one
-                                 # (and provisional ones, kept or not)
-    retractions: int = 0         # FLy across rounds: provisional tokens taken back
-    retracted: int = 0           # tokens taken back with them (each provisional one and what followed it)
+                                 # (and pending ones, kept or not)
+    retractions: int = 0         # FLy across rounds: pending tokens taken back (a window's REJECT)
+    retracted: int = 0           # tokens taken back with them (each pending one and what followed it)
     emitted: int = 0             # committed tokens: accepted + one correction/bonus per round, less
                                  # those taken back, plus each retracted token's recovered token
     emitted_in_rounds: int = 0   # each round's emitted tokens where it emitted them: its committed
@@ -54,20 +54,20 @@ class Stats:
         decision, m, k = r.decision, r.committed, len(r.draft)
         self.rounds += 1
         self.drafted += k
-        self.accepted += r.accepted - r.retracted_accepted        # a retraction takes back draft tokens accepted before
+        self.accepted += r.accepted - (r.rejected.accepted if r.rejected is not None else 0)   # and those taken back
         self.forced += min(r.forced, r.accepted)
         loose = sum(1 for j in decision.loose if j < m)
-        self.loose += loose + (decision.closed == KEPT)
+        self.loose += loose + (decision.verdict == ACCEPT)     # a window's pending token, kept
         seen = min(decision.accepted + 1, k)                  # the positions the decision judged
         self.mismatches += int(np.count_nonzero(r.draft[:seen] != r.target[:seen])) if seen else 0
         if decision.budget_spent is not None:
             self.budget_spent, self.budget_left = decision.budget_spent, decision.budget_left
-        self.retractions += r.retracted > 0
+        self.retractions += r.rejected is not None
         self.retracted += r.retracted
-        self.emitted += r.net
-        self.emitted_in_rounds += r.committed + (r.retracted > 0)
+        self.emitted += r.added
+        self.emitted_in_rounds += r.committed + (r.rejected is not None)
         if self.rounds == 1:
-            self.first_tokens = r.net
+            self.first_tokens = r.added
         self.draft_s += r.draft_s
         self.target_s += r.score_s + r.commit_s
         self.verify_s += r.mask_s + r.decide_s
@@ -114,7 +114,7 @@ class Stats:
             f"mean accepted length {self.mean_accepted_length:.2f} "
             f"({self.rounds} rounds, {self.drafted} drafted, {self.accepted} accepted, {self.loose} loose "
             f"of {self.mismatches} mismatches"
-            + (f", {self.retractions} provisional taken back with {self.retracted} tokens" if self.retractions else "")
+            + (f", {self.retractions} pending taken back with {self.retracted} tokens" if self.retractions else "")
             + "), "
             + (f"ASD budget spent {self.budget_spent:.2f}, left {self.budget_left:.2f}, "
                if self.budget_spent is not None else "")

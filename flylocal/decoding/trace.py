@@ -10,13 +10,13 @@ import numpy as np
 from flylocal.decoding.verifiers.base import regrets
 
 if TYPE_CHECKING:
+    from flylocal.decoding.contracts import Window
     from flylocal.decoding.round import Round
 
 
-def trace_row(r: Round, grammar: bool = False, held: int = 0) -> dict:
+def trace_row(r: Round, grammar: bool = False, window: Window | None = None) -> dict:
     """The trace row of a finished round; `grammar`: the round ran under one (its forced
-    tokens are recorded); `held`: output tokens held back after it (a window across rounds
-    is open)."""
+    tokens are recorded); `window`: the request's window across rounds open after it (FLy's)."""
     k, decision = len(r.draft), r.decision
     entropy = decision.entropy
     row = {
@@ -31,17 +31,19 @@ def trace_row(r: Round, grammar: bool = False, held: int = 0) -> dict:
         "loose": [int(j) for j in decision.loose],
         "emitted": [int(t) for t in r.emitted],
     }
-    if decision.provisional is not None:
-        row["provisional"] = int(decision.provisional)   # accepted provisionally: its window is open
-    if decision.closed:
-        row["closed"] = decision.closed                  # the window open before: kept or retracted
-    if decision.window is not None and held:               # (the end may have taken the window back)
-        row["window"] = list(decision.window)              # (native matches, empty rounds) since its token
-    if r.retracted:
-        row["retracted"] = r.retracted                     # tokens taken back, the provisional one first,
-        row["recovered"] = r.recovered[0]              # and the target's token put in its place
-    if held:
-        row["held"] = held
+    start = r.n_past + 1                                   # the context position of draft token 0
+    if r.window is not None and r.window.at >= start:
+        row["provisional"] = r.window.at - start           # a pending token this round's decision accepted
+    if decision.verdict:
+        row["closed"] = decision.verdict                   # the window open before: kept or retracted
+    pending = len(window.pending) if window is not None else 0
+    if pending:                                            # (the end may have taken the window back)
+        row["window"] = [window.matches, window.idle]      # (native matches, empty rounds) since its token
+    if r.rejected is not None:
+        row["retracted"] = r.retracted                     # tokens taken back, the pending one first,
+        row["recovered"] = r.rejected.recovered            # and the target's token put in its place
+    if pending:
+        row["held"] = pending                              # output tokens pending after the round
     if decision.budget_spent is not None:
         row["budget_spent"], row["budget_left"] = decision.budget_spent, decision.budget_left
     if grammar:

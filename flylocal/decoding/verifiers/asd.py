@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flylocal.decoding.contracts import Decision, Verifier
+from flylocal.decoding.contracts import Decision, Verifier, Window
 from flylocal.decoding.verifiers.base import regrets
 
 
@@ -62,9 +62,9 @@ class Asd(Verifier):
         self.spent = 0.0
         self._cost = np.zeros(0)
 
-    def decide(self, draft, target_argmax, logits) -> Decision:
+    def decide(self, draft, target_argmax, logits, window=None, start=0) -> tuple[Decision, Window | None]:
         decision, self._cost = asd(draft, target_argmax, logits, self.params, self.spent)
-        return decision
+        return decision, window
 
     def commit(self, decision: Decision, n: int) -> Decision:
         """Charge the regret of the first n committed draft tokens; the decision, carrying the

@@ -10,10 +10,11 @@ A draft token the target would not have chosen is still accepted ("loose") when
 Looseness is decided from native matches only, so a mismatch inside a window spoils it.
 
 The window may close in a later round (`fly_across`, the default): a gated-open mismatch is
-accepted provisionally, the engine holds the output back from it, and a later round keeps it
-(W-1 native matches) or retracts it (a mismatch, or W-1 rounds that drafted nothing). Within a
-round (`fly`, the reference implementation's): the window must end before the draft's last
-position, j + W < k, or the mismatch is rejected.
+accepted pending its window (a `Window`, the request's, which the engine passes in and keeps),
+the engine holds the output back from it, and a later round accepts it (W-1 native matches) or
+rejects it (a mismatch, or W-1 rounds that drafted nothing). Within a round (`fly`, the
+reference implementation's): the window must end before the draft's last position, j + W < k,
+or the mismatch is rejected.
 
 Entropy costs one log-sum-exp over the vocabulary, and is computed only at mismatches that
 can still decide the outcome: the window is checked first, and scanning stops at the first
@@ -25,11 +26,11 @@ FLy changes the output relative to the target's greedy decoding, by design.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from flylocal.decoding.contracts import KEPT, RETRACTED, Decision, Verifier
+from flylocal.decoding.contracts import ACCEPT, REJECT, Decision, Verifier, Window
 
 
 @dataclass(frozen=True)
@@ -117,74 +118,71 @@ def fly(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray, params
 
 
 def fly_across(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray, params: FlyParams = FlyParams(),
-               open_window: tuple[int, int] | None = None, ends: np.ndarray = NO_ENDS,
-               output: np.ndarray = NO_OUTPUT) -> Decision:
-    """FLy with a window that may close in a later round. `open_window`: (native matches, rounds
-    that drafted nothing) since a token accepted provisionally in an earlier round, or None.
-    Arrays as in `fly`. The decision's `closed` says what became of the open window,
-    `provisional` where this round opened one that stays open, and `window` its count after the
-    round. A window that closes within the round it opened in is an ordinary loose position; one
-    retracted there is a rejection at its position."""
+               window: Window | None = None, start: int = 0, ends: np.ndarray = NO_ENDS,
+               output: np.ndarray = NO_OUTPUT) -> tuple[Decision, Window | None]:
+    """FLy with a window that may close in a later round. `window`: the one open before the round
+    (its pending token committed in an earlier one, before `start`, the context position of
+    draft token 0), or None. Arrays as in `fly`. Returns the decision, whose `verdict` says what
+    became of `window`, and the window open after the round: `window` counted on, or one this
+    round opened at draft position j (`at` = start + j), or None. A window that closes within the
+    round it opened in is an ordinary loose position; one spoiled there is a rejection at its
+    position."""
     k = len(draft)
     native = draft == target_argmax[:k]                    # [k] bool
     entropy = np.full(k, np.nan)                           # [k] float64
     need = params.window - 1                               # native matches that close a window
-    at = -1 if open_window is not None else None           # the provisional position; -1: an earlier round's
-    matches, idle = open_window if open_window is not None else (0, 0)
     loose: list[int] = []
-    closed = ""
+    verdict = ""
 
-    def done(accepted: int, **kw) -> Decision:
-        return Decision(accepted=accepted, loose=tuple(loose), entropy=entropy, closed=kw.pop("closed", closed), **kw)
+    def done(accepted: int, verdict: str, after: Window | None = None) -> tuple[Decision, Window | None]:
+        return Decision(accepted=accepted, loose=tuple(loose), entropy=entropy, verdict=verdict), after
 
     j = 0
     while j < k:
         rest = np.flatnonzero(~native[j:])
         run = int(rest[0]) if rest.size else k - j         # native matches from j on
-        if at is not None:
-            if matches + run >= need:                      # the window closes: its token is kept
-                j += need - matches
-                if at < 0:
-                    closed = KEPT
+        if window is not None:
+            if window.matches + run >= need:               # the window closes: its token is accepted
+                j += need - window.matches
+                if window.at < start:
+                    verdict = ACCEPT
                 else:
-                    loose.append(at)
-                at = None
+                    loose.append(window.at - start)
+                window = None
                 continue
-            matches += run
+            window = replace(window, matches=window.matches + run)
             j += run
             if j == k:
                 break
             # a mismatch inside the window: the target corrects a real error
-            return done(j, closed=RETRACTED) if at < 0 else done(at)
+            return done(j, REJECT) if window.at < start else done(window.at - start, verdict)
         j += run
         if j == k:
             break
         entropy[j], open_ = gate_open(logits[j], int(draft[j]), int(target_argmax[j]), params, ends,
                                       repeats(output, draft, j, params.echo))
         if not open_:
-            return done(j)                                 # the target is confident: keep its token
+            return done(j, verdict)                        # the target is confident: keep its token
         if need == 0:
             loose.append(j)                                # a window of the mismatch alone
         else:
-            at, matches, idle = j, 0, 0
+            window = Window(at=start + j, recovered=int(target_argmax[j]))
         j += 1
-    if at is None:
-        return done(k)
-    if not k:
-        idle += 1                                          # a round that drafted nothing: no evidence
-        if idle >= need:
-            return done(0, closed=RETRACTED)
-    return done(k, provisional=at if at >= 0 else None, window=(matches, idle))
+    if window is not None and not k:
+        window = replace(window, idle=window.idle + 1)     # a round that drafted nothing: no evidence
+        if window.idle >= need:
+            return done(0, REJECT)
+    return done(k, verdict, window)
 
 
 class Fly(Verifier):
-    """FLy with its parameters; across rounds, the open window (if any) between rounds."""
+    """FLy with its parameters. It carries nothing across rounds: the window is the request's
+    (`Window`), passed in to `decide` and returned by it."""
 
     name = "fly"
 
     def __init__(self, params: FlyParams = FlyParams()):
         self.params = params
-        self.open: tuple[int, int] | None = None
         self.ends = NO_ENDS
         self.output = NO_OUTPUT
 
@@ -194,16 +192,8 @@ class Fly(Verifier):
     def see(self, output: np.ndarray) -> None:
         self.output = output
 
-    def decide(self, draft, target_argmax, logits) -> Decision:
+    def decide(self, draft, target_argmax, logits, window=None, start=0) -> tuple[Decision, Window | None]:
         p = self.params
         if p.across and p.use_window:
-            return fly_across(draft, target_argmax, logits, p, self.open, self.ends, self.output)
-        return fly(draft, target_argmax, logits, p, self.ends, self.output)
-
-    def commit(self, decision: Decision, n: int) -> Decision:
-        cut = decision.provisional is not None and decision.provisional >= n     # the end came first
-        self.open = None if cut else decision.window
-        return decision
-
-    def begin(self) -> None:
-        self.open = None
+            return fly_across(draft, target_argmax, logits, p, window, start, self.ends, self.output)
+        return fly(draft, target_argmax, logits, p, self.ends, self.output), None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flylocal.decoding.contracts import Decision, Verifier
+from flylocal.decoding.contracts import Decision, Verifier, Window
 from flylocal.decoding.verifiers.base import native_prefix
 
 
@@ -20,5 +20,5 @@ def strict(draft: np.ndarray, target_argmax: np.ndarray, logits: np.ndarray) -> 
 class Strict(Verifier):
     name = "strict"
 
-    def decide(self, draft, target_argmax, logits) -> Decision:
-        return Decision(accepted=native_prefix(draft, target_argmax))
+    def decide(self, draft, target_argmax, logits, window=None, start=0) -> tuple[Decision, Window | None]:
+        return Decision(accepted=native_prefix(draft, target_argmax)), window
