@@ -1,4 +1,4 @@
-"""`flylocal bench serve`: servers side by side (flylocal.front.bench.servers).
+"""`flylocal bench serve`: servers side by side (flylocal.front.bench.serve).
 
 The fast tests measure servers that speak OpenAI's streamed API from a thread here (the
 servers a user points the command at: any OpenAI-compatible one), so what the command sends,
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from flylocal.errors import FlylocalError
-from flylocal.front.bench import servers as sb
+from flylocal.front.bench import serve as sb
 
 ROOT = Path(__file__).resolve().parents[1]
 

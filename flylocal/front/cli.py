@@ -323,14 +323,13 @@ def bench_serve(**opts):
     A wave is C clients at once, each sending Q conversations; with one client and one
     conversation a wave is one question. The servers this command starts listen on 127.0.0.1
     and are stopped on the way out; a Ctrl-C stops them and prints the waves measured so far."""
-    from flylocal.front.bench import servers
-
+    from flylocal.front.bench import serve as bench_serve
     from flylocal.settings import DEFAULT_TARGET
 
     target = opts.pop("target") or DEFAULT_TARGET
     opts["ctx"] = opts["ctx"] or 4096
     opts["prompts"] = opts.pop("prompts_path")
-    click.echo(servers.main(**opts, target=target, say=lambda m: click.echo(f"flylocal bench serve: {m}", err=True)),
+    click.echo(bench_serve.main(**opts, target=target, say=lambda m: click.echo(f"flylocal bench serve: {m}", err=True)),
                nl=False)
 
 

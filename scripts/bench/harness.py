@@ -1,7 +1,7 @@
 """What flylocal's benchmark scripts share: servers started on free loopback ports and stopped on
 the way out, waiting until they answer, held-out Spec-Bench questions, and the statistics every
 comparison reports (medians, per-question ratios with a bootstrap interval, timing a call).
-Servers are started as `flylocal bench serve` starts its fleet (flylocal.front.bench.servers),
+Servers are started as `flylocal bench serve` starts its fleet (flylocal.front.bench.serve),
 whose port finder these scripts share.
 
 Each script in this folder runs as `.venv/bin/python scripts/bench/NAME.py`; its folder is then
@@ -19,14 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from flylocal.front.bench.servers import Server, fleet, free_port  # noqa: E402,F401 - the scripts' too
+from flylocal.front.bench.serve import Server, fleet, free_port  # noqa: E402,F401 - the scripts' too
 from flylocal.statistics import median, median_interval as interval  # noqa: E402,F401 - the scripts' too
 
 
 @contextlib.contextmanager
 def servers(commands: dict[str, list[str]], env: dict | None = None, startup: float = 300):
     """Start one server per name, each with its command (`{port}` in it is filled with a free
-    port), as `flylocal bench serve` starts its fleet (flylocal.front.bench.servers.fleet), wait
+    port), as `flylocal bench serve` starts its fleet (flylocal.front.bench.serve.fleet), wait
     until all answer, and yield {name: url}; every one is stopped on the way out. A server that
     does not come up ends the script, saying why. `env`: variables added to this one's."""
     fleet_of = [Server(name, command=command, env=env or {}) for name, command in commands.items()]

@@ -30,16 +30,14 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 from pathlib import Path
-import tempfile
 import time
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # scripts/bench's shared helpers (harness)
-from harness import ROOT, free_port, questions, wait_ready
+from harness import ROOT, flylocal_serve, questions, servers
 
 sys.path.insert(0, str(ROOT / "tests"))          # the tests' headless Chromium
 
@@ -94,25 +92,18 @@ def page_on_server():
     os.environ.clear()
     os.environ.update(env)
 
-    port = free_port()
-    log = tempfile.TemporaryFile(mode="w+")       # the server's stderr: wait_ready shows it if it exits
-    server = subprocess.Popen([sys.executable, "-m", "flylocal", "serve", "--port", str(port), "--quiet"],
-                              stdout=subprocess.DEVNULL, stderr=log)
-    url = f"http://127.0.0.1:{port}"
     driver = None
     try:
-        wait_ready(server, url, log)
-        driver = chrome()
-        driver.get(url + "/")
-        driver.execute_script("localStorage.clear();")
-        driver.get(url + "/")
-        yield driver, url
+        with servers({"page": flylocal_serve()}) as urls:
+            url = urls["page"]
+            driver = chrome()
+            driver.get(url + "/")
+            driver.execute_script("localStorage.clear();")
+            driver.get(url + "/")
+            yield driver, url
     finally:
         if driver is not None:
             quit_chrome(driver)
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=60)
-        log.close()
 
 
 def _settings(driver, args) -> None:
