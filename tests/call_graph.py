@@ -8,11 +8,11 @@ name alone, so that a step reached through an unknown receiver is still seen."""
 from __future__ import annotations
 
 import ast
-import importlib.util
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+FLYLOCAL = Path(__file__).resolve().parents[1] / "flylocal"
 # receiver's last name -> (module, class) its methods are looked up in
 RECEIVERS = {"server": ("flylocal.front.serve.app", "Server"), "session": ("flylocal.session", "Session"),
              "target": ("flylocal.llama.runtime", "Runtime")}
@@ -27,16 +27,17 @@ class Module:
 
 
 def module_path(name: str, extra: dict[str, Path]) -> Path | None:
-    """The file of a module of flylocal's (or of `extra`); None for any other."""
+    """The file of a module of flylocal's (or of `extra`); None for any other. Found on disk,
+    not imported: reading a module runs none of it."""
     if name in extra:
         return extra[name]
     if name != "flylocal" and not name.startswith("flylocal."):
         return None
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return None
-    return Path(spec.origin) if spec is not None and spec.origin and spec.origin.endswith(".py") else None
+    base = FLYLOCAL.parent / name.replace(".", "/")
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
 
 
 class Graph:
