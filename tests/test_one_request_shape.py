@@ -22,7 +22,8 @@ SYSTEM, USER = "You answer in one short sentence.", "Name a colour of the sky."
 
 APP, REQUEST = "flylocal.front.serve.app", "flylocal.front.serve.request"
 DIALECT_MODULES = ("flylocal.front.serve.openai", "flylocal.front.serve.openai_requests", "flylocal.front.serve.ollama",
-                   "flylocal.front.serve.ollama_options", "flylocal.front.serve.responses", "dialect_plain")
+                   "flylocal.front.serve.ollama_options", "flylocal.front.serve.responses", "flylocal.front.serve.anthropic",
+                   "dialect_plain")
 # The steps from a body to an Ask: settings, grammar, encoding, truncation, the fit. Server.ask's alone.
 STEPS = {(REQUEST, f) for f in ("settings_for", "logprobs_wanted", "grammar_for", "prompt_for", "conversation",
                                 "truncated", "continued", "next_turn")} | {
@@ -33,7 +34,7 @@ STEPS = {(REQUEST, f) for f in ("settings_for", "logprobs_wanted", "grammar_for"
     ("flylocal.llama.runtime", "Runtime.tokenize_chat")} | {
     ("?", name) for name in ("settings_for", "settings_from", "grammar_for", "json_output", "prompt_for", "encode",
                              "tokenize", "tokenize_chat", "check_settings", "check_fits", "truncated")}
-PIPELINE = {(APP, "Server.ask"), (APP, "Endpoint.job")}
+PIPELINE = {(APP, "Server.ask"), (APP, "Endpoint.job"), (APP, "Server.count")}
 
 
 def steps_reached(module: str, extra=None) -> list[str]:

@@ -1,8 +1,8 @@
 """`flylocal serve`: the door local tools come through (docs/serving.md, "Server").
 
 One Session behind API dialects on one port: OpenAI's chat and completions
-(flylocal.front.serve.openai), its Responses API (flylocal.front.serve.responses) and Ollama's
-(flylocal.front.serve.ollama); embeddings for both (flylocal.front.serve.embeddings). A dialect is a request model and a renderer: it
+(flylocal.front.serve.openai), its Responses API (flylocal.front.serve.responses), Ollama's
+(flylocal.front.serve.ollama) and Anthropic's Messages (flylocal.front.serve.anthropic); embeddings for both (flylocal.front.serve.embeddings). A dialect is a request model and a renderer: it
 translates requests onto the Server's calls (flylocal.front.serve.app) and renders the typed
 events of one answer stream (flylocal.front.serve.answer, .events); its `routes(app, server)` is
 all the application knows of it. Nothing here imports llama.cpp. Up to --parallel generations
@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flylocal.errors import FlylocalError
-from flylocal.front.serve import embeddings, ollama, openai, page, responses
+from flylocal.front.serve import anthropic, embeddings, ollama, openai, page, responses
 from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server
 from flylocal.front.serve.guard import Guard, HostRule
 from flylocal.front.serve.keys import Keys
@@ -33,7 +33,7 @@ from flylocal.settings import Settings
 
 __all__ = ["DIALECTS", "create_app", "serve"]
 
-DIALECTS = (openai, responses, ollama)
+DIALECTS = (openai, responses, ollama, anthropic)
 
 
 class MetricsPage(Endpoint):

@@ -265,9 +265,12 @@ class Server:
 
     # ----- checks, in the order a request meets them -----
     def authorize(self, request: Request) -> str | None:
-        """The id of the request's key (None where the server has none); ApiError 401 without one."""
+        """The id of the request's key (None where the server has none), from `Authorization:
+        Bearer KEY` or Anthropic's `x-api-key: KEY`; ApiError 401 without one."""
+        given = request.headers.get("authorization") or \
+            ("Bearer " + request.headers["x-api-key"] if "x-api-key" in request.headers else "")    # Anthropic's
         try:
-            return self.keys.identify(request.headers.get("authorization", ""))
+            return self.keys.identify(given)
         except ValueError:
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key") from None
 
@@ -453,6 +456,13 @@ class Server:
         return Ask(settings, prompt.ids, body.stops, prompt.grammar or grammar, prompt.calls,
                    tokens=body.tokens or settings.logprobs is not None, partition=self.keys.partition(key, body.salt),
                    dropped=prompt.dropped)
+
+    def count(self, session: Session, body: Body) -> int:
+        """The tokens of a body's prompt, encoded as `ask` would (Anthropic's count_tokens)."""
+        try:
+            return len(prompt_for(session, body, session.target.n_ctx).ids)
+        except Refusal as e:
+            raise ApiError(400, e.message, param=e.param) from None
 
     # ----- running a job -----
     def start(self, ask: Ask) -> Answer:

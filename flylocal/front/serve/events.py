@@ -50,6 +50,7 @@ class Done:
     # limit, its arguments are their JSON text so far (flylocal.front.serve.tools.cut_call)
     call: dict | None = None
     call_tokens: tuple[OutToken, ...] = ()    # the tokens of that call
+    stop: str | None = None                   # the stop string that ended it (reason "stop_string")
 
     @property
     def cut(self) -> bool:

@@ -47,6 +47,7 @@ class StopStrings:
         self.held = ""
         self.fed = 0               # characters fed so far
         self.end: int | None = None
+        self.hit: str | None = None    # the stop string found
 
     def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
         """(text that may go out now, whether a stop string was found)."""
@@ -54,9 +55,9 @@ class StopStrings:
         self.fed += len(text)
         text = self.held + text
         self.held = ""
-        hits = [(i, len(s)) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
+        hits = [(i, len(s), s) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            at, size = min(hits)              # the earliest, and the shortest there: the first to end
+            at, size, self.hit = min(hits)    # the earliest, and the shortest there: the first to end
             self.end = base + at + size
             return text[:at], True
         if final:
@@ -423,7 +424,7 @@ class Stream:
             self.metrics.cancelled.inc()
         n_tokens = self.kept if self.kept is not None else len(gen.tokens)
         self.metrics.observe(stats, n_tokens, self.first - job.queued_at if self.first is not None else None)
-        job.emit(Done(reason, stats, n_tokens))
+        job.emit(Done(reason, stats, n_tokens, stop=self.stops.hit if self.stopped else None))
 
 
 class Aligned:
