@@ -197,3 +197,44 @@ def test_structured_output_follows_its_schema(client):
         client.messages.create(model=SMOL, max_tokens=8, messages=[{"role": "user", "content": "hi"}], tools=[WEATHER],
                                output_config={"format": {"type": "json_schema", "schema": schema}})
     assert "output_config.format and tools" in str(e.value)
+
+
+def replayed(name: str) -> dict:
+    from pathlib import Path
+
+    return json.loads((Path(__file__).parent / "data" / "claude_code" / f"{name}.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["bare", "read_tool"])
+def test_claude_codes_recorded_requests_are_answered(server, name):
+    """Requests Claude Code itself sent (`claude -p`, tests/data/claude_code: streamed, with its
+    beta headers, adaptive thinking, effort, context management, cache_control blocks, its
+    metadata), replayed: Anthropic's events, in order, with a message."""
+    r = replayed(name)
+    assert httpx.head(server + "/").status_code == 200        # its check that the server is up
+    got = httpx.post(server + r["path"], headers=r["headers"] | {"x-api-key": KEY}, timeout=120,
+                     json=r["body"] | {"max_tokens": 24})
+    assert got.status_code == 200, got.text
+    names = [line[7:] for line in got.text.splitlines() if line.startswith("event: ")]
+    assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+    counted = httpx.post(server + r["path"].replace("/v1/messages", "/v1/messages/count_tokens"), timeout=60,
+                         headers=r["headers"] | {"x-api-key": KEY},
+                         json={k: v for k, v in r["body"].items() if k not in ("max_tokens", "stream")})
+    start = json.loads(got.text.split("data: ", 1)[1].split("\n", 1)[0])
+    assert counted.json()["input_tokens"] == start["message"]["usage"]["input_tokens"]
+
+
+def test_claude_codes_whole_request_is_read_and_refused_only_for_its_length(server):
+    """Claude Code's default request (its 24 tools, their schemas with keywords the grammar does
+    not enforce, such as propertyNames) is read whole: count_tokens counts it; a 1,024-token
+    context cannot hold it, said in one line."""
+    r = replayed("default")
+    counted = httpx.post(server + "/v1/messages/count_tokens?beta=true", headers=r["headers"] | {"x-api-key": KEY},
+                         json={k: v for k, v in r["body"].items() if k not in ("max_tokens", "stream")}, timeout=120)
+    assert counted.status_code == 200, counted.text
+    n = counted.json()["input_tokens"]
+    assert n > 10000
+    got = httpx.post(server + r["path"], headers=r["headers"] | {"x-api-key": KEY}, json=r["body"], timeout=120)
+    assert got.status_code == 400 and got.json()["error"] == {
+        "type": "invalid_request_error",
+        "message": f"the prompt is {n} tokens; the context holds 1024 (--ctx), with room for at least one generated token"}

@@ -116,7 +116,9 @@ def call_schema(f: Function) -> dict:
     arguments["type"] = "object"                # a call's arguments, where the schema allows more
     schema = {"type": "object", "properties": {"name": {"const": f.name}, "arguments": arguments},
               "required": ["name", "arguments"], "additionalProperties": False, **defs}
-    return {**G.bounded(schema), "x-guidance": G.JSON_LAYOUT}
+    # lenient: a keyword the grammar cannot enforce (propertyNames, ...) is left unenforced, as
+    # agents' tool schemas carry them (Claude Code's do); a response format's schema stays strict
+    return {**G.bounded(schema), "x-guidance": G.JSON_LAYOUT | {"lenient": True}}
 
 
 def plan(messages: list[dict], tools: list, choice, template: str | None) -> Plan:

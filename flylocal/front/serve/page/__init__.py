@@ -31,7 +31,7 @@ def routes(app) -> None:
         body, media = files[name]
         return Response(body, media_type=media, headers=HEADERS)
 
-    @app.get("/")
+    @app.api_route("/", methods=["GET", "HEAD"])     # HEAD: a client's check that the server is up (Claude Code's)
     async def index(request: Request):
         return send("index.html")
 
