@@ -23,7 +23,7 @@ SYSTEM, USER = "You answer in one short sentence.", "Name a colour of the sky."
 APP, REQUEST = "flylocal.front.serve.app", "flylocal.front.serve.request"
 DIALECT_MODULES = ("flylocal.front.serve.openai", "flylocal.front.serve.openai_requests", "flylocal.front.serve.ollama",
                    "flylocal.front.serve.ollama_options", "flylocal.front.serve.responses", "flylocal.front.serve.anthropic",
-                   "dialect_plain")
+                   "flylocal.front.serve.infill", "dialect_plain")
 # The steps from a body to an Ask: settings, grammar, encoding, truncation, the fit. Server.ask's alone.
 STEPS = {(REQUEST, f) for f in ("settings_for", "logprobs_wanted", "grammar_for", "prompt_for", "conversation",
                                 "truncated", "continued", "next_turn")} | {

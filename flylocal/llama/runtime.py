@@ -55,7 +55,7 @@ class Runtime(Target, contracts.Vocabulary):
             raise
         vocab, context = self.vocab, self.context
         self.n_vocab, self.bos, self.eos, self.add_bos = vocab.n_vocab, vocab.bos, vocab.eos, vocab.add_bos
-        self.vocab_type = vocab.vocab_type
+        self.vocab_type, self.fim = vocab.vocab_type, vocab.fim      # fim: FimTokens
         self.n_ctx, self.n_batch, self.devices = context.n_ctx, context.n_batch, context.devices
         self.n_seq = context.n_seq
         self.footprint = context.footprint      # (bytes held, of them on a GPU)

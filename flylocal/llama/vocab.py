@@ -10,12 +10,30 @@ from __future__ import annotations
 
 import ctypes
 import re
+from dataclasses import dataclass
 
 import numpy as np
 
 from flylocal.errors import FlylocalError
 from flylocal.llama.binding import llama_cpp
 from flylocal.llama.model import Model
+
+
+@dataclass(frozen=True)
+class FimTokens:
+    """A vocabulary's fill-in-the-middle tokens, as llama.cpp finds them (the GGUF's
+    tokenizer.ggml.fim_*_token_id, else the texts code models name them by); None where there
+    is none. A model fills in the middle when it has `pre`, `suf` and `mid`."""
+    pre: int | None = None
+    suf: int | None = None
+    mid: int | None = None
+    pad: int | None = None
+    rep: int | None = None     # a repository's name follows
+    sep: int | None = None     # a file's name, then its text, follows
+
+    @property
+    def usable(self) -> bool:
+        return None not in (self.pre, self.suf, self.mid)
 
 
 class Vocabulary:
@@ -28,6 +46,9 @@ class Vocabulary:
         self.eos = llama_cpp.llama_vocab_eos(self._vocab)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
         self.vocab_type = llama_cpp.llama_vocab_type(self._vocab)
+        fim = {name: getattr(llama_cpp, f"llama_vocab_fim_{name}")(self._vocab)
+               for name in ("pre", "suf", "mid", "pad", "rep", "sep")}
+        self.fim = FimTokens(**{name: t if 0 <= t < self.n_vocab else None for name, t in fim.items()})
         self._eog = np.zeros(self.n_vocab, dtype=bool)        # [n_vocab]
         for t in range(self.n_vocab):
             if llama_cpp.llama_vocab_is_eog(self._vocab, t):

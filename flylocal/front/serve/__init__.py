@@ -2,7 +2,8 @@
 
 One Session behind API dialects on one port: OpenAI's chat and completions
 (flylocal.front.serve.openai), its Responses API (flylocal.front.serve.responses), Ollama's
-(flylocal.front.serve.ollama) and Anthropic's Messages (flylocal.front.serve.anthropic); embeddings for both (flylocal.front.serve.embeddings). A dialect is a request model and a renderer: it
+(flylocal.front.serve.ollama), Anthropic's Messages (flylocal.front.serve.anthropic), and
+llama-server's /infill and small endpoints (flylocal.front.serve.infill, .tokens); embeddings for both (flylocal.front.serve.embeddings). A dialect is a request model and a renderer: it
 translates requests onto the Server's calls (flylocal.front.serve.app) and renders the typed
 events of one answer stream (flylocal.front.serve.answer, .events); its `routes(app, server)` is
 all the application knows of it. Nothing here imports llama.cpp. Up to --parallel generations
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flylocal.errors import FlylocalError
-from flylocal.front.serve import anthropic, embeddings, ollama, openai, page, responses
+from flylocal.front.serve import anthropic, embeddings, infill, ollama, openai, page, responses, tokens
 from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server
 from flylocal.front.serve.guard import Guard, HostRule
 from flylocal.front.serve.keys import Keys
@@ -33,7 +34,7 @@ from flylocal.settings import Settings
 
 __all__ = ["DIALECTS", "create_app", "serve"]
 
-DIALECTS = (openai, responses, ollama, anthropic)
+DIALECTS = (openai, responses, ollama, anthropic, infill, tokens)
 
 
 class MetricsPage(Endpoint):

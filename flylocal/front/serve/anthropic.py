@@ -243,7 +243,7 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
-def stop_of(done: Done, stops: tuple[str, ...]) -> tuple[str, str | None]:
+def stop_of(done: Done) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) of an answer."""
     if done.reason == "stop_string":
         return "stop_sequence", done.stop
@@ -287,7 +287,7 @@ class Messages(Anthropic):
 
     def whole(self, x: Exchange, whole: Whole) -> dict:
         done = whole.end
-        reason, sequence = stop_of(done, x.ask.stops)
+        reason, sequence = stop_of(done)
         content = [tool_block(done.call)] if done.call is not None and not done.cut else \
             [{"type": "text", "text": whole.text}]
         return self.head(x) | {"content": content, "stop_reason": reason, "stop_sequence": sequence,
@@ -322,7 +322,7 @@ class Messages(Anthropic):
                 elif not opened:
                     yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
                     yield event("content_block_stop", index=index)
-                reason, sequence = stop_of(ev, x.ask.stops)
+                reason, sequence = stop_of(ev)
                 yield event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                             usage=usage(x, ev))
                 yield event("message_stop")

@@ -33,7 +33,7 @@ from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server
 from flylocal.front.serve.events import Done, Text
 from flylocal.front.serve.keys import checked_salt
 from flylocal.front.serve.ollama_options import SAMPLING_OPTIONS, checked_keep_alive, read_options
-from flylocal.front.serve.request import Body, JsonOutput, TopLogprobs
+from flylocal.front.serve.request import Body, Infill, JsonOutput, TopLogprobs
 from flylocal.settings import Settings
 
 VERSION = "0.6.0"              # the Ollama API this dialect follows
@@ -195,11 +195,11 @@ class GenerateRequest(Generation):
                              "a prompt as it is)")
         return v
 
-    @field_validator("images", "suffix")
+    @field_validator("images")
     @classmethod
     def text_only(cls, v):
         if v:
-            raise ValueError("flylocal takes a text prompt only (no images, no suffix)")
+            raise ValueError("flylocal takes a text prompt only (no images)")
         return v
 
     @field_validator("tools")
@@ -210,9 +210,15 @@ class GenerateRequest(Generation):
         return v
 
     def prompt_fields(self) -> dict:
-        """The prompt in the body's terms: raw, the text as it is; else the user's turn (after
-        its system prompt); either after the `context` it continues."""
+        """The prompt in the body's terms: with a `suffix`, the middle to fill in; raw, the text
+        as it is; else the user's turn (after its system prompt); either after the `context` it
+        continues."""
         context = tuple(self.context or ())
+        if self.suffix:                 # fill in the middle: the prompt is the text before it
+            if context:
+                raise ApiError(400, "context: a fill-in-the-middle request (suffix) continues no context",
+                               param="context")
+            return {"infill": Infill(self.prompt, self.suffix)}
         if not self.prompt:
             return {"messages": []}
         if self.raw:

@@ -20,7 +20,7 @@ from flylocal.front.serve.answer import Whole, logprob_entries, stats_report
 from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server
 from flylocal.front.serve.events import Done, Text
 from flylocal.front.serve.openai_requests import CHECKED, ChatRequest, CompletionRequest, options_of
-from flylocal.front.serve.request import Body
+from flylocal.front.serve.request import Body, Infill
 from flylocal.settings import Settings
 
 # ----- responses: OpenAI's shapes -----
@@ -147,6 +147,8 @@ def body_of(req, chat: bool) -> Body:
         if req.logprobs is not None:
             common.update(logprobs=True, top_logprobs=req.logprobs)
         text = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+        if req.suffix:                  # fill in the middle
+            return Body(infill=Infill(text, req.suffix), **common)
         return Body(text=text, **common)
     fmt = req.response_format.output() if req.response_format is not None else None
     return Body(messages=[m.turn() for m in req.messages], tools=tuple(req.tools or ()),

@@ -291,7 +291,7 @@ class CompletionRequest(Common):
     logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: str | None = None                 # the text after the middle to fill in (a FIM model's)
 
     @field_validator("prompt")
     @classmethod
@@ -321,12 +321,6 @@ class CompletionRequest(Common):
             refuse(v, "flylocal generates one completion per request: best_of must be 1")
         return v
 
-    @field_validator("suffix")
-    @classmethod
-    def no_suffix(cls, v):
-        if v:
-            refuse(v, "flylocal does not fill in the middle")
-        return v
 
 
 def parse(model: type[BaseModel], raw: bytes) -> Any:

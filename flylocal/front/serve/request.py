@@ -40,6 +40,18 @@ class JsonOutput:
 
 
 @dataclass(frozen=True)
+class Infill:
+    """A fill-in-the-middle prompt: the text before the cursor and after it, and what follows
+    the prefix (llama-server's `prompt`). `extra`: other files' (name, text), for a model that
+    reads a repository (llama-server's /infill: its markers go in even with no file); None for
+    none at all (a `suffix` on a completion)."""
+    prefix: str
+    suffix: str
+    prompt: str = ""
+    extra: tuple[tuple[str, str], ...] | None = None
+
+
+@dataclass(frozen=True)
 class Body:
     """A request of any dialect, chat-shaped, as its parser reads it: nothing in it is checked
     beyond its fields' types and ranges. `names` maps a field here to the request's own, for
@@ -49,6 +61,7 @@ class Body:
     messages: list[dict] | None = None
     text: str | None = None
     context: tuple[int, ...] = ()   # ids of an earlier answer's context, which the prompt continues
+    infill: Infill | None = None    # ... or the middle to fill in
     keep: int = 0                   # leading messages (instructions) that truncation keeps
     truncate: bool = False          # drop the oldest turns, as few as leave room to answer
     load: bool = False              # an empty prompt asks only that the model be loaded
@@ -70,6 +83,8 @@ class Body:
         return self.names.get(key, key)
 
     def empty(self) -> bool:
+        if self.infill is not None:
+            return False
         return not self.messages if self.messages is not None else not self.text
 
 
@@ -148,6 +163,8 @@ def prompt_for(session, body: Body, room: int) -> Prompt:
     if body.empty():
         raise Refusal(f"the {body.name('prompt')} is empty", body.name("prompt"))
     try:
+        if body.infill is not None:
+            return Prompt(infilled(session.target, body))
         if body.context:
             return Prompt(continued(session, body))
         if body.messages is None:
@@ -216,6 +233,39 @@ def continued(session, body: Body) -> np.ndarray:
                       "turn after turn, so a context cannot be continued (a conversation can be sent whole)",
                       body.name("context"))
     return np.concatenate([history, turn]).astype(np.int32)
+
+
+def infilled(target, body: Body) -> np.ndarray:
+    """The ids of a fill-in-the-middle prompt ([n] int32), built as llama-server builds /infill's:
+    other files' text (its tail: what fits beside a batch), the BOS, the prefix marker and the
+    prefix's last 3/4 of a batch, the prompt, the suffix marker and the suffix's first quarter
+    of a batch less the prompt, the middle marker. Every text is plain text, the prompt too."""
+    fim, name = target.fim, body.name("suffix")
+    if not fim.usable:
+        raise Refusal(f"{name}: {target.name} has no fill-in-the-middle tokens (a model for code completion has "
+                      "them: tokenizer.ggml.fim_pre/suf/mid_token_id)", name)
+    infill, batch = body.infill, target.n_batch
+
+    def ids(text: str) -> list[int]:
+        return target.tokenize(text, add_special=False, parse_special=False).tolist()
+
+    prompt = ids(infill.prompt)
+    prefix = ids(infill.prefix)
+    prefix = prefix[len(prefix) - min(len(prefix), 3 * (batch // 4)):]
+    suffix = ids(infill.suffix)[:max(0, batch // 4 - (2 + len(prompt)))]
+    extra: list[int] = []
+    if infill.extra is not None:
+        if fim.rep is not None:
+            extra += [fim.rep] + ids("myproject\n")
+        for filename, text in infill.extra:
+            extra += [fim.sep] + ids(f"{filename}\n") if fim.sep is not None else ids("\n\n--- snippet ---\n\n")
+            extra += ids(text)
+        if fim.sep is not None:
+            extra += [fim.sep] + ids("filename\n")
+        room = max(0, target.n_ctx - batch + 2)
+        extra = extra[len(extra) - min(room, len(extra)):]
+    head = [target.bos] if target.add_bos else []
+    return np.array(extra + head + [fim.pre] + prefix + prompt + [fim.suf] + suffix + [fim.mid], dtype=np.int32)
 
 
 def next_turn(target, prompt: str) -> np.ndarray | None:
