@@ -3,10 +3,8 @@
 `input_extra`), and llama-server's small endpoints (/tokenize, /detokenize, /apply-template,
 /props, /slots).
 
-No model of the registry has FIM tokens, so the FIM model here is SmolLM2 with three of its
-control tokens named FIM's in its GGUF (tokenizer.ggml.fim_pre/suf/mid_token_id), as a code
-model's are: llama.cpp then finds them as it finds any model's. SmolLM2 itself has none, and
-gets the 400 that says so."""
+No model of the registry has FIM tokens, so the FIM model here is SmolLM2 with FIM ids in its
+GGUF (tests/fim_model.py). SmolLM2 itself has none, and gets the 400 that says so."""
 
 from __future__ import annotations
 
@@ -16,27 +14,13 @@ import httpx
 import pytest
 
 from conftest import SMOL, model_path
+from fim_model import MID, PRE, REP, SUF, with_fim
 from test_server import served
 
 pytestmark = pytest.mark.slow      # real models behind real servers
 
-PRE, SUF, MID, REP = 7, 8, 9, 4    # SmolLM2's <gh_stars>, <issue_start>, <issue_comment>; <reponame> (found by its text)
 BEFORE = "def area(width, height):\n    \"\"\"The area of a width by height rectangle.\"\"\"\n    return "
 AFTER = "\n\n\ndef perimeter(width, height):\n    return 2 * (width + height)\n"
-
-
-def with_fim(source, out) -> None:
-    """`source` (a GGUF) copied to `out` with FIM token ids in its metadata."""
-    import gguf
-    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
-
-    reader = gguf.GGUFReader(source)
-    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
-    writer = gguf.GGUFWriter(out, arch=arch, endianess=reader.endianess)
-    u32 = gguf.GGUFValueType.UINT32
-    copy_with_new_metadata(reader, writer, {gguf.Keys.Tokenizer.FIM_PRE_ID: MetadataDetails(u32, PRE),
-                                            gguf.Keys.Tokenizer.FIM_SUF_ID: MetadataDetails(u32, SUF),
-                                            gguf.Keys.Tokenizer.FIM_MID_ID: MetadataDetails(u32, MID)}, [])
 
 
 @pytest.fixture(scope="module")
