@@ -238,3 +238,43 @@ def test_claude_codes_whole_request_is_read_and_refused_only_for_its_length(serv
     assert got.status_code == 400 and got.json()["error"] == {
         "type": "invalid_request_error",
         "message": f"the prompt is {n} tokens; the context holds 1024 (--ctx), with room for at least one generated token"}
+
+
+def test_system_turns_inside_messages_are_placed_where_every_template_takes_them():
+    from flylocal.front.serve.anthropic import placed
+
+    head = [{"role": "system", "content": "S"}]
+    assert placed(head, [{"role": "system", "content": "A"}, {"role": "user", "content": "u"}]) == [
+        {"role": "system", "content": "S\n\nA"}, {"role": "user", "content": "u"}]
+    assert placed([], [{"role": "user", "content": "u"}, {"role": "system", "content": "R"},
+                       {"role": "assistant", "content": "a"}, {"role": "system", "content": "R2"},
+                       {"role": "user", "content": "v"}]) == [
+        {"role": "user", "content": "u\n\nR"}, {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "R2\n\nv"}]
+
+
+# A template that takes one system prompt and turns that alternate (as Gemma's and Mistral's do).
+STRICT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{% if not loop.first %}"
+    "{{ raise_exception('a system message only first') }}{% endif %}{{ m['content'] }}\n"
+    "{% else %}{% set n = loop.index0 - (1 if messages[0]['role'] == 'system' else 0) %}"
+    "{% if (m['role'] == 'user') != (n % 2 == 0) %}{{ raise_exception('turns must alternate') }}{% endif %}"
+    "{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}assistant:")
+
+
+def test_claude_codes_conversation_renders_on_a_template_that_takes_one_system_prompt():
+    """Claude Code's request (a system turn after the user's) renders on a template that takes
+    one system prompt and alternating turns: as sent, it would not."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from flylocal.front.serve.anthropic import MessagesRequest, body_of
+
+    render = Jinja2ChatFormatter(template=STRICT_TEMPLATE, eos_token="", bos_token="")
+    body = MessagesRequest.model_validate(replayed("default")["body"])
+    made = body_of(body)
+    assert [m["role"] for m in made.messages] == ["system", "user"]
+    assert render(messages=made.messages).prompt.endswith("assistant:")
+    as_sent = [{"role": "system", "content": "s"}] + [
+        {"role": m.role, "content": "x"} for m in body.messages]          # user, then system
+    with pytest.raises(Exception, match="system message only first"):
+        render(messages=as_sent)

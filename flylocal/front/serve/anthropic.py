@@ -220,6 +220,28 @@ def chat_choice(choice: ToolChoice | None):
     return "required" if choice.type == "any" else "none"
 
 
+def placed(head: list[dict], turns: list[dict]) -> list[dict]:
+    """A conversation whose `system` turns any chat template renders: those before any other
+    turn join the system prompt; a later one (Claude Code's reminders) is the user's words, joined
+    to a user turn beside it, so that turns still alternate (templates that take one system
+    prompt and alternating turns refuse anything else)."""
+    out = list(head)
+    for turn in turns:
+        if turn["role"] == "system" and all(t["role"] == "system" for t in out):
+            if out:
+                out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + turn["content"]}
+            else:
+                out.append(turn)
+            continue
+        if turn["role"] == "system":
+            turn = {"role": "user", "content": turn["content"]}
+        if turn["role"] == "user" and out and out[-1]["role"] == "user" and not out[-1].get("tool_calls"):
+            out[-1] = {"role": "user", "content": out[-1]["content"] + "\n\n" + turn["content"]}
+        else:
+            out.append(turn)
+    return out
+
+
 def body_of(req: MessagesRequest, sampling: bool = True) -> Body:
     """A request as the one request body (`sampling`: with its options; count_tokens has none)."""
     system = req.system if req.system is not None else ""
@@ -229,7 +251,7 @@ def body_of(req: MessagesRequest, sampling: bool = True) -> Body:
     except Refused as e:
         raise ApiError(400, str(e), param=str(e).split(":")[0]) from None
     fmt = req.output_config.format if req.output_config is not None else None
-    return Body(messages=([{"role": "system", "content": head}] if head else []) + turns,
+    return Body(messages=placed([{"role": "system", "content": head}] if head else [], turns),
                 tools=tuple(chat_tools(req.tools)), tool_choice=chat_choice(req.tool_choice),
                 format=JsonOutput(fmt.schema_, "output_config.format") if fmt is not None else None,
                 options=options_of(req) if sampling else {}, stops=tuple(req.stop_sequences or ()),
