@@ -55,7 +55,7 @@ def timed(url: str, prefix: str, suffix: str, n_predict: int) -> tuple[float, in
 
     t0 = time.perf_counter()
     r = httpx.post(url + "/infill", json={"input_prefix": prefix, "input_suffix": suffix, "n_predict": n_predict,
-                                          "temperature": 0, "cache_prompt": False}, timeout=300)
+                                          "temperature": 0, "cache_prompt": True}, timeout=300)
     r.raise_for_status()
     return time.perf_counter() - t0, r.json()["tokens_predicted"]
 
