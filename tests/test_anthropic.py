@@ -265,9 +265,9 @@ STRICT_TEMPLATE = (
 def test_claude_codes_conversation_renders_on_a_template_that_takes_one_system_prompt():
     """Claude Code's request (a system turn after the user's) renders on a template that takes
     one system prompt and alternating turns: as sent, it would not."""
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
     from flylocal.front.serve.anthropic import MessagesRequest, body_of
+    from flylocal.llama.binding import llama_cpp  # noqa: F401 - llama_cpp as flylocal loads it (exact or fast)
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     render = Jinja2ChatFormatter(template=STRICT_TEMPLATE, eos_token="", bos_token="")
     body = MessagesRequest.model_validate(replayed("default")["body"])
