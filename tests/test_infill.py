@@ -153,3 +153,13 @@ def test_the_small_endpoints_answer_in_llama_servers_shapes(plain):
     assert httpx.post(plain + "/props", json={}).status_code == 501
     slots = httpx.get(plain + "/slots").json()
     assert len(slots) == props["total_slots"] and {"id", "n_ctx", "is_processing"} <= set(slots[0])
+
+
+def test_slots_can_be_switched_off():
+    gen = served("--target", SMOL, "--ctx", "256", "--no-slots")
+    url = next(gen)
+    try:
+        r = httpx.get(url + "/slots")
+        assert r.status_code == 501 and "--slots" in r.json()["error"]["message"]
+    finally:
+        gen.close()

@@ -347,6 +347,9 @@ def bench_serve(**opts):
               help="Who shares the prompt cache: every request (all; the default without keys), the requests of one "
                    "API key (key; the default with keys), or no two requests (none). Requests share only with the "
                    "same cache_salt, whichever it is.")
+@click.option("--slots/--no-slots", "slots", default=True, show_default=True,
+              help="GET /slots: each slot's size and whether it is generating (llama-server's; never what a slot "
+                   "holds).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=16, show_default=True,
               help="Most requests waiting for the model; past it the server answers 503 with Retry-After.")
 @click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
@@ -375,7 +378,7 @@ def bench_serve(**opts):
 @click.option("--embedding-model", "embedding_model", default=None, metavar="NAME|PATH",
               help="The model that computes embeddings (/v1/embeddings, /api/embed), loaded on the first request "
                    "for them. Default: the target, in a context of its own.")
-def serve(host, port, api_key, api_key_file, cache_share, max_queue, cors_origins, allowed_hosts, parallel, kv_unified,
+def serve(host, port, api_key, api_key_file, cache_share, slots, max_queue, cors_origins, allowed_hosts, parallel, kv_unified,
           cache_ram, prompt_cache, prompt_cache_size, quiet, embedding_model, **opts):
     """Serve the models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/responses,
     /v1/completions, /v1/embeddings, /v1/models) and Ollama's (/api/chat, /api/generate,
@@ -410,7 +413,7 @@ def serve(host, port, api_key, api_key_file, cache_share, max_queue, cors_origin
     embedder = (embedding_model, registry.resolve(embedding_model, note)) if embedding_model else None
     server.serve(lambda: Session(load(settings, log=note)), settings, host, port, api_key or None, max_queue,
                  cors_origins, note, allowed_hosts=allowed_hosts, quiet=quiet, embedding_model=embedder,
-                 prompt_cache=cache, api_keys=api_keys, cache_share=cache_share)
+                 prompt_cache=cache, api_keys=api_keys, cache_share=cache_share, slots=slots)
 
 
 @cli.command("rpc-server")

@@ -51,7 +51,8 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
                api_keys: tuple[str, ...] = (), cache_share: str | None = None, max_queue: int = 16, cors_origins: tuple[str, ...] = (), host: str = "127.0.0.1", port: int = 8080,
                allowed_hosts: tuple[str, ...] = (), on_failure: Callable[[BaseException], None] = lambda e: None,
                log: Callable[[str], None] | None = None, dialects=DIALECTS,
-               embedding_model: tuple[str, Path] | None = None, prompt_cache: CacheOptions = CacheOptions()):
+               embedding_model: tuple[str, Path] | None = None, prompt_cache: CacheOptions = CacheOptions(),
+               slots: bool = True):
     """The application. `load` builds the Session, on the worker thread, while the server
     already answers /health ("loading"); `on_failure` hears if it fails. `host` and `port` are
     where it listens (the Host rule), `log` takes a line per request (None: quiet), `dialects`
@@ -59,11 +60,12 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
     computes embeddings (its name and file; None: the target), `prompt_cache` where the slots'
     cells are kept when they take other prompts (flylocal.front.serve.cache). `api_key` and
     `api_keys` are the keys a request must carry one of, `cache_share` who shares the prompt
-    cache (flylocal.front.serve.keys)."""
+    cache (flylocal.front.serve.keys); `slots` whether GET /slots answers (--slots)."""
     said = log or (lambda line: None)
     keys = Keys(((api_key,) if api_key else ()) + tuple(api_keys), cache_share)
     server = Server(load, settings, keys, max_queue, on_failure, log, embedding_model,
-                    lambda session: open_cache(session.models.target, session.models.draft, prompt_cache, said))
+                    lambda session: open_cache(session.models.target, session.models.draft, prompt_cache, said),
+                    slots_endpoint=slots)
     app = FastAPI(title="flylocal", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = server.worker
     app.state.server = server
@@ -115,7 +117,7 @@ def serve(load: Callable[[], Session], settings: Settings, host: str, port: int,
           max_queue: int, cors_origins: tuple[str, ...], log: Callable[[str], None],
           allowed_hosts: tuple[str, ...] = (), quiet: bool = False,
           embedding_model: tuple[str, Path] | None = None, prompt_cache: CacheOptions = CacheOptions(),
-          api_keys: tuple[str, ...] = (), cache_share: str | None = None) -> None:
+          api_keys: tuple[str, ...] = (), cache_share: str | None = None, slots: bool = True) -> None:
     """Listen at once, load the models, and serve until SIGTERM or Ctrl-C: then stop accepting,
     let the requests in flight end, and return."""
     import uvicorn
@@ -149,7 +151,7 @@ def serve(load: Callable[[], Session], settings: Settings, host: str, port: int,
     app = create_app(ready, settings, api_key=api_key, api_keys=api_keys, cache_share=cache_share,
                      max_queue=max_queue, cors_origins=cors_origins, host=host, port=port, allowed_hosts=allowed_hosts,
                      on_failure=failed, log=None if quiet else log, embedding_model=embedding_model,
-                     prompt_cache=prompt_cache)
+                     prompt_cache=prompt_cache, slots=slots)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                            http=BoundedH11, timeout_graceful_shutdown=30))
     servers.append(server)

@@ -253,7 +253,8 @@ class Server:
 
     def __init__(self, load: Callable[[], Session], settings: Settings, keys: Keys, max_queue: int,
                  on_failure: Callable[[BaseException], None], log: Callable[[str], None] | None,
-                 embedding_model: tuple[str, Path] | None = None, open_cache=lambda session: None):
+                 embedding_model: tuple[str, Path] | None = None, open_cache=lambda session: None,
+                 slots_endpoint: bool = True):
         self.settings = settings
         # --embedding-model: (the name given, its file); None: the target computes embeddings
         self.embedding_name, self.embedding_model = embedding_model or (None, None)
@@ -262,6 +263,7 @@ class Server:
         self.worker = Worker(load, self.metrics, max_queue, on_failure, open_cache)
         self.log = log
         self.hinted: set[str] = set()       # ollama's loading options a request gave, logged once each
+        self.slots_endpoint = slots_endpoint    # GET /slots answers (--slots)
 
     # ----- checks, in the order a request meets them -----
     def authorize(self, request: Request) -> str | None:

@@ -125,6 +125,8 @@ class Slots(Small):
     name = "slots"
 
     def job(self, x: Exchange) -> list:
+        if not self.server.slots_endpoint:
+            raise ApiError(501, "This server does not support slots endpoint. Start it with --slots")
         state, n_ctx = self.server.worker.state(), x.session.target.n_ctx
         return [{"id": i, "n_ctx": n_ctx, "speculative": True, "is_processing": i < state["slots_busy"]}
                 for i in range(state["slots"])]
