@@ -21,3 +21,14 @@ def with_fim(source, out) -> None:
     copy_with_new_metadata(reader, writer, {gguf.Keys.Tokenizer.FIM_PRE_ID: MetadataDetails(u32, PRE),
                                             gguf.Keys.Tokenizer.FIM_SUF_ID: MetadataDetails(u32, SUF),
                                             gguf.Keys.Tokenizer.FIM_MID_ID: MetadataDetails(u32, MID)}, [])
+
+
+def fim_smollm2(folder) -> str:
+    """The registry's SmolLM2 with FIM ids, written into `folder`: its path."""
+    from pathlib import Path
+
+    from flylocal import models
+
+    out = str(Path(folder) / "smollm2-fim.gguf")
+    with_fim(models.local_path("smollm2-135m-instruct"), out)
+    return out

@@ -17,11 +17,12 @@ import argparse
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 from harness import ROOT, flylocal_serve, interval, median, servers
 
 sys.path.insert(0, str(ROOT / "tests"))
+
+from fim_model import fim_smollm2  # noqa: E402
 
 CASES = [
     ("class Account:\n    def __init__(self, owner, balance):\n        self.owner = owner\n        self.balance = "
@@ -69,13 +70,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        target = args.target
-        if target is None:
-            from fim_model import with_fim
-            from flylocal import models
-
-            target = str(Path(tmp) / "smollm2-fim.gguf")
-            with_fim(models.local_path("smollm2-135m-instruct"), target)
+        target = args.target or fim_smollm2(tmp)
         common = ("--target", target, "--threads", str(args.threads), "--parallel", "1", "--ctx", "2048")
         commands = {"default": flylocal_serve(*common), "plain": flylocal_serve(*common, "--drafter", "none",
                                                                                    "--verifier", "strict")}

@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from pathlib import Path
 
 from harness import ROOT, flylocal_serve, servers
 
 sys.path.insert(0, str(ROOT / "tests"))
+
+from fim_model import fim_smollm2  # noqa: E402
 
 TEXTS = ["Hello world", "def f(x):\n    return x * 2\n", "Ünïcödé 日本語 <|im_start|> text", "  spaces\t\ttabs\n\n"]
 MESSAGES = [[{"role": "user", "content": "Hi"}],
@@ -62,13 +63,7 @@ def main() -> int:
     ap.add_argument("--target")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        target = args.target
-        if target is None:
-            from fim_model import with_fim
-            from flylocal import models
-
-            target = str(Path(tmp) / "smollm2-fim.gguf")
-            with_fim(models.local_path("smollm2-135m-instruct"), target)
+        target = args.target or fim_smollm2(tmp)
         commands = {"flylocal": flylocal_serve("--target", target, "--ctx", "4096", "--parallel", "1",
                                                "--batch-size", "2048", "--drafter", "none", "--verifier", "strict"),
                     "llama-server": [args.llama_server, "-m", target, "--port", "{port}", "--host", "127.0.0.1",
