@@ -161,7 +161,7 @@ def prompt_for(session, body: Body, room: int) -> Prompt:
     """The body's prompt encoded: a text, a conversation (truncated to leave `room` tokens
     free when the body asks for it), or either after the context it continues."""
     if body.empty():
-        raise Refusal(f"the {body.name('prompt')} is empty", body.name("prompt"))
+        raise Refusal(f"the {body.name('prompt') or 'prompt'} is empty", body.name("prompt"))
     try:
         if body.infill is not None:
             return Prompt(infilled(session.target, body))
