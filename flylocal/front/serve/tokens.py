@@ -121,7 +121,8 @@ class Props(Small):
 
 
 class Slots(Small):
-    """GET /slots: each slot's size and whether it is generating (never what it holds)."""
+    """GET /slots: each slot's size, and as many marked `is_processing` as are generating, the
+    lowest first (the worker counts its busy slots, not which they are); never what one holds."""
     name = "slots"
 
     def job(self, x: Exchange) -> list:
