@@ -152,6 +152,11 @@ def read_info(path: Path) -> Info:
     return _read(path, _parse)
 
 
+def read_chat_template(path: Path) -> str:
+    """The chat template GGUF file `path` carries ("" without one), read from its header."""
+    return _read(path, lambda cur: _text(_kv_pairs(cur)[1].get(Keys.Tokenizer.CHAT_TEMPLATE)))
+
+
 def _read(path: Path, parse):
     """parse(cursor) over GGUF file `path`, mapped; ModelError naming the file when it is
     missing, unreadable or too short to be one."""

@@ -27,6 +27,7 @@ if _COSTS is None or not os.path.isdir(_COSTS):
     atexit.register(shutil.rmtree, _COSTS, True)
 os.environ["FLYLOCAL_COSTS"] = _COSTS
 os.environ["FLYLOCAL_CHATS"] = os.path.join(_COSTS, "chats")     # saved conversations: never the user's
+os.environ.setdefault("FLYLOCAL_METADATA", os.path.join(_COSTS, "gguf-metadata.json"))   # what model files are: ditto
 # Tests send Ctrl-C to the processes they start. A shell without job control starts a
 # background job with SIGINT ignored, and an ignored signal stays ignored across exec, in every
 # process the tests start: given back its default here, so that a suite run in the background

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -209,7 +210,13 @@ def test_open_webui_background_tasks_and_model_lists(server):
         r = post(server, "/api/chat", body, timeout=180)
         assert r.status_code == 200 and r.json()["done"] and r.json()["message"]["role"] == "assistant", r.text
     unloaded = post(server, "/api/generate", {"model": SMOL, "keep_alive": 0, "prompt": ""})
-    assert unloaded.status_code == 200 and unloaded.json()["done"]
+    assert unloaded.status_code == 200 and unloaded.json()["done"] and unloaded.json()["done_reason"] == "unload"
+    deadline = time.monotonic() + 60          # unloaded once idle, as ollama does: /api/ps lists it no more
+    while httpx.get(server + "/api/ps").json()["models"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    loaded = post(server, "/api/generate", {"model": SMOL, "prompt": ""})       # what the next chat does: loads it
+    assert loaded.status_code == 200 and loaded.json()["done_reason"] == "load"
     version = httpx.get(server + "/api/version").json()["version"]
     assert all(part.isdigit() for part in re.sub(r"^v|-.*", "", version).split("."))
     tags = httpx.get(server + "/api/tags").json()["models"]

@@ -430,13 +430,13 @@ def test_settings_no_engine_can_run_name_their_own_field(fields, param, start):
     within = VerifierConfig(fly=FlyParams(across=False))
     settings = request_settings(Settings(batch_size=32, verifiers=within), parse(ChatRequest, body(**fields)))
     with pytest.raises(ApiError) as e:
-        Server.check_settings(one_slot(1), settings, None)
+        Server.check_settings(one_slot(1), settings, 1)
     assert e.value.status == 400 and e.value.param == param
     assert e.value.message.startswith(start) and e.value.message.count(param) == 1, e.value.message
 
 
 def one_slot(slots: int):
-    """What check_settings reads of a Server: its worker's slot count."""
+    """A stand-in Server for check_settings (it reads nothing of it but the slot count given)."""
     from types import SimpleNamespace
 
     return SimpleNamespace(worker=SimpleNamespace(slots=slots))
@@ -451,10 +451,10 @@ def test_a_draft_verified_whole_must_fit_a_slots_share(slots, k, refused):
 
     settings = request_settings(Settings(batch_size=512), parse(ChatRequest, body(k=k)))
     if not refused:
-        Server.check_settings(one_slot(slots), settings, None)
+        Server.check_settings(one_slot(slots), settings, slots)
         return
     with pytest.raises(ApiError) as e:
-        Server.check_settings(one_slot(slots), settings, None)
+        Server.check_settings(one_slot(slots), settings, slots)
     bound = 512 // slots - 1
     assert e.value.status == 400 and e.value.param == "k" and f"at most {bound}" in e.value.message
 
@@ -471,16 +471,16 @@ def test_a_window_across_rounds_is_held_to_a_slots_share_like_k(slots, window, r
     settings = request_settings(Settings(batch_size=batch), parse(ChatRequest, body(fly_window=window)))
     assert settings.verifiers.fly.window == window and settings.draft_length == 8
     if not refused:
-        Server.check_settings(one_slot(slots), settings, None)
+        Server.check_settings(one_slot(slots), settings, slots)
         return
     with pytest.raises(ApiError) as e:
-        Server.check_settings(one_slot(slots), settings, None)
+        Server.check_settings(one_slot(slots), settings, slots)
     bound = batch // slots - 1
     assert e.value.status == 400 and e.value.param == "fly_window" and e.value.message.endswith(f"at most {bound}")
     # the same window under another verifier asks nothing of a round
     for other in (body(fly_window=window, verifier="strict"), body(fly_window=window, verifier="asd")):
         Server.check_settings(one_slot(slots), request_settings(Settings(batch_size=batch), parse(ChatRequest, other)),
-                              None)
+                              slots)
 
 
 @pytest.mark.parametrize("fields,refused", [

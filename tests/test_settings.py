@@ -33,9 +33,10 @@ def test_a_shared_option_reads_the_same_in_every_commands_help():
     # --host and --port are each server's own address (serve and rpc-server), with its own default;
     # --json each command's own document (generate's answer, bench's results, bench serve's waves);
     # --repeat what each runs again (bench: every method on every prompt; bench serve: a question);
-    # --api-key the key a server requires (serve) or a client sends (bench serve).
+    # --api-key the key a server requires (serve) or a client sends (bench serve); --model a model
+    # the command works on (serve serves it, doctor measures it).
     shared = {flag: per for flag, per in help_records().items()
-              if len(per) > 1 and flag not in ("--host", "--port", "--json", "--repeat", "--api-key")}
+              if len(per) > 1 and flag not in ("--host", "--port", "--json", "--repeat", "--api-key", "--model")}
     assert {"--max-tokens", "--ctx", "--k", "--threads", "--exact", "--temperature", "--target"} <= set(shared)
     assert {"--prompts", "--category", "--per-category", "--max-tokens", "--target", "--ctx", "--raw"} <= {
         flag for flag, per in shared.items() if "bench serve" in per}

@@ -16,7 +16,7 @@ import click
 
 from flylocal import __version__
 from flylocal.decoding.costs import WAIT
-from flylocal.errors import FlylocalError
+from flylocal.errors import FlylocalError, OptionError
 from flylocal.front.chat import chat
 from flylocal.front.model_commands import models
 from flylocal.front.terminal import (compile_constraint, constrained_output, json_schema_option, note, open_output,
@@ -378,8 +378,26 @@ def bench_serve(**opts):
 @click.option("--embedding-model", "embedding_model", default=None, metavar="NAME|PATH",
               help="The model that computes embeddings (/v1/embeddings, /api/embed), loaded on the first request "
                    "for them. Default: the target, in a context of its own.")
+@click.option("--model", "chosen", multiple=True, metavar="NAME|PATH",
+              help="Serve this model (repeatable; the first is loaded at start). Default without --target: every "
+                   "model `flylocal models list` finds, the default target loaded at start. --target alone serves "
+                   "that one model.")
+@click.option("--models-memory", "models_memory", type=Mebibytes(), default="auto", show_default=True,
+              help="MiB the loaded models may hold together (weights, KV cells, buffers, drafts, prompt caches): "
+                   "idle ones are unloaded, least recently used first, to load another. auto: 70% of the memory "
+                   "available at start; 0: no bound.")
+@click.option("--keep-alive", "keep_alive", default=None, metavar="DURATION",
+              help="How long a model stays loaded after its last request when the request says nothing (ollama's "
+                   "keep_alive: 5m, 1h, 0 to unload at once, -1 for good). Default: 5m; the model loaded at start "
+                   "stays for good.")
+@click.option("--models-config", "models_config", default=None, metavar="FILE",
+              help="A TOML file of per-model settings: [models.\"NAME\"] tables of the command line's option names "
+                   "(draft, drafter, verifier, ctx, threads, gpu_layers, ...) and keep_alive.")
+@click.option("--manage/--no-manage", "manage", default=True, show_default=True,
+              help="Answer /api/pull (fetch a models.txt model) and /api/delete (remove one flylocal fetched).")
 def serve(host, port, api_key, api_key_file, cache_share, slots, max_queue, cors_origins, allowed_hosts, parallel, kv_unified,
-          cache_ram, prompt_cache, prompt_cache_size, quiet, embedding_model, **opts):
+          cache_ram, prompt_cache, prompt_cache_size, quiet, embedding_model, chosen, models_memory, keep_alive,
+          models_config, manage, **opts):
     """Serve the models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/responses,
     /v1/completions, /v1/embeddings, /v1/models) and Ollama's (/api/chat, /api/generate,
     /api/embed, /api/tags, ...), with /health and /metrics. The options set each request's
@@ -407,13 +425,60 @@ def serve(host, port, api_key, api_key_file, cache_share, slots, max_queue, cors
     Keys(((api_key,) if api_key else ()) + api_keys, cache_share)       # a --cache-share key without keys: one line
     cache = CacheOptions(cache_ram, usable_folder(prompt_cache, "--prompt-cache") if prompt_cache else None,
                          prompt_cache_size)
-    for name in (settings.target, settings.draft):     # a bad model is one line before anything listens
-        if name:
-            registry.resolve(name, note)
+    given = click.get_current_context().get_parameter_source("target") != click.core.ParameterSource.DEFAULT
+    if given and chosen:
+        raise OptionError("--target serves one model and --model chooses several: give one of them", "model")
     embedder = (embedding_model, registry.resolve(embedding_model, note)) if embedding_model else None
-    server.serve(lambda: Session(load(settings, log=note)), settings, host, port, api_key or None, max_queue,
-                 cors_origins, note, allowed_hosts=allowed_hosts, quiet=quiet, embedding_model=embedder,
-                 prompt_cache=cache, api_keys=api_keys, cache_share=cache_share, slots=slots)
+    common = dict(allowed_hosts=allowed_hosts, quiet=quiet, embedding_model=embedder, prompt_cache=cache,
+                  api_keys=api_keys, cache_share=cache_share, slots=slots, manage=manage)
+    if given and models_config is None and keep_alive is None:      # one model, as before
+        for name in (settings.target, settings.draft):     # a bad model is one line before anything listens
+            if name:
+                registry.resolve(name, note)
+        server.serve(lambda: Session(load(settings, log=note)), settings, host, port, api_key or None, max_queue,
+                     cors_origins, note, budget=models_budget(models_memory), **common)
+        return
+    from flylocal.front.serve import catalog
+
+    keep = catalog.keep_seconds(catalog.checked("--keep-alive", "", "keep_alive", keep_alive)) \
+        if keep_alive is not None else None
+    found = catalog.found_models((settings.target,) if given else chosen, note)
+    if not found:
+        raise FlylocalError("no models found: `flylocal models fetch` one, or give --target NAME|PATH "
+                            "(`flylocal models list` shows where models are looked for)")
+    if not given and not chosen:            # the default target first, where it is found
+        found.sort(key=lambda f: f.name != settings.target)
+    draft_given = click.get_current_context().get_parameter_source("draft") != click.core.ParameterSource.DEFAULT
+    config = catalog.read_config(models_config, found)
+    pool = catalog.found_models((), note) if chosen else found       # drafts come from every model found
+    later = keep if keep is not None else catalog.DEFAULT_KEEP
+
+    def member_of(found_models, first_keep):
+        return catalog.members(settings, found_models, config, later, lambda s: Session(load(s, log=note)),
+                               first_keep=first_keep, draft_given=draft_given, drafts=pool)
+
+    def adopt(name, path):          # a model /api/pull fetched
+        from flylocal.front.model_commands import describe_one
+
+        return member_of([catalog.Found(name, path, describe_one(path), frozenset({name.casefold()}))], later)[0]
+
+    members = member_of(found, keep if keep is not None else catalog.FOREVER)
+    server.serve(members, settings, host, port, api_key or None, max_queue, cors_origins, note,
+                 budget=models_budget(models_memory), adopt=adopt, **common)
+
+
+MODELS_SHARE = 0.7      # --models-memory auto: this share of the memory available at start
+
+
+def models_budget(mib: int | None) -> int | None:
+    """--models-memory in bytes: auto is MODELS_SHARE of what is available now (None where that
+    cannot be read: no bound)."""
+    from flylocal.llama.memory import available_bytes
+
+    if mib is not None:
+        return (mib << 20) or None
+    available = available_bytes()
+    return int(MODELS_SHARE * available) if available else None
 
 
 @cli.command("rpc-server")

@@ -14,6 +14,7 @@ FIFO queue (flylocal.front.serve.worker). Web pages and slow clients are kept ou
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from pathlib import Path
 from typing import Callable
@@ -25,6 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from flylocal.errors import FlylocalError
 from flylocal.front.serve import anthropic, embeddings, infill, ollama, openai, page, responses, tokens
 from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server
+from flylocal.front.serve.manage import routes as manage_routes
+from flylocal.front.serve.roster import Member
 from flylocal.front.serve.guard import Guard, HostRule
 from flylocal.front.serve.keys import Keys
 from flylocal.llama.net import check_port, is_loopback
@@ -47,14 +50,18 @@ class MetricsPage(Endpoint):
         return PlainTextResponse(generate_latest(self.server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str | None = None,
+def create_app(load: Callable[[], Session] | list[Member], settings: Settings, *, api_key: str | None = None,
                api_keys: tuple[str, ...] = (), cache_share: str | None = None, max_queue: int = 16, cors_origins: tuple[str, ...] = (), host: str = "127.0.0.1", port: int = 8080,
                allowed_hosts: tuple[str, ...] = (), on_failure: Callable[[BaseException], None] = lambda e: None,
                log: Callable[[str], None] | None = None, dialects=DIALECTS,
                embedding_model: tuple[str, Path] | None = None, prompt_cache: CacheOptions = CacheOptions(),
-               slots: bool = True):
+               slots: bool = True, budget: int | None = None, manage: bool = True, say=None, adopt=None):
     """The application. `load` builds the Session, on the worker thread, while the server
-    already answers /health ("loading"); `on_failure` hears if it fails. `host` and `port` are
+    already answers /health ("loading"); `on_failure` hears if it fails. Or `load` is the
+    members of a server of several models (flylocal.front.serve.catalog), the first loaded so,
+    within `budget` bytes; `say` takes the lines of their loads and unloads (default: `log`);
+    `manage`: /api/pull and /api/delete answer; `adopt(name, file)` makes the member of a model
+    /api/pull fetched (None: a pulled model is not served until a restart). `host` and `port` are
     where it listens (the Host rule), `log` takes a line per request (None: quiet), `dialects`
     the APIs it speaks (modules with `routes(app, server)`), `embedding_model` the model that
     computes embeddings (its name and file; None: the target), `prompt_cache` where the slots'
@@ -63,11 +70,18 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
     cache (flylocal.front.serve.keys); `slots` whether GET /slots answers (--slots)."""
     said = log or (lambda line: None)
     keys = Keys(((api_key,) if api_key else ()) + tuple(api_keys), cache_share)
-    server = Server(load, settings, keys, max_queue, on_failure, log, embedding_model,
+    several = isinstance(load, list)
+    server = Server(None if several else load, settings, keys, max_queue, on_failure, log, embedding_model,
                     lambda session: open_cache(session.models.target, session.models.draft, prompt_cache, said),
-                    slots_endpoint=slots)
-    app = FastAPI(title="flylocal", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.worker = server.worker
+                    slots_endpoint=slots, members=load if several else None, budget=budget, manage=manage,
+                    say=say)
+    server.adopter = adopt
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await server.roster.stop()      # every model unloaded, its slots kept on disk (--prompt-cache)
+
+    app = FastAPI(title="flylocal", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = server
     if cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
@@ -99,27 +113,32 @@ def create_app(load: Callable[[], Session], settings: Settings, *, api_key: str 
     @app.get("/health")
     async def health():
         worker = server.worker
-        if worker.failed is not None:
+        if worker is None:                  # the first model was unloaded: the server still serves
+            return {"status": "ready"} | server.models_state()
+        if worker.failed is not None and server.single:
             return JSONResponse({"status": "failed", "error": str(worker.failed)}, status_code=503)
-        if worker.session is None:
+        if worker.session is None and worker.failed is None:
             return JSONResponse({"status": "loading"}, status_code=503)
-        return {"status": "ready"} | worker.state()
+        return {"status": "ready"} | (worker.state() if worker.session is not None else {}) | server.models_state()
 
     server.route(app, ["GET"], "/metrics", MetricsPage(server))
     for dialect in dialects:
         dialect.routes(app, server)
+    manage_routes(app, server)
     embeddings.routes(app, server)
     page.routes(app)
     return app
 
 
-def serve(load: Callable[[], Session], settings: Settings, host: str, port: int, api_key: str | None,
+def serve(load: Callable[[], Session] | list[Member], settings: Settings, host: str, port: int, api_key: str | None,
           max_queue: int, cors_origins: tuple[str, ...], log: Callable[[str], None],
           allowed_hosts: tuple[str, ...] = (), quiet: bool = False,
           embedding_model: tuple[str, Path] | None = None, prompt_cache: CacheOptions = CacheOptions(),
-          api_keys: tuple[str, ...] = (), cache_share: str | None = None, slots: bool = True) -> None:
-    """Listen at once, load the models, and serve until SIGTERM or Ctrl-C: then stop accepting,
-    let the requests in flight end, and return."""
+          api_keys: tuple[str, ...] = (), cache_share: str | None = None, slots: bool = True,
+          budget: int | None = None, manage: bool = True, adopt=None) -> None:
+    """Listen at once, load the model (or the first of `load`'s members, the others when
+    named), and serve until SIGTERM or Ctrl-C: then stop accepting, let the requests in flight
+    end, and return."""
     import uvicorn
 
     from flylocal.front.serve.guard import BoundedH11
@@ -137,21 +156,29 @@ def serve(load: Callable[[], Session], settings: Settings, host: str, port: int,
         for s in servers:
             s.should_exit = True
 
-    def ready() -> Session:
-        session = load()
-        shown = f"[{host}]" if ":" in host else host
+    shown = f"[{host}]" if ":" in host else host
+
+    def ready(session: Session, name: str, settings: Settings) -> Session:
         slots = session.target.n_seq
         how = ("--parallel auto: memory for that many contexts of --ctx " f"{settings.ctx}, up to 4"
                if settings.parallel == 0 else "--parallel")
-        log(f"ready: {settings.target} on http://{shown}:{port}/v1 and the Ollama API at http://{shown}:{port}/api "
+        log(f"ready: {name} on http://{shown}:{port}/v1 and the Ollama API at http://{shown}:{port}/api "
             f"(drafter {settings.drafter_name}, verifier {settings.verifier}; "
             f"{slots} request{'s' if slots > 1 else ''} at once, {how})")
         return session
 
-    app = create_app(ready, settings, api_key=api_key, api_keys=api_keys, cache_share=cache_share,
+    if isinstance(load, list):
+        first = load[0]
+        first.load = (lambda opener: lambda: ready(opener(), first.name, first.settings))(first.load)
+        log(serving_line(load, budget))
+        opened = load
+    else:
+        opened = lambda: ready(load(), settings.target, settings)      # noqa: E731
+
+    app = create_app(opened, settings, api_key=api_key, api_keys=api_keys, cache_share=cache_share,
                      max_queue=max_queue, cors_origins=cors_origins, host=host, port=port, allowed_hosts=allowed_hosts,
                      on_failure=failed, log=None if quiet else log, embedding_model=embedding_model,
-                     prompt_cache=prompt_cache, slots=slots)
+                     prompt_cache=prompt_cache, slots=slots, budget=budget, manage=manage, say=log, adopt=adopt)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                            http=BoundedH11, timeout_graceful_shutdown=30))
     servers.append(server)
@@ -166,8 +193,26 @@ def serve(load: Callable[[], Session], settings: Settings, host: str, port: int,
         raise FlylocalError(f"cannot listen on {host}:{port}") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
-        app.state.worker.stop()
-        app.state.worker.thread.join(timeout=60)
+        app.state.server.stop()
     if failure:
         e = failure[0]
         raise e if isinstance(e, FlylocalError) else FlylocalError(f"cannot load the models: {e}")
+
+
+def serving_line(members: list[Member], budget: int | None) -> str:
+    """The start line of a server of several models: what was found, the budget, and which
+    fit in it together."""
+    mib = 1 << 20
+    sizes = ", ".join(f"{m.name} {m.estimate / mib:,.0f} MiB" + (f" (draft {Path(m.settings.draft).name})"
+                                                                if m.settings.draft else "") for m in members)
+    if budget is None:
+        room = "no memory bound (--models-memory)"
+    else:
+        fit, used = [], 0
+        for m in sorted(members, key=lambda m: m.estimate):
+            if used + m.estimate <= budget:
+                fit.append(m)
+                used += m.estimate
+        room = (f"--models-memory {budget / mib:,.0f} MiB holds {len(fit)} of them at once, the smallest first"
+                if len(fit) < len(members) else f"--models-memory {budget / mib:,.0f} MiB holds them all at once")
+    return f"serving {len(members)} model{'s' if len(members) != 1 else ''}: {sizes}; {room}; {members[0].name} loads now"

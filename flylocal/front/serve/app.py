@@ -13,6 +13,7 @@ A dialect is a parser and a renderer (docs/serving.md, "Adding an API dialect").
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import threading
 import time
@@ -32,6 +33,7 @@ from flylocal.front.serve.answer import Answer
 from flylocal.front.serve.events import Computed, Done, Event, Failed, Text
 from flylocal.front.serve.keys import Keys
 from flylocal.front.serve.request import Body, Refusal, grammar_for, prompt_for, settings_for
+from flylocal.front.serve.roster import FOREVER, CannotLoad, Member, Roster, names_of
 from flylocal.front.serve.worker import Call, Job, Metrics, Refused, Worker
 from flylocal.loader import check
 from flylocal.session import Session
@@ -167,6 +169,9 @@ class Exchange:
     ask: Ask | None = None          # the generation it asked for
     kept: Any = None                # what the endpoint's job keeps for its renderer
     key: str | None = None          # the id of the API key it came with (Keys.identify)
+    member: Member | None = None    # the model it runs on, held until `release()` (Server.hold)
+    worker: Worker | None = None    # ... and that model's worker
+    release: Callable[[], None] | None = None
 
     @property
     def path(self) -> dict:
@@ -198,6 +203,7 @@ class Endpoint:
     forbidden = "flylocal does not support the field {param!r}"
     checked: dict[str, str] = {}
     role: str | tuple[str, ...] | None = None
+    loads = True                        # the model it names is loaded for it (False: only named)
     model_required = False
     latest = False
     listed = "/v1/models"
@@ -212,6 +218,11 @@ class Endpoint:
 
     def streams(self, body) -> bool:
         return bool(body is not None and body.stream)
+
+    def keep_alive(self, body) -> float | None:
+        """How long the model stays loaded after this request, in seconds (negative: for good;
+        None: its own keep-alive). Ollama's requests say it; the others do not."""
+        return None
 
     def read(self, x: Exchange) -> Any:
         raise NotImplementedError
@@ -249,21 +260,108 @@ def reply(value: Any) -> Response:
 
 
 class Server:
-    """What the dialects share: the settings, the worker and its metrics, the key, the log."""
+    """What the dialects share: the settings, the models (a Roster of them, each loaded in a
+    worker of its own), the metrics, the keys, the log."""
 
-    def __init__(self, load: Callable[[], Session], settings: Settings, keys: Keys, max_queue: int,
+    def __init__(self, load: Callable[[], Session] | None, settings: Settings, keys: Keys, max_queue: int,
                  on_failure: Callable[[BaseException], None], log: Callable[[str], None] | None,
                  embedding_model: tuple[str, Path] | None = None, open_cache=lambda session: None,
-                 slots_endpoint: bool = True):
+                 slots_endpoint: bool = True, members: list[Member] | None = None, budget: int | None = None,
+                 manage: bool = True, say: Callable[[str], None] | None = None):
+        """`load` builds the one model's Session (a one-model server, as --target: loaded now,
+        kept for the server's life unless a request unloads it, its failure the server's); or
+        `members`, every model it serves (the first loaded now, the others when named; each
+        one's failure its own), within `budget` bytes (None: no bound). `say` takes the
+        loads' and unloads' lines (default: `log`); `manage`: /api/pull and /api/delete answer."""
         self.settings = settings
         # --embedding-model: (the name given, its file); None: the target computes embeddings
         self.embedding_name, self.embedding_model = embedding_model or (None, None)
         self.keys = keys
         self.metrics = Metrics()
-        self.worker = Worker(load, self.metrics, max_queue, on_failure, open_cache)
+        self.max_queue, self.on_failure, self.open_cache = max_queue, on_failure, open_cache
         self.log = log
         self.hinted: set[str] = set()       # ollama's loading options a request gave, logged once each
         self.slots_endpoint = slots_endpoint    # GET /slots answers (--slots)
+        self.manage = manage
+        self.single = members is None
+        if members is None:
+            members = [Member(settings.target, None, settings, 0, frozenset(names_of(settings.target)), FOREVER,
+                              load=load)]
+        self.home = members[0]                  # the model a request that names none gets
+        # a model just fetched (/api/pull) as a member: (name, file) -> Member; None: not served
+        self.adopter: Callable[[str, Path], Member] | None = None
+        self.roster = Roster(members, budget, self._open, self._close, self._size, say or log or (lambda s: None))
+        self.home.runner = self._worker(self.home)      # loading starts now
+        self.home.last_used = self.roster.clock()
+
+    @property
+    def worker(self) -> Worker:
+        """The first model's worker (/health while it loads)."""
+        return self.home.runner
+
+    def served(self) -> list[tuple[str, Path | None, str, Member | None]]:
+        """Every model a request may name, as (name, file, role, member): the members, which
+        generate, and the model --embedding-model names (member None). The file is None for a
+        one-model server's model until it has loaded (given by name, it is resolved then)."""
+        out = []
+        for m in self.roster.members:
+            path = m.path
+            if path is None and m.runner is not None and m.runner.session is not None:
+                path = m.runner.session.target.path
+            out.append((m.name, Path(path) if path is not None else None, "target", m))
+        if self.embedding_model is not None:
+            out.append((self.embedding_name, self.embedding_model, "embedding", None))
+        return out
+
+    def adopt(self, name: str, path: Path) -> None:
+        """Serve a model /api/pull fetched, when this server serves several."""
+        if self.roster.find(name) is not None:
+            return
+        if self.adopter is None:
+            if self.log is not None:
+                self.log(f"fetched {name}: this server serves one model (--target); start one without --target to "
+                         "serve it too")
+            return
+        self.roster.members.append(self.adopter(name, path))
+
+    def models_state(self) -> dict:
+        """/health's line on the models of a server of several: how many, which are loaded, the
+        memory they hold and the bound ({} for a one-model server)."""
+        if self.single:
+            return {}
+        r = self.roster
+        return {"models": len(r.members), "loaded": [m.name for m in r.loaded()], "models_bytes": r.used(),
+                "models_memory": r.budget}
+
+    # ----- the models' workers (the Roster's open, close and size) -----
+    def _worker(self, m: Member) -> Worker:
+        failed = self.on_failure if self.single else (lambda e: None)   # a model's failure is its own
+        return Worker(m.load, self.metrics, self.max_queue, failed, self.open_cache)
+
+    async def _open(self, m: Member) -> Worker:
+        worker = self._worker(m)
+        await asyncio.to_thread(worker.started.wait)
+        if worker.session is None:
+            await asyncio.to_thread(worker.thread.join)
+            e = worker.failed
+            raise CannotLoad(str(e) if isinstance(e, FlylocalError) else f"cannot load {m.name} ({m.path}): {e}")
+        return worker
+
+    async def _close(self, m: Member, worker: Worker) -> None:
+        worker.stop()
+        await asyncio.to_thread(worker.thread.join)
+
+    def _size(self, m: Member) -> int:
+        return held(m.runner)[0] if m.runner is not None and m.runner.session is not None else m.estimate
+
+    def stop(self) -> None:
+        """Stop every model's worker (the server has stopped): their requests end first, their
+        slots go to the disk tier, their models close."""
+        workers = [m.runner for m in self.roster.members if m.runner is not None]
+        for w in workers:
+            w.stop()
+        for w in workers:
+            w.thread.join(timeout=60)
 
     # ----- checks, in the order a request meets them -----
     def authorize(self, request: Request) -> str | None:
@@ -292,47 +390,58 @@ class Server:
             raise ApiError(400, "the client went away before its request was read") from None
         return b"".join(chunks)
 
-    def session(self) -> Session:
-        if self.worker.failed is not None:
-            raise ApiError(503, f"the server stopped: {self.worker.failed}", type_="server_error",
+    def session(self, worker: Worker | None = None) -> Session:
+        """The loaded session of `worker` (default: the first model's); ApiError 503 while it
+        loads, or after it failed."""
+        worker = worker or self.worker
+        if worker is None:
+            raise ApiError(503, "the model is not loaded", type_="server_error", code="loading",
+                           headers={"Retry-After": "1"})
+        if worker.failed is not None:
+            raise ApiError(503, f"the server stopped: {worker.failed}", type_="server_error",
                            code="server_failed")
-        if self.worker.session is None:
+        if worker.session is None:
             raise ApiError(503, "the models are still loading", type_="server_error", code="loading",
                            headers={"Retry-After": "1"})
-        return self.worker.session
+        return worker.session
 
-    def names(self, session: Session) -> set[str]:
-        """The names a request may give the target by."""
-        return {self.settings.target, session.target.name, session.target.name.removesuffix(".gguf")}
-
-    def roles(self, session: Session) -> dict[str, set[str]]:
-        """Each name a request may give a model by, and what that model does here: the target
-        generates; the embedding model (the target, without --embedding-model) computes
-        embeddings."""
-        out = {name: {"target"} for name in self.names(session)}
-        if self.embedding_model is None:
-            for name in out:
-                out[name].add("embedding")
-        else:
+    def find(self, name: str, latest: bool = False) -> tuple[Member, set[str]] | None:
+        """The member a request's model name names and what it does here: a target generates;
+        it computes embeddings too without --embedding-model, whose own name computes them on
+        the first member. None where no served model has that name."""
+        name = str(name)
+        if self.embedding_model is not None:
             path = self.embedding_model
-            for name in (self.embedding_name, path.name, path.name.removesuffix(".gguf")):
-                out.setdefault(name, set()).add("embedding")
-        return out
+            if name in (self.embedding_name, path.name, path.name.removesuffix(".gguf")):
+                return self.home, {"embedding"}
+        m = self.roster.find(name.removesuffix(":latest") if latest else name)
+        if m is None:                   # the loaded file's own name (a one-model server's)
+            m = next((m for m in self.roster.loaded() if m.runner.session is not None and
+                      name in names_of(m.runner.session.target.name)), None)
+        if m is None:
+            return None
+        return m, {"target"} | (set() if self.embedding_model is not None else {"embedding"})
 
-    def check_model(self, endpoint: Endpoint, x: Exchange) -> None:
-        """The model a request names is one this server runs in the endpoint's role; ApiError
-        400 when a required name is missing or names the model of another role, 404 when it is
-        no model of this server."""
+    def check_model(self, endpoint: Endpoint, x: Exchange) -> Member:
+        """The member a request names (the first without a name) when it runs in the endpoint's
+        role; ApiError 400 when a required name is missing or names the model of another role,
+        404 when it is no model of this server. A one-model server answers 503 while it loads,
+        before it knows its model's file names."""
+        if self.single and self.home.runner is not None and self.home.runner.session is None:
+            self.session(self.home.runner)
         name = endpoint.model(x.body)
         if name is None:
             if endpoint.model_required:
                 raise ApiError(400, "model is required", param="model")
-            return
-        roles = self.roles(x.session).get(str(name).removesuffix(":latest") if endpoint.latest else name)
-        if roles is None:
-            raise ApiError(404, f"model {name!r} not found: this server runs {self.settings.target}"
-                                + (f" and {self.embedding_name} (embeddings)" if self.embedding_name else "")
-                                + f"; GET {endpoint.listed} lists its models", param="model", code="model_not_found")
+            return self.home
+        found = self.find(name, endpoint.latest)
+        if found is None:
+            served = ("this server runs " + self.settings.target
+                      + (f" and {self.embedding_name} (embeddings)" if self.embedding_name else "")) if self.single \
+                else f"this server has {len(self.roster.members)} models"
+            raise ApiError(404, f"model {name!r} not found: {served}; GET {endpoint.listed} lists its models",
+                           param="model", code="model_not_found")
+        member, roles = found
         wanted = endpoint.role if isinstance(endpoint.role, tuple) else (endpoint.role,)
         if not roles & set(wanted):
             does = "computes embeddings" if "embedding" in roles else "generates text"
@@ -340,28 +449,54 @@ class Server:
                            f"the model {name!r} {does} here, not what {x.request.url.path} asks for; "
                            f"GET {endpoint.listed} lists the models of this server", param="model",
                            code="model_not_supported" if "embedding" in roles else "model_not_found")
+        return member
+
+    async def hold(self, endpoint: Endpoint, x: Exchange) -> None:
+        """The member the request names, loaded and held for it (x.member, x.worker, x.session)
+        until `x.release()`; ApiError 500 naming the file when it cannot load."""
+        member = self.check_model(endpoint, x)
+        keep = endpoint.keep_alive(x.body)
+        try:
+            worker = await self.roster.acquire(member, keep)
+        except CannotLoad as e:
+            raise ApiError(500, str(e), type_="server_error", code="model_load_failed") from None
+        released = []
+
+        def release() -> None:
+            if not released:
+                released.append(True)
+                self.roster.release(member)
+
+        x.member, x.worker, x.release = member, worker, release
+        if worker.failed is not None and not self.single:      # it died since: the next request loads it again
+            self.roster.unload(member)
+        x.session = self.session(worker)
 
     # ----- the pipeline -----
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
-        """A request through authorize, body, parse, model check, job, start, whole or stream,
-        failure and the log line."""
+        """A request through authorize, body, parse, model check and hold, job, start, whole or
+        stream, failure and the log line. The model held is released when the request ends: by
+        its job's last event where it has one (the worker's), here otherwise."""
         x = Exchange(request, time.perf_counter())
         try:
             x.key = self.authorize(request)
             if endpoint.body is not None:
                 x.body = parse_request(endpoint.body, await self.body(request), endpoint.forbidden)
                 check_fields(x.body, endpoint.checked)
-            if endpoint.role is not None:
-                x.session = self.session()
-                self.check_model(endpoint, x)
+            if endpoint.role is not None and endpoint.loads:
+                await self.hold(endpoint, x)
+            elif endpoint.role is not None:
+                x.member = self.check_model(endpoint, x)
             job = endpoint.job(x)
+            if inspect.isawaitable(job):        # a job that waits (a load, a pull)
+                job = await job
             if isinstance(job, Compute):
-                out = reply(endpoint.whole(x, await self.compute(job, request)))
+                out = reply(endpoint.whole(x, await self.compute(job, request, x)))
             elif not isinstance(job, Ask):
                 out = reply(job)
             else:
                 x.ask = job
-                answer = self.start(job)
+                answer = self.start(job, x)
                 if endpoint.streams(x.body):
                     return StreamingResponse(self._stream(x, endpoint, answer), media_type=endpoint.media_type,
                                              headers=endpoint.stream_headers)
@@ -377,6 +512,9 @@ class Server:
             return self._refuse(x, endpoint, ApiError(400, str(e)))
         except ApiError as e:
             return self._refuse(x, endpoint, e)
+        finally:
+            if x.release is not None:       # no job took the model over
+                x.release()
         self.answered(x, endpoint.name, 200)
         return out
 
@@ -410,11 +548,11 @@ class Server:
 
         app.add_api_route(path, handler, methods=methods)
 
-    def check_settings(self, settings: Settings, param: str | None = None) -> None:
-        """Settings a request asked for that no engine can run: a 400 naming the field at fault
-        (`param`: the object it sits in, for the Ollama dialect's options)."""
+    def check_settings(self, settings: Settings, slots: int, param: str | None = None) -> None:
+        """Settings a request asked for that no engine can run on `slots` slots: a 400 naming
+        the field at fault (`param`: the object it sits in, for the Ollama dialect's options)."""
         try:
-            check(settings, self.worker.slots)     # a draft longer than a slot holds, a drafter with no model
+            check(settings, slots)     # a draft longer than a slot holds, a drafter with no model
         except OptionError as e:
             raise ApiError(400, e.api, param=param or e.option) from None
 
@@ -445,8 +583,8 @@ class Server:
         that asks only that the model be loaded (its settings checked)."""
         target = session.target
         try:
-            settings = settings_for(body, self.settings, target.n_ctx, target.n_vocab)
-            self.check_settings(settings, param=body.names.get("options"))
+            settings = settings_for(body, session.models.settings, target.n_ctx, target.n_vocab)
+            self.check_settings(settings, target.n_seq, param=body.names.get("options"))
             self.hint(body.hints)
             if body.load and body.empty():
                 return None
@@ -467,26 +605,37 @@ class Server:
             raise ApiError(400, e.message, param=e.param) from None
 
     # ----- running a job -----
-    def start(self, ask: Ask) -> Answer:
-        """Queue a generation; its events arrive in the Answer (ApiError 503 when the queue is full)."""
+    def start(self, ask: Ask, x: Exchange) -> Answer:
+        """Queue a generation on the model `x` holds, which it releases with its last event; its
+        events arrive in the Answer (ApiError 503 when the queue is full)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+        release = self._handed(x)
 
         def emit(event):
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, event)
+                if isinstance(event, (Done, Failed)):
+                    loop.call_soon_threadsafe(release)
             except RuntimeError:         # the loop is gone (shutdown)
                 pass
 
         job = Job(ask.settings, ask.ids, list(ask.stops), emit, tokens=ask.tokens, grammar=ask.grammar,
                   partition=ask.partition)
         try:
-            self.worker.submit(job)
+            x.worker.submit(job)
         except Refused as e:
+            release()
             raise ApiError(e.status, e.message, type_="server_error", code=e.code, headers=e.headers) from None
         return Answer(job, queue, ask.calls)
 
-    async def compute(self, job: Compute, request: Request) -> Any:
+    @staticmethod
+    def _handed(x: Exchange) -> Callable[[], None]:
+        """`x`'s release, handed over to its job (the handler no longer releases)."""
+        release, x.release = x.release or (lambda: None), None
+        return release
+
+    async def compute(self, job: Compute, request: Request, x: Exchange) -> Any:
         """Run `job.work(session)`, a generator of steps (flylocal.front.serve.worker.Call), on the
         worker thread between the generations' rounds, and return what it returns (ApiError 503
         when the queue is full; an ApiError it raises passes through; another failure is a
@@ -494,9 +643,11 @@ class Server:
         next step."""
         loop = asyncio.get_running_loop()
         result: asyncio.Future = loop.create_future()
+        release = self._handed(x)
 
         def emit(event):
             def settle():
+                release()
                 if not result.done():
                     result.set_result(event)
             try:
@@ -506,8 +657,9 @@ class Server:
 
         call = Call(job.work, emit, job.cancel)
         try:
-            self.worker.submit(call)
+            x.worker.submit(call)
         except Refused as e:
+            release()
             raise ApiError(e.status, e.message, type_="server_error", code=e.code, headers=e.headers) from None
 
         gone = []
@@ -544,6 +696,17 @@ class Server:
             line += (f" prompt {len(x.ask.ids)} completion {done.n_tokens} {stats.tokens_per_s:.1f} tok/s"
                      f" mean accepted length {stats.mean_accepted_length:.2f}")
         self.log(line + f" {time.perf_counter() - x.started:.2f} s")
+
+
+def held(worker: Worker) -> tuple[int, int]:
+    """(bytes a loaded model holds, the part of them on a GPU): its weights, KV cells and
+    compute buffers with its draft's (what the memory check counts, flylocal.llama.memory),
+    and its prompt cache's entries in memory."""
+    models = worker.session.models
+    footprints = [m.footprint for m in (models.target, models.draft) if m is not None]
+    cache = worker.cache
+    return (sum(f[0] for f in footprints) + (cache.report()["bytes"] if cache is not None else 0),
+            sum(f[1] for f in footprints))
 
 
 def failure(e: BaseException | None) -> ApiError:

@@ -29,10 +29,10 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from flylocal.front.serve import tools
 from flylocal.front.serve.answer import Whole, logprob_entries, stats_report
-from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server
+from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server, held
 from flylocal.front.serve.events import Done, Text
 from flylocal.front.serve.keys import checked_salt
-from flylocal.front.serve.ollama_options import SAMPLING_OPTIONS, checked_keep_alive, read_options
+from flylocal.front.serve.ollama_options import SAMPLING_OPTIONS, checked_keep_alive, keep_seconds, read_options
 from flylocal.front.serve.request import Body, Infill, JsonOutput, TopLogprobs
 from flylocal.settings import Settings
 
@@ -262,22 +262,14 @@ class Ollama(Endpoint):
     def error(self, e: ApiError) -> JSONResponse:
         return error(e.status, e.message, e.headers)
 
-    def models(self, session) -> list[tuple[str, Any, str]]:
-        """The served models as (name, file, role): the target, and the model --embedding-model
-        names (the roles GET /v1/models gives them)."""
-        out = [(self.server.settings.target, session.target.path, "target")]
-        if self.server.embedding_model is not None:
-            out.append((self.server.embedding_name, self.server.embedding_model, "embedding"))
-        return out
+    def keep_alive(self, body) -> float | None:
+        return keep_seconds(getattr(body, "keep_alive", None))
 
     def entry(self, name: str, path, role: str) -> dict:
         info = model_info(path)
         return {"name": name, "model": name,
                 "modified_at": datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).isoformat(),
                 "size": info.file_size, "digest": "", "details": details(info), "flylocal": {"role": role}}
-
-    def entries(self, session) -> list[dict]:
-        return [self.entry(*model) for model in self.models(session)]
 
 
 class Version(Ollama):
@@ -288,32 +280,51 @@ class Version(Ollama):
 
 
 class Tags(Ollama):
+    """/api/tags: every model the server serves, loaded or not."""
     name = "ollama_tags"
 
     def job(self, x: Exchange) -> dict:
-        return {"models": self.entries(self.server.session())}
+        served = self.server.served()
+        if any(path is None for _, path, _, _ in served):
+            self.server.session()           # 503 while the model that names its file loads
+        return {"models": [self.entry(name, path, role) for name, path, role, _ in self.server.served()]}
+
+
+def expires(server: Server, m) -> str:
+    """When member `m` unloads if no request comes, as ollama writes it: for good is now plus
+    the longest Go duration, about 292 years ("Forever" in `ollama ps`)."""
+    at = server.roster.expires_at(m)
+    left = KEPT_LOADED if at is None else timedelta(seconds=max(at - server.roster.clock(), 0.0))
+    return (datetime.now(timezone.utc) + left).isoformat().replace("+00:00", "Z")
 
 
 class Ps(Ollama):
-    """/api/ps: the served models, loaded for the server's life; the target's `size` is the
-    memory it holds with its draft (weights, KV cache, compute buffers: what the memory check
-    counts, flylocal.llama.memory) and the prompt cache's entries in memory, `size_vram` the part
-    of it on a GPU."""
+    """/api/ps: the loaded models. A target's `size` is the memory it holds with its draft
+    (weights, KV cache, compute buffers: what the memory check counts, flylocal.llama.memory)
+    and its prompt cache's entries in memory, `size_vram` the part of it on a GPU; `expires_at`
+    when its keep-alive ends (far off for good)."""
     name = "ollama_ps"
 
     def job(self, x: Exchange) -> dict:
-        session = self.server.session()
-        expires = (datetime.now(timezone.utc) + KEPT_LOADED).isoformat().replace("+00:00", "Z")
-        target, *others = self.entries(session)
-        held = [m.footprint for m in (session.models.target, session.models.draft) if m is not None]
-        cache = self.server.worker.cache
-        size, vram = sum(h[0] for h in held), sum(h[1] for h in held)
-        size += cache.report()["bytes"] if cache is not None else 0
-        return {"models": [target | {"expires_at": expires, "size": size, "size_vram": vram,
-                                     "context_length": session.target.n_ctx,
-                                     "flylocal": target["flylocal"] | self.server.worker.state()
-                                     | {"prompt_cache": cache.report() if cache is not None else None}}]
-                + [entry | {"expires_at": expires, "size_vram": 0} for entry in others]}
+        server, out = self.server, []
+        if server.single:
+            server.session()            # 503 while the one model loads, as before it answered
+        for name, path, role, m in server.served():
+            if m is None:               # the embedding model: loaded with the first model
+                if server.home.runner is not None and out:
+                    out.append(self.entry(name, path, role) | {"expires_at": out[0]["expires_at"], "size_vram": 0})
+                continue
+            worker = m.runner
+            if worker is None or worker.session is None or m.closing is not None:
+                continue
+            size, vram = held(worker)
+            cache = worker.cache
+            out.append(self.entry(name, path, role) | {
+                "expires_at": expires(server, m), "size": size, "size_vram": vram,
+                "context_length": worker.session.target.n_ctx,
+                "flylocal": {"role": role} | worker.state()
+                | {"prompt_cache": cache.report() if cache is not None else None}})
+        return {"models": out}
 
 
 class ShowRequest(BaseModel):
@@ -324,24 +335,32 @@ class ShowRequest(BaseModel):
 
 
 class Show(Ollama):
-    """/api/show of any served model: the target (completion, tools; embedding too where it
-    computes them) or the embedding model (embedding)."""
-    name, body, role, model_required = "ollama_show", ShowRequest, ("target", "embedding"), True
+    """/api/show of any served model, loaded or not (it loads none): a target (completion,
+    tools; embedding too where it computes them) or the embedding model (embedding)."""
+    name, body, role, model_required, loads = "ollama_show", ShowRequest, ("target", "embedding"), True, False
 
     def model(self, body: ShowRequest) -> str | None:
         return body.model if body.model is not None else body.name
 
     def job(self, x: Exchange) -> dict:
-        session, server = x.session, self.server
-        named = self.model(x.body)
-        roles = server.roles(session)[named.removesuffix(":latest")]
-        name, path, role = self.models(session)[0 if "target" in roles else 1]
+        from flylocal.gguf_info import read_chat_template
+
+        server, m = self.server, x.member
+        _, roles = server.find(self.model(x.body), latest=True)
+        owner = None if roles == {"embedding"} else m
+        name, path, role, _ = next(s for s in server.served() if s[3] is owner)
+        if path is None:
+            server.session()            # 503 while the model that names its file loads
         info = model_info(path)
         arch = info.architecture or "unknown"
         if role == "target":
-            template, n_ctx = session.target.chat_template() or "", session.target.n_ctx
+            session = m.runner.session if m.state == "loaded" else None
+            if session is not None:
+                template, n_ctx = session.target.chat_template() or "", session.target.n_ctx
+            else:
+                template, n_ctx = read_chat_template(path), m.settings.ctx
             capabilities = ["completion", "tools"] + (["embedding"] if "embedding" in roles else [])
-            params = parameters(server.settings, n_ctx)
+            params = parameters(m.settings, n_ctx)
         else:
             template, n_ctx, capabilities = "", server.settings.ctx, ["embedding"]
             params = {"num_ctx": n_ctx}
@@ -407,7 +426,12 @@ class Generate(Ollama):
         return req.body(messages=turns, tools=tuple(req.tools or ()))
 
     def loaded(self, x: Exchange) -> JSONResponse:
-        head = {"model": self.server.settings.target, "created_at": now(), "done": True, "done_reason": "load"}
+        """An empty request: the model is loaded (it was, to get here), or with keep_alive 0
+        unloaded once no request holds it."""
+        unload = self.keep_alive(x.body) == 0
+        if unload:
+            self.server.roster.unload(x.member)
+        head = {"model": x.body.model, "created_at": now(), "done": True, "done_reason": "unload" if unload else "load"}
         return JSONResponse(head | ({"message": {"role": "assistant", "content": ""}} if self.chat
                                     else {"response": ""}))
 
@@ -463,7 +487,7 @@ def routes(app, server: Server) -> None:
     server.route(app, ["GET"], "/api/ps", Ps(server))
     server.route(app, ["POST"], "/api/show", Show(server))
     unmanaged = Unmanaged(server)
-    for path in ("pull", "push", "create", "copy", "delete"):
+    for path in ("push", "create", "copy"):
         server.route(app, ["POST", "DELETE", "HEAD"], f"/api/{path}", unmanaged)
     server.route(app, ["POST", "HEAD"], "/api/blobs/{digest}", unmanaged)
     server.route(app, ["POST"], "/api/chat", Chat(server))

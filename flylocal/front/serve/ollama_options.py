@@ -38,6 +38,26 @@ FLAGS = frozenset({"use_mmap", "use_mlock", "numa", "low_vram", "f16_kv", "vocab
 DURATION = re.compile(r"[-+]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|μs|ms|s|m|h))+|[-+]?\d+")
 
 
+UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+
+
+def keep_seconds(value) -> float | None:
+    """A checked keep_alive (`checked_keep_alive`) in seconds: a negative one as -1 (for good),
+    None as None (the model's own)."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("+-")
+        seconds = sign * (float(body) if PART.match(body) is None else
+                          sum(float(n) * UNIT_SECONDS[u] for n, u in PART.findall(body)))
+    return -1.0 if seconds < 0 else seconds
+
+
 def whole(value) -> int:
     """A JSON number that is an integer (2, or 2.0) as an int; ValueError naming it otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \

@@ -158,15 +158,18 @@ def body_of(req, chat: bool) -> Body:
 
 
 def model_entries(server: Server) -> list[dict]:
-    """The models a request may name: the target (with the draft that speeds it up), and the
-    model that computes embeddings when it is another (the roles /api/tags gives them)."""
-    settings, created = server.settings, int(time.time())
-    target = {"id": settings.target, "object": "model", "created": created, "owned_by": "flylocal",
-              "flylocal": {"role": "target"} | ({"draft": settings.draft} if settings.draft else {})}
-    out = [target]
-    if server.embedding_name:
-        out.append({"id": server.embedding_name, "object": "model", "created": created, "owned_by": "flylocal",
-                    "flylocal": {"role": "embedding"}})
+    """The models a request may name: every target (with the draft that speeds it up, and
+    whether it is loaded: llama-server's router's `status`), and the model that computes
+    embeddings when it is another (the roles /api/tags gives them)."""
+    created, out = int(time.time()), []
+    for name, path, role, m in server.served():
+        extra = {}
+        if m is not None:
+            draft = m.settings.draft
+            extra = {"status": {"value": m.state}, "flylocal": {"role": role} | ({"draft": draft} if draft else {})}
+        else:
+            extra = {"status": {"value": server.home.state}, "flylocal": {"role": role}}
+        out.append({"id": name, "object": "model", "created": created, "owned_by": "flylocal"} | extra)
     return out
 
 

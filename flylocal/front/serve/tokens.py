@@ -104,20 +104,20 @@ class Props(Small):
     def job(self, x: Exchange) -> dict:
         if x.request.method == "POST":
             raise ApiError(501, "This server does not support changing global properties")
-        server, target = self.server, x.session.target
-        p = server.settings.sampling
-        params = {"n_predict": server.settings.max_tokens, "temperature": p.temperature, "top_k": p.top_k,
+        target, settings = x.session.target, x.session.models.settings
+        p = settings.sampling
+        params = {"n_predict": settings.max_tokens, "temperature": p.temperature, "top_k": p.top_k,
                   "top_p": p.top_p, "min_p": p.min_p, "repeat_penalty": p.repeat_penalty,
                   "repeat_last_n": p.repeat_last_n, "seed": p.seed if p.seed is not None else -1}
         return {"default_generation_settings": {"params": params, "n_ctx": target.n_ctx},
-                "total_slots": server.worker.slots, "model_alias": server.settings.target,
+                "total_slots": x.worker.slots, "model_alias": x.member.name,
                 "model_path": str(target.path), "chat_template": target.chat_template() or "",
                 "bos_token": target.piece(target.bos, special=True).decode("utf-8", "replace") if target.bos >= 0 else "",
                 "eos_token": target.piece(target.eos, special=True).decode("utf-8", "replace") if target.eos >= 0 else "",
                 "modalities": {"vision": False, "audio": False}, "endpoint_slots": True, "endpoint_props": False,
                 "endpoint_metrics": True, "is_sleeping": False, "build_info": f"flylocal {__version__}",
-                "flylocal": {"verifier": server.settings.verifier, "drafter": server.settings.drafter_name,
-                             "draft": server.settings.draft}}
+                "flylocal": {"verifier": settings.verifier, "drafter": settings.drafter_name,
+                             "draft": settings.draft}}
 
 
 class Slots(Small):
@@ -128,7 +128,7 @@ class Slots(Small):
     def job(self, x: Exchange) -> list:
         if not self.server.slots_endpoint:
             raise ApiError(501, "This server does not support slots endpoint. Start it with --slots")
-        state, n_ctx = self.server.worker.state(), x.session.target.n_ctx
+        state, n_ctx = x.worker.state(), x.session.target.n_ctx
         return [{"id": i, "n_ctx": n_ctx, "speculative": True, "is_processing": i < state["slots_busy"]}
                 for i in range(state["slots"])]
 

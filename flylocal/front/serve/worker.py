@@ -127,6 +127,7 @@ class Worker:
         self.on_failure = on_failure
         self._streams: dict = {}                                    # the running generations' streams
         self._call: Call | None = None                              # the running call
+        self.started = threading.Event()            # set once loading has ended, loaded or failed
         self.thread = threading.Thread(target=self._run, args=(load,), name="flylocal-worker", daemon=True)
         self.thread.start()
 
@@ -165,6 +166,12 @@ class Worker:
     # ----- the thread -----
     def _run(self, load) -> None:
         try:
+            self._serve_loaded(load)
+        finally:
+            self.started.set()
+
+    def _serve_loaded(self, load) -> None:
+        try:
             session = load()
         except BaseException as e:  # noqa: BLE001 - the server reports it and exits
             self.failed = e
@@ -187,6 +194,7 @@ class Worker:
             self.seats = self.cache
         self.metrics.watch(self.cache)
         self.session = session
+        self.started.set()
         try:
             self._serve()
         except BaseException as e:  # noqa: BLE001 - a failure of the loop itself: said, and the server stops
@@ -195,6 +203,7 @@ class Worker:
             with self.session.lock:  # the slots kept on disk, and the refined cost curves saved, as the models close
                 try:
                     if self.cache is not None:
+                        self.metrics.unwatch(self.cache)
                         self.cache.close(self.slots)
                 finally:
                     self.session.models.close()
@@ -511,11 +520,18 @@ class Metrics:
         self.tps = Histogram("flylocal_tokens_per_second", "Decode tokens/s of a request.",
                              buckets=(5, 10, 25, 50, 100, 150, 200, 300, 500, 1000), registry=r)
         self._emitted = self._rounds = 0
+        self.cache_figures = CacheFigures()
+        r.register(self.cache_figures)
 
     def watch(self, cache) -> None:
-        """The prompt cache's figures (PromptCache.report), read at each scrape."""
+        """The prompt cache's figures (PromptCache.report), read at each scrape: of every loaded
+        model's cache, summed."""
         if cache is not None:
-            self.registry.register(CacheFigures(cache))
+            self.cache_figures.caches.append(cache)
+
+    def unwatch(self, cache) -> None:
+        if cache in self.cache_figures.caches:
+            self.cache_figures.caches.remove(cache)
 
     def observe(self, stats, output_tokens: int, ttft: float | None) -> None:
         self.generations.inc()
@@ -535,7 +551,8 @@ class Metrics:
 
 
 class CacheFigures:
-    """The prompt cache's figures as Prometheus metrics (a collector: read when scraped)."""
+    """The prompt caches' figures as Prometheus metrics, summed (a collector: read when scraped;
+    nothing without a cache)."""
 
     GAUGES = {"entries": "Prompt cache entries in memory.", "bytes": "Bytes the prompt cache's entries in memory hold.",
               "limit_bytes": "The prompt cache's bound in memory (--cache-ram).",
@@ -546,8 +563,8 @@ class CacheFigures:
                 "prefill_seconds_saved": "Prefill seconds the prompt cache saved, at the measured prefill rate.",
                 "evicted": "Prompt cache entries evicted from memory for room."}
 
-    def __init__(self, cache):
-        self.cache = cache
+    def __init__(self):
+        self.caches: list = []
 
     def describe(self):
         return []
@@ -555,7 +572,10 @@ class CacheFigures:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        report = self.cache.report()
+        if not self.caches:
+            return
+        reports = [c.report() for c in list(self.caches)]
+        report = {name: sum(r[name] for r in reports) for name in (*self.GAUGES, *self.COUNTERS)}
         for name, doc in self.GAUGES.items():
             yield GaugeMetricFamily(f"flylocal_prompt_cache_{name}", doc, value=report[name])
         for name, doc in self.COUNTERS.items():
