@@ -290,3 +290,29 @@ def test_a_conversation_continues_from_disk_after_its_model_was_unloaded(tmp_pat
         assert second["flylocal"]["prompt_reused"] >= 0.95 * second["prompt_eval_count"], second["flylocal"]
     finally:
         stop(proc)
+
+
+def test_the_pages_model_menu_lists_every_model_and_the_one_chosen_answers(several):
+    """Headless Chromium: the page's menu lists the three models, the one loaded at start
+    first; a message sent with another chosen is answered by it."""
+    from selenium.webdriver.support.ui import Select
+    from test_page import api_answer, chrome, finished, fresh, need_browser, quit_chrome, settings, stored, \
+        type_and_send, until
+
+    need_browser()
+    url, _ = several
+    driver = chrome()
+    try:
+        fresh(driver, url)
+        menu = lambda: Select(driver.find_element("id", "model"))     # noqa: E731
+        until(driver, lambda: len(menu().options) == 3)
+        assert [o.get_attribute("value") for o in menu().options] == [SMOL, GEMMA, SMOL_Q4_0]
+        assert menu().first_selected_option.get_attribute("value") == SMOL
+        settings(driver, model=GEMMA, max_tokens="8")
+        type_and_send(driver, "Name a color.")
+        finished(driver)
+        kept = stored(driver)[0]["messages"][1]["answer"]
+        assert kept["text"] == api_answer(url, "Name a color.", model=GEMMA, max_tokens=8)
+        assert kept["text"] != api_answer(url, "Name a color.", model=SMOL, max_tokens=8)
+    finally:
+        quit_chrome(driver)

@@ -609,8 +609,8 @@ def test_the_ollama_client_chats_generates_and_lists(server):
     assert wished.message.content == whole.message.content       # a wish: the server's context serves it
     assert f"num_ctx                        {CTX}" in shown.parameters.splitlines()
     with pytest.raises(ollama.ResponseError) as e:
-        client.pull("llama3")
-    assert "does not manage models" in e.value.error
+        client.pull("llama3")               # pulls only what models.txt names: never another registry's
+    assert e.value.status_code == 404 and "not in flylocal's models.txt" in e.value.error
     version = httpx.get(server + "/api/version", headers={"Authorization": f"Bearer {KEY}"}).json()
     assert version["version"]
 

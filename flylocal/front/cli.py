@@ -431,15 +431,15 @@ def serve(host, port, api_key, api_key_file, cache_share, slots, max_queue, cors
     embedder = (embedding_model, registry.resolve(embedding_model, note)) if embedding_model else None
     common = dict(allowed_hosts=allowed_hosts, quiet=quiet, embedding_model=embedder, prompt_cache=cache,
                   api_keys=api_keys, cache_share=cache_share, slots=slots, manage=manage)
+    from flylocal.front.serve import catalog
+
     if given and models_config is None and keep_alive is None:      # one model, as before
         for name in (settings.target, settings.draft):     # a bad model is one line before anything listens
             if name:
                 registry.resolve(name, note)
         server.serve(lambda: Session(load(settings, log=note)), settings, host, port, api_key or None, max_queue,
-                     cors_origins, note, budget=models_budget(models_memory), **common)
+                     cors_origins, note, budget=catalog.models_budget(models_memory), **common)
         return
-    from flylocal.front.serve import catalog
-
     keep = catalog.keep_seconds(catalog.checked("--keep-alive", "", "keep_alive", keep_alive)) \
         if keep_alive is not None else None
     found = catalog.found_models((settings.target,) if given else chosen, note)
@@ -464,21 +464,8 @@ def serve(host, port, api_key, api_key_file, cache_share, slots, max_queue, cors
 
     members = member_of(found, keep if keep is not None else catalog.FOREVER)
     server.serve(members, settings, host, port, api_key or None, max_queue, cors_origins, note,
-                 budget=models_budget(models_memory), adopt=adopt, **common)
+                 budget=catalog.models_budget(models_memory), adopt=adopt, **common)
 
-
-MODELS_SHARE = 0.7      # --models-memory auto: this share of the memory available at start
-
-
-def models_budget(mib: int | None) -> int | None:
-    """--models-memory in bytes: auto is MODELS_SHARE of what is available now (None where that
-    cannot be read: no bound)."""
-    from flylocal.llama.memory import available_bytes
-
-    if mib is not None:
-        return (mib << 20) or None
-    available = available_bytes()
-    return int(MODELS_SHARE * available) if available else None
 
 
 @cli.command("rpc-server")

@@ -279,4 +279,26 @@ def report(model: str | None, threads: int | None = None, flash_attn: str = "aut
             lines.append(f"the {'exact' if other_exact else 'fast'} build could not be checked: {reason}")
         else:
             lines += out.stdout.rstrip("\n").splitlines()
-    return lines + [""] + cache_report()
+    return lines + [""] + cache_report() + serve_report()
+
+
+def serve_report() -> list[str]:
+    """What `flylocal serve` without --target would serve: the models found, the memory bound
+    and what fits together (docs/serving.md, "Every model from one server")."""
+    try:
+        from flylocal.front.serve import catalog
+    except ImportError:              # without the serve extra
+        return []
+    import dataclasses
+
+    from flylocal.settings import Settings
+
+    try:
+        found = catalog.found_models((), lambda s: None)
+        members = catalog.members(dataclasses.replace(Settings(), parallel=0), found, {}, catalog.DEFAULT_KEEP,
+                                  lambda s: None)
+    except Exception as e:  # noqa: BLE001 - a report, never a failure
+        return ["", f"flylocal serve: the models found could not be read: {e}"]
+    if not members:
+        return ["", "flylocal serve: no models found"]
+    return ["", "flylocal serve without --target: " + catalog.serving_line(members, catalog.models_budget(None))]

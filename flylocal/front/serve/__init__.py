@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from flylocal.errors import FlylocalError
 from flylocal.front.serve import anthropic, embeddings, infill, ollama, openai, page, responses, tokens
 from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server
+from flylocal.front.serve import catalog
 from flylocal.front.serve.manage import routes as manage_routes
 from flylocal.front.serve.roster import Member
 from flylocal.front.serve.guard import Guard, HostRule
@@ -170,7 +171,7 @@ def serve(load: Callable[[], Session] | list[Member], settings: Settings, host: 
     if isinstance(load, list):
         first = load[0]
         first.load = (lambda opener: lambda: ready(opener(), first.name, first.settings))(first.load)
-        log(serving_line(load, budget))
+        log(catalog.serving_line(load, budget))
         opened = load
     else:
         opened = lambda: ready(load(), settings.target, settings)      # noqa: E731
@@ -198,21 +199,3 @@ def serve(load: Callable[[], Session] | list[Member], settings: Settings, host: 
         e = failure[0]
         raise e if isinstance(e, FlylocalError) else FlylocalError(f"cannot load the models: {e}")
 
-
-def serving_line(members: list[Member], budget: int | None) -> str:
-    """The start line of a server of several models: what was found, the budget, and which
-    fit in it together."""
-    mib = 1 << 20
-    sizes = ", ".join(f"{m.name} {m.estimate / mib:,.0f} MiB" + (f" (draft {Path(m.settings.draft).name})"
-                                                                if m.settings.draft else "") for m in members)
-    if budget is None:
-        room = "no memory bound (--models-memory)"
-    else:
-        fit, used = [], 0
-        for m in sorted(members, key=lambda m: m.estimate):
-            if used + m.estimate <= budget:
-                fit.append(m)
-                used += m.estimate
-        room = (f"--models-memory {budget / mib:,.0f} MiB holds {len(fit)} of them at once, the smallest first"
-                if len(fit) < len(members) else f"--models-memory {budget / mib:,.0f} MiB holds them all at once")
-    return f"serving {len(members)} model{'s' if len(members) != 1 else ''}: {sizes}; {room}; {members[0].name} loads now"

@@ -220,3 +220,37 @@ def expected_bytes(settings: Settings, path: Path) -> int:
                                 value_bytes=CELL_BYTES.get(settings.cache_type_v, 2.0))
         total += held(s, settings.ctx, settings.batch_size, settings.flash_attn != "off", slots=settings.parallel or AUTO_SLOTS)[0]
     return total
+
+
+def serving_line(members: list[Member], budget: int | None) -> str:
+    """The start line of a server of several models: what was found, the budget, and which
+    fit in it together."""
+    mib = MIB
+    sizes = ", ".join(f"{m.name} {m.estimate / mib:,.0f} MiB" + (f" (draft {Path(m.settings.draft).name})"
+                                                                if m.settings.draft else "") for m in members)
+    if budget is None:
+        room = "no memory bound (--models-memory)"
+    else:
+        fit, used = [], 0
+        for m in sorted(members, key=lambda m: m.estimate):
+            if used + m.estimate <= budget:
+                fit.append(m)
+                used += m.estimate
+        room = (f"--models-memory {budget / mib:,.0f} MiB holds {len(fit)} of them at once, the smallest first"
+                if len(fit) < len(members) else f"--models-memory {budget / mib:,.0f} MiB holds them all at once")
+    return f"serving {len(members)} model{'s' if len(members) != 1 else ''}: {sizes}; {room}; {members[0].name} loads now"
+
+
+MODELS_SHARE = 0.7      # --models-memory auto: this share of the memory available at start
+MIB = 1 << 20
+
+
+def models_budget(mib: int | None) -> int | None:
+    """--models-memory in bytes: auto (None) is MODELS_SHARE of what is available now (None
+    where that cannot be read: no bound); 0 is no bound."""
+    from flylocal.llama.memory import available_bytes
+
+    if mib is not None:
+        return (mib << 20) or None
+    available = available_bytes()
+    return int(MODELS_SHARE * available) if available else None

@@ -6,13 +6,13 @@ Requests are pydantic models, checked as the OpenAI dialect's are (flylocal.fron
 `options` map onto flylocal's settings through the command line's declarations
 (flylocal.front.serve.ollama_options): num_ctx is a wish and the options that tune loading are
 hints, as in ollama; a field or option flylocal cannot honour is a 400 naming it.
-`keep_alive` is checked (a duration or seconds) and asks nothing more: the models stay loaded
-for the server's life, which /api/ps reports as ollama reports keep_alive -1. /api/generate
+`keep_alive` (a duration or seconds) is how long the model stays loaded after the answer, as in
+ollama (flylocal.front.serve.roster); /api/ps reports when each loaded model expires. /api/generate
 answers with its `context` (the prompt's ids and the answer's) and continues it when a request
 sends it back. Chat and generate stream NDJSON by default (`"stream": false` for one object);
 the last object carries ollama's counts and durations (nanoseconds) and flylocal's stats.
-Errors are `{"error": "..."}`. flylocal does not manage models here: pull, push, create, copy and
-delete say so.
+Errors are `{"error": "..."}`. /api/pull and /api/delete manage flylocal's own models
+(flylocal.front.serve.manage); push, create and copy say flylocal does not do them.
 """
 
 from __future__ import annotations
@@ -399,13 +399,13 @@ def modelfile(path, template: str, params: dict[str, Any]) -> str:
 
 
 class Unmanaged(Ollama):
-    """pull, push, create, copy, delete: flylocal serves the models it was started with."""
+    """push, create, copy: flylocal makes no models of its own."""
     name = "ollama_manage"
 
     def job(self, x: Exchange):
         what = x.request.url.path.split("/")[2]
-        raise ApiError(501, f"flylocal does not manage models (/api/{what}): it serves the models it was started "
-                            "with; see `flylocal models`")
+        raise ApiError(501, f"flylocal does not make models (/api/{what}): it serves the models it finds, and "
+                            "/api/pull fetches those of its models.txt; see `flylocal models`")
 
 
 class Generate(Ollama):

@@ -117,7 +117,7 @@ class Roster:
         """`m`'s runner, loaded first where it is not (waiting for room, or for the load under
         way); held until `release`. CannotLoad when its load fails."""
         m.users += 1
-        m.kept = m.keep if keep is None else keep
+        m.kept = m.keep
         try:
             while True:
                 if m.closing is not None:
@@ -259,7 +259,7 @@ class Roster:
             if m.users == 0 and m.expires is not None:
                 due.append(m.expires)
                 if m.expires <= now:
-                    asyncio.ensure_future(self._unload(m))
+                    asyncio.ensure_future(self._expire(m))
         later = [t for t in due if t > now]
         if later:
             self._timer = asyncio.get_running_loop().call_later(min(later) - now + 0.01, self._schedule)

@@ -276,8 +276,18 @@ async function fetchModels() {
     return false;
   }
   const body = await res.json();
-  const target = (body.data || []).find((m) => !(m.flylocal && m.flylocal.role === "draft"));
-  $("model").textContent = target ? target.id : "";
+  // Every model that generates; the first is the one loaded at start. One not loaded yet loads
+  // when a request names it.
+  const menu = $("model");
+  const chosen = menu.value;
+  menu.replaceChildren(...(body.data || []).filter((m) => !(m.flylocal && m.flylocal.role !== "target"))
+    .map((m) => {
+      const option = document.createElement("option");
+      option.value = m.id;
+      option.textContent = m.id + (m.status && m.status.value !== "loaded" ? " (loads when asked)" : "");
+      return option;
+    }));
+  if (chosen && [...menu.options].some((o) => o.value === chosen)) menu.value = chosen;
   return true;
 }
 
@@ -585,6 +595,7 @@ function requestBody(history, verifier) {
   if (k !== undefined) body.k = k;
   if (verifier) body.verifier = verifier;
   if ($("drafter").value) body.drafter = $("drafter").value;
+  if ($("model").value) body.model = $("model").value;
   return body;
 }
 
