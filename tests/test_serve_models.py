@@ -76,23 +76,74 @@ def test_the_lists_front_ends_read_name_every_model_and_say_which_are_loaded(sev
 
 
 def test_one_conversation_switches_model_between_turns(several):
-    """Open WebUI's /api/chat (a model picked per turn) and Continue's: each turn is answered by
-    the model it names, the same answer as that model gives the same turn again."""
+    """Open WebUI's /api/chat stream (its model menu picks the model per turn) and Continue's
+    (a system prompt, num_ctx, keep_alive 1800), as their readers read them: each turn is
+    answered by the model it names, the answer that model gives the same turn alone."""
+    from test_frontends import continue_reads, ndjson, webui_reads
+
     url, proc = several
-    turns = [{"role": "user", "content": "Name a color."}]
-    asked = []
-    for model in (SMOL, GEMMA, SMOL, GEMMA):
-        out = ask(url, model, turns, keep_alive="5m")
-        assert out["model"] == model and out["done"]
-        asked.append((turns, out["message"]["content"]))
-        turns = turns + [out["message"], {"role": "user", "content": "Another one."}]
-    for model, (messages, answer) in zip((GEMMA, SMOL), asked[1:3]):
-        assert ask(url, model, messages)["message"]["content"] == answer
-    assert ask(url, GEMMA, asked[0][0])["message"]["content"] != asked[0][1]    # two models, two answers
+    system = {"role": "system", "content": "You are a helpful assistant."}
+    turns, asked = [{"role": "user", "content": "Name a color."}], []
+    for model, client in ((SMOL, "webui"), (GEMMA, "continue"), (SMOL, "continue"), (GEMMA, "webui")):
+        if client == "webui":
+            body = {"model": model, "messages": turns, "stream": True, "options": {"num_predict": 12}}
+            read = webui_reads(ndjson(post(url, "/api/chat", body)))
+        else:
+            body = {"model": model, "messages": [system] + turns,
+                    "options": {"num_predict": 12, "num_ctx": 4096}, "keep_alive": 1800}
+            read = continue_reads(ndjson(post(url, "/api/chat", body)))
+        alone = ask(url, model, body["messages"])
+        assert alone["model"] == model and read["content"] == alone["message"]["content"], (model, client)
+        asked.append(read["content"])
+        turns = turns + [{"role": "assistant", "content": read["content"]}, {"role": "user", "content": "Another."}]
+    assert asked[0] != ask(url, GEMMA, [{"role": "user", "content": "Name a color."}])["message"]["content"]
     # Both fit the budget: each was loaded once, none unloaded the other.
     assert len(loads(proc, GEMMA)) == 1 and f"to make room for {GEMMA}" not in log(proc)
-    loaded = {m["name"] for m in httpx.get(url + "/api/ps").json()["models"]}
-    assert {SMOL, GEMMA} <= loaded
+    assert {SMOL, GEMMA} <= {m["name"] for m in httpx.get(url + "/api/ps").json()["models"]}
+
+
+def test_two_models_answer_at_the_same_time(several):
+    """Each loaded model has its own worker: two streams, one per model, overlap."""
+    import threading
+
+    url, _ = several
+    spans = {}
+
+    def stream(model):
+        body = {"model": model, "messages": [{"role": "user", "content": "Count from one to fifty."}],
+                "options": {"num_predict": 48}}
+        times = []
+        with httpx.stream("POST", url + "/api/chat", json=body, headers=JSON, timeout=180) as r:
+            for line in r.iter_lines():
+                if line:
+                    times.append(time.monotonic())
+        spans[model] = (times[0], times[-1])
+
+    ask(url, GEMMA, [{"role": "user", "content": "Hi"}], options={"num_predict": 1})      # loaded first
+    threads = [threading.Thread(target=stream, args=(m,)) for m in (SMOL, GEMMA)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=200)
+    (a0, a1), (b0, b1) = spans[SMOL], spans[GEMMA]
+    assert a0 < b1 and b0 < a1, spans           # each gave tokens while the other was still giving them
+
+
+def test_a_load_whose_client_left_is_finished_and_not_started_again(several):
+    """ollama 7408: the load a request started goes on when its client leaves, and the next
+    request finds the model loaded."""
+    url, proc = several
+    post(url, "/api/generate", {"model": SMOL_Q4_0, "prompt": "", "keep_alive": 0})
+    before = len(loads(proc, SMOL_Q4_0))
+    with pytest.raises(httpx.TimeoutException):       # the client leaves while the model loads
+        httpx.post(url + "/api/chat", headers=JSON, timeout=0.05,
+                   json={"model": SMOL_Q4_0, "messages": [{"role": "user", "content": "hi"}], "keep_alive": "5m"})
+    deadline = time.monotonic() + 60
+    while len(loads(proc, SMOL_Q4_0)) == before:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert ask(url, SMOL_Q4_0, [{"role": "user", "content": "Hi"}], options={"num_predict": 2})["done"]
+    assert len(loads(proc, SMOL_Q4_0)) == before + 1
 
 
 def test_keep_alive_as_ollama_defines_it(several):

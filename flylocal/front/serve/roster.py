@@ -117,7 +117,7 @@ class Roster:
         """`m`'s runner, loaded first where it is not (waiting for room, or for the load under
         way); held until `release`. CannotLoad when its load fails."""
         m.users += 1
-        m.kept = m.keep
+        m.kept = m.keep if keep is None else keep
         try:
             while True:
                 if m.closing is not None:
