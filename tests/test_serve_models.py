@@ -308,14 +308,17 @@ def test_pull_fetches_a_registry_model_and_delete_removes_only_what_flylocal_fet
         stop(proc)
 
 
-def test_no_manage_refuses_pull_and_delete():
+def test_pull_and_delete_need_the_key_and_no_manage_refuses_them():
     port = free_port()
-    proc = start("--model", SMOL, "--no-manage", *COMMON, port=port)
+    proc = start("--model", SMOL, "--no-manage", "--api-key", "k-123", *COMMON, port=port)
     url = f"http://127.0.0.1:{port}"
+    key = JSON | {"Authorization": "Bearer k-123"}
     try:
         wait_ready(proc, url)
-        assert post(url, "/api/pull", {"model": SMOL_Q4_0}).status_code == 403
-        assert httpx.request("DELETE", url + "/api/delete", json={"model": SMOL}, headers=JSON).status_code == 403
+        assert post(url, "/api/pull", {"model": SMOL_Q4_0}).status_code == 401
+        assert httpx.request("DELETE", url + "/api/delete", json={"model": SMOL}, headers=JSON).status_code == 401
+        assert httpx.post(url + "/api/pull", json={"model": SMOL_Q4_0}, headers=key).status_code == 403
+        assert httpx.request("DELETE", url + "/api/delete", json={"model": SMOL}, headers=key).status_code == 403
     finally:
         stop(proc)
 

@@ -305,7 +305,7 @@ class Messages(Anthropic):
 
     def head(self, x: Exchange) -> dict:
         return {"id": x.kept or new_id("msg"), "type": "message", "role": "assistant",
-                "model": x.body.model or self.server.settings.target}
+                "model": x.body.model or x.member.name}
 
     def whole(self, x: Exchange, whole: Whole) -> dict:
         done = whole.end

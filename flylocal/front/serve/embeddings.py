@@ -201,7 +201,7 @@ class OllamaEmbeddings(Ollama):
 
 
 def embedder_name(server: Server) -> str:
-    return server.embedding_name or server.settings.target
+    return server.embedding_name or server.home.name
 
 
 def routes(app, server: Server) -> None:

@@ -108,7 +108,7 @@ class Fill(Endpoint):
     def final(self, x: Exchange, done: Done, text: str, tokens: list[int]) -> dict:
         stats = done.stats
         out = {"index": 0, "content": text, "tokens": tokens, "id_slot": 0, "stop": True,
-               "model": x.body.model or self.server.settings.target, "tokens_predicted": done.n_tokens,
+               "model": x.body.model or x.member.name, "tokens_predicted": done.n_tokens,
                "tokens_evaluated": len(x.ask.ids), "has_new_line": "\n" in text, "truncated": False,
                "stop_type": STOP_TYPES.get(done.reason, "none"), "stopping_word": done.stop or "",
                "tokens_cached": stats.prompt_reused,

@@ -202,7 +202,7 @@ class Generate(Endpoint):
 
     def head(self, x: Exchange) -> dict:
         return {"id": ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
-                "model": x.body.model or self.server.settings.target}
+                "model": x.body.model or x.member.name}
 
     def logprobs(self, x: Exchange, tokens, offset: list[int]):
         """The logprobs of `tokens` in the endpoint's shape, or None when not asked for;

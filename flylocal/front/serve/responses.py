@@ -403,7 +403,7 @@ class Create(Endpoint):
         fmt = req.text.format if req.text is not None and req.text.format is not None else None
         out = {"id": x.kept.id, "object": "response", "created_at": x.kept.created, "status": status, "error": error,
                "incomplete_details": None, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-               "model": req.model or self.server.settings.target, "output": output,
+               "model": req.model or x.member.name, "output": output,
                "parallel_tool_calls": bool(req.parallel_tool_calls if req.parallel_tool_calls is not None else True),
                "previous_response_id": req.previous_response_id,
                "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
