@@ -512,7 +512,7 @@ def test_ollama_settings_open_webui_passes_to_an_openai_server_change_nothing_or
 
 def ollama_request(raw: bytes, n_ctx: int = 1024):
     """An /api/generate body, parsed and turned into settings as the server does."""
-    from flylocal.front.serve.app import check_fields, parse_request
+    from flylocal.front.serve.fields import check_fields, parse_request
     from flylocal.front.serve.ollama import GenerateText, GenerateRequest
     from flylocal.front.serve.request import Refusal, settings_for
 
@@ -572,7 +572,7 @@ def test_ollama_fields_flylocal_cannot_honour_are_400_naming_them(raw, field):
 def test_an_ollama_message_with_a_key_it_does_not_know_is_refused_by_name(message, field):
     import json
 
-    from flylocal.front.serve.app import parse_request
+    from flylocal.front.serve.fields import parse_request
     from flylocal.front.serve.ollama import ChatRequest as OllamaChat
 
     with pytest.raises(ApiError) as e:
@@ -631,7 +631,7 @@ def test_serve_refuses_its_own_k_past_a_slots_share_before_loading():
 def test_responses_fields_that_would_be_ignored_or_kept_unbounded_are_refused_by_name(fields, words):
     import json
 
-    from flylocal.front.serve.app import parse_request
+    from flylocal.front.serve.fields import parse_request
     from flylocal.front.serve.responses import ResponsesRequest
 
     with pytest.raises(ApiError) as e:

@@ -76,7 +76,7 @@ def create_app(load: Callable[[], Session] | list[Member], settings: Settings, *
                     lambda session: open_cache(session.models.target, session.models.draft, prompt_cache, said),
                     slots_endpoint=slots, members=load if several else None, budget=budget, manage=manage,
                     say=say)
-    server.adopter = adopt
+    server.models.adopter = adopt
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
@@ -115,12 +115,12 @@ def create_app(load: Callable[[], Session] | list[Member], settings: Settings, *
     async def health():
         worker = server.worker
         if worker is None:                  # the first model was unloaded: the server still serves
-            return {"status": "ready"} | server.models_state()
+            return {"status": "ready"} | server.models.state()
         if worker.failed is not None and server.single:
             return JSONResponse({"status": "failed", "error": str(worker.failed)}, status_code=503)
         if worker.session is None and worker.failed is None:
             return JSONResponse({"status": "loading"}, status_code=503)
-        return {"status": "ready"} | (worker.state() if worker.session is not None else {}) | server.models_state()
+        return {"status": "ready"} | (worker.state() if worker.session is not None else {}) | server.models.state()
 
     server.route(app, ["GET"], "/metrics", MetricsPage(server))
     for dialect in dialects:
@@ -194,7 +194,7 @@ def serve(load: Callable[[], Session] | list[Member], settings: Settings, host: 
         raise FlylocalError(f"cannot listen on {host}:{port}") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
-        app.state.server.stop()
+        app.state.server.models.stop()
     if failure:
         e = failure[0]
         raise e if isinstance(e, FlylocalError) else FlylocalError(f"cannot load the models: {e}")

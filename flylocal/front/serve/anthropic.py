@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from flylocal.front.serve.answer import Whole, stats_report
-from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server, checked_stops
+from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server
+from flylocal.front.serve.fields import checked_stops
 from flylocal.front.serve.events import Done, Text
 from flylocal.front.serve.openai_requests import CHECKED, Own, checked_identifier, options_of
 from flylocal.front.serve.request import Body, JsonOutput

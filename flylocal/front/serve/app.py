@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-import click
 import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -31,13 +29,15 @@ from starlette.requests import ClientDisconnect
 from flylocal.errors import FlylocalError, OptionError
 from flylocal.front.serve.answer import Answer
 from flylocal.front.serve.events import Computed, Done, Event, Failed, Text
+from flylocal.front.serve.fields import ApiError, check_fields, parse_request
 from flylocal.front.serve.keys import Keys
 from flylocal.front.serve.request import Body, Refusal, grammar_for, prompt_for, settings_for
-from flylocal.front.serve.roster import FOREVER, CannotLoad, Member, Roster, names_of
+from flylocal.front.serve.roster import CannotLoad, Member
+from flylocal.front.serve.served import Served
 from flylocal.front.serve.worker import Call, Job, Metrics, Refused, Worker
 from flylocal.loader import check
 from flylocal.session import Session
-from flylocal.settings import OPTIONS, Settings
+from flylocal.settings import Settings
 
 MAX_BODY = 4 << 20          # bytes of a request body
 # Options that tune how a model is loaded or run (context, threads, batches, memory, devices), as
@@ -47,95 +47,6 @@ MAX_BODY = 4 << 20          # bytes of a request body
 LOADING_OPTIONS = {"num_ctx": "--ctx", "num_gpu": "--gpu-layers", "main_gpu": None, "num_thread": "--threads",
                    "num_batch": "--batch-size", "num_keep": None, "use_mmap": None, "use_mlock": None, "numa": None,
                    "low_vram": None, "f16_kv": None, "vocab_only": None, "logits_all": None, "num_gqa": None}
-MAX_STOPS = 64           # stop strings in one request (local servers take any number; a bound keeps a
-                         # request's cost per token bounded)
-
-
-class ApiError(Exception):
-    """A refused request: its status, message, the field it names and a machine-readable code.
-    Each dialect renders it in its own shape."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        """OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-# ----- a request's fields, checked as the command line checks them -----
-
-def checked_option(value, option: str):
-    """`value` converted by the declared option `option` (its type and range); ValueError with
-    the option's own words when it is out of range. A bool is no number."""
-    if isinstance(value, bool) and option not in ("verifier", "drafter"):
-        raise ValueError(f"{value!r} is not a number")
-    try:
-        return OPTIONS[option].type.convert(value, None, None)
-    except click.BadParameter as e:
-        raise ValueError(e.message) from None
-
-
-def checked_stops(value) -> list[str]:
-    """Stop strings: one string, or a list of at most MAX_STOPS non-empty ones; ValueError."""
-    stops = [value] if isinstance(value, str) else value if isinstance(value, list) else None
-    if stops is not None and len(stops) > MAX_STOPS:
-        raise ValueError(f"{len(stops)} stop strings; at most {MAX_STOPS}")
-    if stops is None or not all(isinstance(s, str) and s for s in stops):
-        raise ValueError(f"{json.dumps(value)[:80]}; a string, or a list of at most {MAX_STOPS} non-empty strings")
-    return stops
-
-
-def read_json(raw: bytes) -> dict:
-    """A request body as a JSON object, or ApiError 400."""
-    try:
-        data = json.loads(raw) if raw else {}
-    except RecursionError:
-        raise ApiError(400, "the request body is nested too deep") from None
-    except ValueError:                           # not JSON, not UTF-8, a huge number
-        raise ApiError(400, "the request body is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    return data
-
-
-TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
-
-
-def parse_request(model, raw: bytes, forbidden: str = "flylocal does not support the field {param!r}"):
-    """A request body as the pydantic `model`, or ApiError 400 naming the first bad field (and
-    its value); `forbidden` words a field the model does not take."""
-    from pydantic import ValidationError
-
-    data = read_json(raw)
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        # A union's branch shows in the location as its type (`stop.str`); the field is named alone.
-        param = ".".join(str(x) for x in err["loc"] if not (isinstance(x, str) and (x in TYPE_TAGS or "[" in x))) or None
-        if err["type"] == "extra_forbidden":
-            raise ApiError(400, forbidden.format(param=param), param=param, code="unsupported_field") from None
-        message = err["msg"].removeprefix("Value error, ")
-        raise ApiError(400, f"{param}: {message}" if param else message, param=param) from None
-
-
-def check_fields(req, checked: dict[str, str]) -> None:
-    """Each field of `req` named in `checked` (field -> declared option), where it is given,
-    within the option's type and range; ApiError 400 naming the field otherwise."""
-    for name, option in checked.items():
-        value = getattr(req, name, None)
-        if value is None:
-            continue
-        try:
-            checked_option(value, option)
-        except ValueError as e:
-            raise ApiError(400, f"{name}: {e}", param=name) from None
-
-
 @dataclass(frozen=True)
 class Ask:
     """What a request of any dialect asks the worker for, checked."""
@@ -278,90 +189,26 @@ class Server:
         self.embedding_name, self.embedding_model = embedding_model or (None, None)
         self.keys = keys
         self.metrics = Metrics()
-        self.max_queue, self.on_failure, self.open_cache = max_queue, on_failure, open_cache
         self.log = log
         self.hinted: set[str] = set()       # ollama's loading options a request gave, logged once each
         self.slots_endpoint = slots_endpoint    # GET /slots answers (--slots)
         self.manage = manage
-        self.single = members is None
-        if members is None:
-            members = [Member(settings.target, None, settings, 0, frozenset(names_of(settings.target)), FOREVER,
-                              load=load)]
-        self.home = members[0]                  # the model a request that names none gets
-        # a model just fetched (/api/pull) as a member: (name, file) -> Member; None: not served
-        self.adopter: Callable[[str, Path], Member] | None = None
-        self.roster = Roster(members, budget, self._open, self._close, self._size, say or log or (lambda s: None))
-        self.home.runner = self._worker(self.home)      # loading starts now
-        self.home.last_used = self.roster.clock()
+        self.models = Served(load, settings, members, budget, self.metrics, max_queue, on_failure, open_cache,
+                             say or log or (lambda s: None), embedding_model, log)
+        self.roster = self.models.roster
 
     @property
-    def worker(self) -> Worker:
-        """The first model's worker (/health while it loads)."""
-        return self.home.runner
+    def home(self) -> Member:
+        """The model a request that names none gets: the one loaded at start."""
+        return self.models.home
 
-    def served(self) -> list[tuple[str, Path | None, str, Member | None]]:
-        """Every model a request may name, as (name, file, role, member): the members, which
-        generate, and the model --embedding-model names (member None). The file is None for a
-        one-model server's model until it has loaded (given by name, it is resolved then)."""
-        out = []
-        for m in self.roster.members:
-            path = m.path
-            if path is None and m.runner is not None and m.runner.session is not None:
-                path = m.runner.session.target.path
-            out.append((m.name, Path(path) if path is not None else None, "target", m))
-        if self.embedding_model is not None:
-            out.append((self.embedding_name, self.embedding_model, "embedding", None))
-        return out
+    @property
+    def single(self) -> bool:
+        return self.models.single
 
-    def adopt(self, name: str, path: Path) -> None:
-        """Serve a model /api/pull fetched, when this server serves several."""
-        if self.roster.find(name) is not None:
-            return
-        if self.adopter is None:
-            if self.log is not None:
-                self.log(f"fetched {name}: this server serves one model (--target); start one without --target to "
-                         "serve it too")
-            return
-        self.roster.members.append(self.adopter(name, path))
-
-    def models_state(self) -> dict:
-        """/health's line on the models of a server of several: how many, which are loaded, the
-        memory they hold and the bound ({} for a one-model server)."""
-        if self.single:
-            return {}
-        r = self.roster
-        return {"models": len(r.members), "loaded": [m.name for m in r.loaded()], "models_bytes": r.used(),
-                "models_memory": r.budget}
-
-    # ----- the models' workers (the Roster's open, close and size) -----
-    def _worker(self, m: Member) -> Worker:
-        failed = self.on_failure if self.single else (lambda e: None)   # a model's failure is its own
-        return Worker(m.load, self.metrics, self.max_queue, failed, self.open_cache)
-
-    async def _open(self, m: Member) -> Worker:
-        worker = self._worker(m)
-        await asyncio.to_thread(worker.started.wait)
-        if worker.session is None:
-            await asyncio.to_thread(worker.thread.join)
-            e = worker.failed
-            raise CannotLoad(str(e) if isinstance(e, FlylocalError) else f"cannot load {m.name} ({m.path}): {e}")
-        return worker
-
-    async def _close(self, m: Member, worker: Worker) -> None:
-        worker.stop()
-        await asyncio.to_thread(worker.thread.join)
-
-    def _size(self, m: Member) -> int:
-        return held(m.runner)[0] if m.runner is not None and m.runner.session is not None else m.estimate
-
-    def stop(self) -> None:
-        """Stop every model's worker (the server has stopped): their requests end first, their
-        slots go to the disk tier, their models close."""
-        workers = [m.runner for m in self.roster.members if m.runner is not None]
-        for w in workers:
-            w.stop()
-        for w in workers:
-            w.thread.join(timeout=60)
+    @property
+    def worker(self) -> Worker | None:
+        return self.models.home.runner
 
     # ----- checks, in the order a request meets them -----
     def authorize(self, request: Request) -> str | None:
@@ -696,17 +543,6 @@ class Server:
             line += (f" prompt {len(x.ask.ids)} completion {done.n_tokens} {stats.tokens_per_s:.1f} tok/s"
                      f" mean accepted length {stats.mean_accepted_length:.2f}")
         self.log(line + f" {time.perf_counter() - x.started:.2f} s")
-
-
-def held(worker: Worker) -> tuple[int, int]:
-    """(bytes a loaded model holds, the part of them on a GPU): its weights, KV cells and
-    compute buffers with its draft's (what the memory check counts, flylocal.llama.memory),
-    and its prompt cache's entries in memory."""
-    models = worker.session.models
-    footprints = [m.footprint for m in (models.target, models.draft) if m is not None]
-    cache = worker.cache
-    return (sum(f[0] for f in footprints) + (cache.report()["bytes"] if cache is not None else 0),
-            sum(f[1] for f in footprints))
 
 
 def failure(e: BaseException | None) -> ApiError:

@@ -13,7 +13,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from flylocal.front.serve.answer import Whole, stats_report
-from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server, checked_stops
+from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server
+from flylocal.front.serve.fields import checked_stops
 from flylocal.front.serve.events import Done, Text
 from flylocal.front.serve.request import Body, Infill
 

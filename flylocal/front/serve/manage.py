@@ -128,7 +128,7 @@ class Pull(Managing):
             while True:
                 event = await lines.get()
                 if "path" in event:
-                    self.server.adopt(wanted, event["path"])
+                    self.server.models.adopt(wanted, event["path"])
                     yield {"status": "success"}
                     return
                 yield event

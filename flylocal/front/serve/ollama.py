@@ -29,7 +29,8 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from flylocal.front.serve import tools
 from flylocal.front.serve.answer import Whole, logprob_entries, stats_report
-from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server, held
+from flylocal.front.serve.app import ApiError, Endpoint, Exchange, Server
+from flylocal.front.serve.served import held
 from flylocal.front.serve.events import Done, Text
 from flylocal.front.serve.keys import checked_salt
 from flylocal.front.serve.ollama_options import SAMPLING_OPTIONS, checked_keep_alive, keep_seconds, read_options
@@ -284,10 +285,10 @@ class Tags(Ollama):
     name = "ollama_tags"
 
     def job(self, x: Exchange) -> dict:
-        served = self.server.served()
+        served = self.server.models.served()
         if any(path is None for _, path, _, _ in served):
             self.server.session()           # 503 while the model that names its file loads
-        return {"models": [self.entry(name, path, role) for name, path, role, _ in self.server.served()]}
+        return {"models": [self.entry(name, path, role) for name, path, role, _ in self.server.models.served()]}
 
 
 def expires(server: Server, m) -> str:
@@ -309,7 +310,7 @@ class Ps(Ollama):
         server, out = self.server, []
         if server.single:
             server.session()            # 503 while the one model loads, as before it answered
-        for name, path, role, m in server.served():
+        for name, path, role, m in server.models.served():
             if m is None:               # the embedding model: loaded with the first model
                 if server.home.runner is not None and out:
                     out.append(self.entry(name, path, role) | {"expires_at": out[0]["expires_at"], "size_vram": 0})
@@ -348,7 +349,7 @@ class Show(Ollama):
         server, m = self.server, x.member
         _, roles = server.find(self.model(x.body), latest=True)
         owner = None if roles == {"embedding"} else m
-        name, path, role, _ = next(s for s in server.served() if s[3] is owner)
+        name, path, role, _ = next(s for s in server.models.served() if s[3] is owner)
         if path is None:
             server.session()            # 503 while the model that names its file loads
         info = model_info(path)

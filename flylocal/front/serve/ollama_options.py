@@ -16,7 +16,8 @@ from typing import Any
 
 import click
 
-from flylocal.front.serve.app import LOADING_OPTIONS, ApiError, checked_option, checked_stops
+from flylocal.front.serve.app import LOADING_OPTIONS
+from flylocal.front.serve.fields import ApiError, checked_option, checked_stops
 from flylocal.front.serve.keys import checked_salt
 from flylocal.front.serve.request import CONTEXT
 from flylocal.settings import OPTIONS

@@ -162,7 +162,7 @@ def model_entries(server: Server) -> list[dict]:
     whether it is loaded: llama-server's router's `status`), and the model that computes
     embeddings when it is another (the roles /api/tags gives them)."""
     created, out = int(time.time()), []
-    for name, path, role, m in server.served():
+    for name, path, role, m in server.models.served():
         extra = {}
         if m is not None:
             draft = m.settings.draft

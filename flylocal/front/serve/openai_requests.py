@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from flylocal.front.serve.app import ApiError, check_fields, checked_stops, parse_request
+from flylocal.front.serve.fields import ApiError, check_fields, checked_stops, parse_request
 from flylocal.front.serve.keys import checked_salt
 from flylocal.front.serve.ollama_options import FIXED, HINTS, IDLE, checked_keep_alive, read_options
 from flylocal.front.serve.request import JsonOutput, TopLogprobs
