@@ -215,6 +215,7 @@ def test_open_webui_background_tasks_and_model_lists(server):
     while httpx.get(server + "/api/ps").json()["models"]:
         assert time.monotonic() < deadline
         time.sleep(0.1)
+    assert httpx.get(server + "/api/tags").json()["models"][0]["name"] == SMOL      # still listed
     loaded = post(server, "/api/generate", {"model": SMOL, "prompt": ""})       # what the next chat does: loads it
     assert loaded.status_code == 200 and loaded.json()["done_reason"] == "load"
     version = httpx.get(server + "/api/version").json()["version"]

@@ -308,8 +308,8 @@ class Ps(Ollama):
 
     def job(self, x: Exchange) -> dict:
         server, out = self.server, []
-        if server.single:
-            server.session()            # 503 while the one model loads, as before it answered
+        if server.single and server.worker is not None and server.worker.session is None:
+            server.session()            # 503 while the one model loads at start
         for name, path, role, m in server.models.served():
             if m is None:               # the embedding model: loaded with the first model
                 if server.home.runner is not None and out:

@@ -78,7 +78,14 @@ class Served:
     # ----- the models' workers (the Roster's open, close and size) -----
     def _worker(self, m: Member) -> Worker:
         failed = self.on_failure if self.single else (lambda e: None)   # a model's failure is its own
-        return Worker(m.load, self.metrics, self.max_queue, failed, self.open_cache)
+
+        def load():                 # on the worker's thread; a model given by name learns its file
+            session = m.load()
+            if session is not None and m.path is None:
+                m.path = Path(session.target.path)
+            return session
+
+        return Worker(load, self.metrics, self.max_queue, failed, self.open_cache)
 
     async def _open(self, m: Member) -> Worker:
         worker = self._worker(m)
