@@ -370,3 +370,16 @@ def test_the_pages_model_menu_lists_every_model_and_the_one_chosen_answers(sever
         assert kept["text"] != api_answer(url, "Name a color.", model=SMOL, max_tokens=8)
     finally:
         quit_chrome(driver)
+
+
+@pytest.mark.parametrize("args,said", [
+    (("--keep-alive", "soon"), "--keep-alive"),
+    (("--target", SMOL, "--model", GEMMA), "--target serves one model"),
+    (("--models-memory", "lots"), "--models-memory"),
+    (("--model", "nonesuch-model"), "nonesuch-model"),
+])
+def test_bad_serve_options_are_one_line(args, said):
+    r = subprocess.run([sys.executable, "-m", "flylocal", "serve", *args, "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and said in lines[0] and "Traceback" not in r.stderr, r.stderr

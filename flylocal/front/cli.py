@@ -440,8 +440,7 @@ def serve(host, port, api_key, api_key_file, cache_share, slots, max_queue, cors
         server.serve(lambda: Session(load(settings, log=note)), settings, host, port, api_key or None, max_queue,
                      cors_origins, note, budget=catalog.models_budget(models_memory), **common)
         return
-    keep = catalog.keep_seconds(catalog.checked("--keep-alive", "", "keep_alive", keep_alive)) \
-        if keep_alive is not None else None
+    keep = catalog.keep_alive_option(keep_alive)
     found = catalog.found_models((settings.target,) if given else chosen, note)
     if not found:
         raise FlylocalError("no models found: `flylocal models fetch` one, or give --target NAME|PATH "

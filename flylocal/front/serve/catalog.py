@@ -148,6 +148,16 @@ def checked(where: str, model: str, key: str, value):
         raise FlylocalError(f"{where}: model {model!r}: {key}: {e}") from None
 
 
+def keep_alive_option(value: str | None) -> float | None:
+    """--keep-alive in seconds (negative: for good); None when not given. OptionError naming it."""
+    if value is None:
+        return None
+    try:
+        return keep_seconds(checked_keep_alive(value))
+    except ValueError as e:
+        raise OptionError(f"--keep-alive {e}", "keep_alive") from None
+
+
 def find(served: list[Found], name: str) -> Found | None:
     key = name.casefold()
     return next((f for f in served if key == f.name.casefold() or key in f.names
