@@ -1,15 +1,18 @@
 """`flylocal serve`: the door local tools come through (docs/serving.md, "Server").
 
-One Session behind API dialects on one port: OpenAI's chat and completions
-(flylocal.front.serve.openai), its Responses API (flylocal.front.serve.responses), Ollama's
-(flylocal.front.serve.ollama), Anthropic's Messages (flylocal.front.serve.anthropic), and
-llama-server's /infill and small endpoints (flylocal.front.serve.infill, .tokens); embeddings for both (flylocal.front.serve.embeddings). A dialect is a request model and a renderer: it
-translates requests onto the Server's calls (flylocal.front.serve.app) and renders the typed
-events of one answer stream (flylocal.front.serve.answer, .events); its `routes(app, server)` is
-all the application knows of it. Nothing here imports llama.cpp. Up to --parallel generations
-run at once on the loaded pair, in shared decodes: a worker thread takes jobs from a bounded
-FIFO queue (flylocal.front.serve.worker). Web pages and slow clients are kept out before any work
-(flylocal.front.serve.guard).
+The models it serves (every model found, or the one --target names: flylocal.front.serve.catalog)
+behind API dialects on one port: OpenAI's chat and completions (flylocal.front.serve.openai), its
+Responses API (flylocal.front.serve.responses), Ollama's (flylocal.front.serve.ollama), Anthropic's
+Messages (flylocal.front.serve.anthropic), and llama-server's /infill, small endpoints and model
+management (flylocal.front.serve.infill, .tokens, .manage); embeddings for both
+(flylocal.front.serve.embeddings). A dialect is a request model and a renderer: it translates
+requests onto the Server's calls (flylocal.front.serve.app) and renders the typed events of one
+answer stream (flylocal.front.serve.answer, .events); its `routes(app, server)` is all the
+application knows of it. Nothing here imports llama.cpp. Each loaded model has a worker thread
+(flylocal.front.serve.worker) that runs up to --parallel generations at once in shared decodes,
+taking jobs from a bounded FIFO queue; which models are loaded, within --models-memory, is the
+Roster's (flylocal.front.serve.roster, .served). Web pages and slow clients are kept out before
+any work (flylocal.front.serve.guard).
 """
 
 from __future__ import annotations
