@@ -233,7 +233,6 @@ async def _run_scenario(seed: int) -> None:
     members, budget, fail = s["members"], s["budget"], s["fail"]
     assert all(m.estimate <= budget for m in members)
     r, f = roster_of(members, budget, seed=seed, fail=fail)
-    outcomes: list[tuple[dict, object]] = []
 
     async def one(step: dict):
         await asyncio.sleep(step["at"])
@@ -602,5 +601,23 @@ def test_the_least_recently_used_member_makes_room():
         assert f.closes == Counter(c=1), f.closes
         assert [m.state for m in (a, b, c, d)] == ["loaded", "loaded", "unloaded", "loaded"]
         assert any("unloading c to make room for d" in line for line in r.lines), r.lines
+        await finish(r, f)
+    asyncio.run(main())
+
+
+def test_a_member_already_unloading_makes_the_room_no_other_is_unloaded():
+    """b is unloading (its keep-alive 0 ended) when d needs room that b's unload gives: d waits
+    for it, and a (idle, least recently used) stays. Breaks when _room_for picks a victim while
+    room is being made (a's close counted)."""
+    async def main():
+        a, b, d = member("a", 3 * MiB), member("b", 3 * MiB), member("d", 3 * MiB)
+        r, f = roster_of([a, b, d], 6 * MiB, close_s=(0.05, 0.06))
+        await hold(r, f, a)
+        await asyncio.sleep(0.005)
+        await hold(r, f, b, keep=0.0)        # b unloads at once, slowly (its close takes 50 ms)
+        assert await until(lambda: b.closing is not None)
+        await asyncio.wait_for(hold(r, f, d), HANG)
+        assert f.closes == Counter(b=1), f.closes
+        assert [m.state for m in (a, b, d)] == ["loaded", "unloaded", "loaded"]
         await finish(r, f)
     asyncio.run(main())

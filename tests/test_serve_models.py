@@ -160,6 +160,10 @@ def test_keep_alive_as_ollama_defines_it(several):
     while SMOL_Q4_0 in [m["name"] for m in httpx.get(url + "/api/ps").json()["models"]]:
         assert time.monotonic() < deadline
         time.sleep(0.1)
+    # unloading a model not loaded loads nothing (ollama's way)
+    loaded_before = len(loads(several[1], SMOL_Q4_0))
+    r = post(url, "/api/generate", {"model": SMOL_Q4_0, "prompt": "", "keep_alive": 0})
+    assert r.json()["done_reason"] == "unload" and len(loads(several[1], SMOL_Q4_0)) == loaded_before
     # num_ctx is a hint: a request with another one is answered by the model loaded, no reload
     before = len(loads(several[1], GEMMA))
     ask(url, GEMMA, [{"role": "user", "content": "Hi"}], options={"num_ctx": 8192, "num_predict": 4})

@@ -32,7 +32,7 @@ from flylocal.front.serve.events import Computed, Done, Event, Failed, Text
 from flylocal.front.serve.fields import ApiError, check_fields, parse_request
 from flylocal.front.serve.keys import Keys
 from flylocal.front.serve.request import Body, Refusal, grammar_for, prompt_for, settings_for
-from flylocal.front.serve.roster import CannotLoad, Member
+from flylocal.front.serve.roster import CannotLoad, Member, names_of
 from flylocal.front.serve.served import Served
 from flylocal.front.serve.worker import Call, Job, Metrics, Refused, Worker
 from flylocal.loader import check
@@ -129,6 +129,10 @@ class Endpoint:
 
     def streams(self, body) -> bool:
         return bool(body is not None and body.stream)
+
+    def holds(self, x: Exchange) -> bool:
+        """Whether the model the request names (x.member) is loaded and held for it."""
+        return self.loads
 
     def keep_alive(self, body) -> float | None:
         """How long the model stays loaded after this request, in seconds (negative: for good;
@@ -299,9 +303,9 @@ class Server:
         return member
 
     async def hold(self, endpoint: Endpoint, x: Exchange) -> None:
-        """The member the request names, loaded and held for it (x.member, x.worker, x.session)
+        """The member the request names (x.member), loaded and held for it (x.worker, x.session)
         until `x.release()`; ApiError 500 naming the file when it cannot load."""
-        member = self.check_model(endpoint, x)
+        member = x.member
         keep = endpoint.keep_alive(x.body)
         try:
             worker = await self.roster.acquire(member, keep)
@@ -330,10 +334,10 @@ class Server:
             if endpoint.body is not None:
                 x.body = parse_request(endpoint.body, await self.body(request), endpoint.forbidden)
                 check_fields(x.body, endpoint.checked)
-            if endpoint.role is not None and endpoint.loads:
-                await self.hold(endpoint, x)
-            elif endpoint.role is not None:
+            if endpoint.role is not None:
                 x.member = self.check_model(endpoint, x)
+                if endpoint.holds(x):
+                    await self.hold(endpoint, x)
             job = endpoint.job(x)
             if inspect.isawaitable(job):        # a job that waits (a load, a pull)
                 job = await job

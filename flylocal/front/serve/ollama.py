@@ -426,6 +426,15 @@ class Generate(Ollama):
         turns = [m.turn() for m in req.messages if m.role != "thinking"] if req.messages else []
         return req.body(messages=turns, tools=tuple(req.tools or ()))
 
+    def holds(self, x: Exchange) -> bool:
+        """An empty request that unloads a model not loaded does not load it first (as ollama)."""
+        req = x.body
+        empty = not req.messages if self.chat else not (req.prompt or req.suffix or req.context)
+        return not (empty and self.keep_alive(req) == 0 and x.member.state in ("unloaded", "unloading"))
+
+    def job(self, x: Exchange):
+        return super().job(x) if x.worker is not None else self.loaded(x)
+
     def loaded(self, x: Exchange) -> JSONResponse:
         """An empty request: the model is loaded (it was, to get here), or with keep_alive 0
         unloaded once no request holds it."""

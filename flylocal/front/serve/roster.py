@@ -178,8 +178,11 @@ class Roster:
             raise CannotLoad(f"{m.name} ({m.path}) needs about {m.estimate / MiB:,.0f} MiB loaded, more than the "
                              f"whole --models-memory of {self.budget / MiB:,.0f} MiB")
         while self.budget is not None and self.used() + m.estimate > self.budget:
+            closing = [o for o in self.members if o.closing is not None]
             idle = [o for o in self.loaded() if o.users == 0 and o is not m]
-            if idle:
+            if closing and self.used() - sum(o.estimate for o in closing) + m.estimate <= self.budget:
+                await asyncio.shield(closing[0].closing)        # room is being made: no other unload
+            elif idle:
                 victim = min(idle, key=lambda o: o.last_used)
                 self.log(f"unloading {victim.name} to make room for {m.name} "
                          f"({self.used() / MiB:,.0f} MiB held, {m.estimate / MiB:,.0f} MiB wanted, "

@@ -99,6 +99,7 @@ class Served:
     async def _close(self, m: Member, worker: Worker) -> None:
         worker.stop()
         await asyncio.to_thread(worker.thread.join)
+        give_back()
 
     def _size(self, m: Member) -> int:
         return held(m.runner)[0] if m.runner is not None and m.runner.session is not None else m.estimate
@@ -122,3 +123,15 @@ def held(worker: Worker) -> tuple[int, int]:
     cache = worker.cache
     return (sum(f[0] for f in footprints) + (cache.report()["bytes"] if cache is not None else 0),
             sum(f[1] for f in footprints))
+
+
+def give_back() -> None:
+    """Hand the memory an unloaded model's buffers left free in the C heap back to the system
+    (glibc keeps it for later: 100-180 MiB stayed after each unload of Gemma-3-270M here);
+    nothing where the C library has no malloc_trim."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
