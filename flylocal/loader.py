@@ -88,13 +88,13 @@ class Models:
         return self.embedder
 
     def finish_costs(self) -> None:
-        """Measure now what the target's cost curve still lacks (`CostCurve.finish`): for a
-        process that serves no other request, after its answer, so that the next one finds it
-        cached."""
-        rt = self.target
-        if rt.costs.measuring is not None:
-            token = int(rt.tokens[-1]) if rt.n_past else 0
-            rt.costs.finish(lambda rows: timed_decode(rt, token, rows))
+        """Measure now what the cost curves of the target and the draft still lack
+        (`CostCurve.finish`): for a process that serves no other request, after its answer, or
+        a server's model as it unloads, so that the next one finds them cached."""
+        for rt in (self.target, self.draft):
+            if rt is not None and not rt.config.rpc and rt.costs.measuring is not None:
+                token = int(rt.tokens[-1]) if rt.n_past else 0
+                rt.costs.finish(lambda rows, rt=rt, token=token: timed_decode(rt, token, rows))
 
     def close(self):
         if self.embedder is not None:     # before the model it may read

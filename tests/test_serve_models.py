@@ -41,6 +41,16 @@ def ask(url: str, model: str, messages: list, **extra) -> dict:
     return r.json()
 
 
+def gone(url: str, name: str, timeout: float = 30) -> bool:
+    """Whether `name` leaves /api/ps within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while name in [m["name"] for m in httpx.get(url + "/api/ps").json()["models"]]:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def loads(proc, name: str) -> list[float]:
     """The seconds of each load of `name` the server's log gives."""
     return [float(s) for s in re.findall(rf"loaded {re.escape(name)} in ([\d.]+) s", log(proc))]
@@ -70,9 +80,11 @@ def test_the_lists_front_ends_read_name_every_model_and_say_which_are_loaded(sev
     assert models[SMOL]["flylocal"]["draft"].endswith(SMOL_Q4_0 + ".gguf")    # `models pairs`' first
     router = httpx.get(url + "/models").json()["data"]     # llama-server's router list
     assert [m["id"] for m in router] == tags
-    show = post(url, "/api/show", {"model": GEMMA})           # read from the file: nothing loads for it
+    post(url, "/api/generate", {"model": SMOL_Q4_0, "prompt": "", "keep_alive": 0})     # out, if another test loaded it
+    assert gone(url, SMOL_Q4_0)
+    show = post(url, "/api/show", {"model": SMOL_Q4_0})       # read from the file: nothing loads for it
     assert show.status_code == 200 and "completion" in show.json()["capabilities"]
-    assert GEMMA not in [m["name"] for m in httpx.get(url + "/api/ps").json()["models"]]
+    assert SMOL_Q4_0 not in [m["name"] for m in httpx.get(url + "/api/ps").json()["models"]]
 
 
 def test_one_conversation_switches_model_between_turns(several):

@@ -162,7 +162,12 @@ def serve(load: Callable[[], Session] | list[Member], settings: Settings, host: 
 
     shown = f"[{host}]" if ":" in host else host
 
+    said: list[bool] = []
+
     def ready(session: Session, name: str, settings: Settings) -> Session:
+        if said:                         # a reload after an unload: the Roster logs it
+            return session
+        said.append(True)
         slots = session.target.n_seq
         how = ("--parallel auto: memory for that many contexts of --ctx " f"{settings.ctx}, up to 4"
                if settings.parallel == 0 else "--parallel")

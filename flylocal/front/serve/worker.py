@@ -202,6 +202,8 @@ class Worker:
         finally:
             with self.session.lock:  # the slots kept on disk, and the refined cost curves saved, as the models close
                 try:
+                    if self.failed is None:      # what the curves lack, measured now: a reload finds them whole
+                        self.session.models.finish_costs()
                     if self.cache is not None:
                         self.metrics.unwatch(self.cache)
                         self.cache.close(self.slots)
