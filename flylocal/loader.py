@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -87,14 +88,15 @@ class Models:
                 self.embedder = Embedder(self.target.model, self.target.vocab, self.settings.ctx, threads)
         return self.embedder
 
-    def finish_costs(self) -> None:
+    def finish_costs(self, seconds: float = math.inf) -> None:
         """Measure now what the cost curves of the target and the draft still lack
-        (`CostCurve.finish`): for a process that serves no other request, after its answer, or
-        a server's model as it unloads, so that the next one finds them cached."""
+        (`CostCurve.finish`; at most `seconds` each): for a process that serves no other
+        request, after its answer, or a server's model as it unloads, so that the next one
+        finds them cached."""
         for rt in (self.target, self.draft):
             if rt is not None and not rt.config.rpc and rt.costs.measuring is not None:
                 token = int(rt.tokens[-1]) if rt.n_past else 0
-                rt.costs.finish(lambda rows, rt=rt, token=token: timed_decode(rt, token, rows))
+                rt.costs.finish(lambda rows, rt=rt, token=token: timed_decode(rt, token, rows), seconds)
 
     def close(self):
         if self.embedder is not None:     # before the model it may read

@@ -449,6 +449,8 @@ def serve(host, port, api_key, api_key_file, cache_share, slots, max_queue, cors
         found.sort(key=lambda f: f.name != settings.target)
     draft_given = click.get_current_context().get_parameter_source("draft") != click.core.ParameterSource.DEFAULT
     config = catalog.read_config(models_config, found)
+    if given and draft_given:               # the one target's own --draft, whatever its vocabulary
+        config.setdefault(found[0].name, {}).setdefault("draft", settings.draft)
     pool = catalog.found_models((), note) if chosen else found       # drafts come from every model found
     later = keep if keep is not None else catalog.DEFAULT_KEEP
 
@@ -464,7 +466,6 @@ def serve(host, port, api_key, api_key_file, cache_share, slots, max_queue, cors
     members = member_of(found, keep if keep is not None else catalog.FOREVER)
     server.serve(members, settings, host, port, api_key or None, max_queue, cors_origins, note,
                  budget=catalog.models_budget(models_memory), adopt=adopt, **common)
-
 
 
 @cli.command("rpc-server")

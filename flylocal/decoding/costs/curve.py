@@ -451,12 +451,13 @@ class CostCurve:
         self.source, self.state = Source.PRIOR, State.PROVISIONAL
         self.problem = f"nothing measured yet: {whence}, in the rounds' speed, until it is measured in slices"
 
-    def finish(self, timed_decode) -> None:
+    def finish(self, timed_decode, seconds: float = math.inf) -> None:
         """Measure the rest of a calibration going on in slices now, whole (a process that will
-        serve no other request, after its answer), and cache it as `ensure` would."""
+        serve no other request, after its answer), and cache it as `ensure` would; or one more
+        slice of at most `seconds` (a server's model as it unloads)."""
         if self.measuring is None:
             return
-        self._measure(timed_decode, math.inf)
+        self._measure(timed_decode, seconds)
 
     def _measure(self, timed_decode, wait: float) -> None:
         """A slice of the calibration going on: at most `wait` seconds of decodes (and the two

@@ -16,6 +16,9 @@ from flylocal.session import Session
 from flylocal.settings import Settings
 
 
+FINISH_S = 2.0      # seconds a model unloading may spend measuring what its cost curves lack
+
+
 class Served:
     """The members and their workers. A one-model server (`load`: the Session of --target)
     has one member, loaded now and kept unless a request unloads it, whose failure stops the
@@ -97,7 +100,7 @@ class Served:
         return worker
 
     async def _close(self, m: Member, worker: Worker) -> None:
-        worker.stop()
+        worker.stop(finish_s=0.0 if self.roster.stopping else FINISH_S)
         await asyncio.to_thread(worker.thread.join)
         give_back()
 

@@ -124,6 +124,7 @@ class Worker:
         self.slots = 1                                              # generations at once, once loaded
         self.ready = threading.Condition()
         self.stopping = False
+        self.finish_s = 0.0                                         # seconds of measuring as it stops (`stop`)
         self.on_failure = on_failure
         self._streams: dict = {}                                    # the running generations' streams
         self._call: Call | None = None                              # the running call
@@ -158,8 +159,12 @@ class Worker:
             return {"slots": self.slots, "slots_busy": min(self.busy, self.slots),
                     "queued": len(self.jobs) + len(self.calls)}
 
-    def stop(self) -> None:
+    def stop(self, finish_s: float = 0.0) -> None:
+        """End once the jobs held have ended; with `finish_s`, a slice of at most that many
+        seconds of the cost curves' measuring first (a model unloading: a reload finds them
+        cached), none when the server stops."""
         with self.ready:
+            self.finish_s = finish_s
             self.stopping = True
             self.ready.notify()
 
@@ -202,8 +207,8 @@ class Worker:
         finally:
             with self.session.lock:  # the slots kept on disk, and the refined cost curves saved, as the models close
                 try:
-                    if self.failed is None:      # what the curves lack, measured now: a reload finds them whole
-                        self.session.models.finish_costs()
+                    if self.failed is None and self.finish_s:     # a model unloading: its curves, whole
+                        self.session.models.finish_costs(self.finish_s)
                     if self.cache is not None:
                         self.metrics.unwatch(self.cache)
                         self.cache.close(self.slots)
