@@ -235,6 +235,8 @@ class Roster:
             await asyncio.shield(m.closing)
             return
         runner = m.runner
+        if runner is None:          # unloaded meanwhile (a task made before another unload ended)
+            return
 
         async def close():
             try:
