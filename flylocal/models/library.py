@@ -258,14 +258,14 @@ def find(spec: str) -> LocalModel | None:
     matches: dict[object, LocalModel] = {}
     for model in models:
         if key in model.short_names:
-            matches.setdefault(_identity(model.path), model)
+            matches.setdefault(identity(model.path), model)
     if len(matches) > 1:
         names = ", ".join(sorted(m.name for m in matches.values()))
         raise FlylocalError(f"model name {spec!r} is ambiguous: it names {names} (give the whole name)")
     return next(iter(matches.values()), None)
 
 
-def _identity(path: Path) -> object:
+def identity(path: Path) -> object:
     """What makes two paths one file: hard links and links into a blob store name one file."""
     try:
         st = os.stat(path)
@@ -377,10 +377,10 @@ def candidates() -> list[Candidate]:
     named += [(m.name, m.path) for m in discover() if not m.problem]
     seen, out = set(), []
     for (name, path), info in zip(named, describe([path for _, path in named])):
-        identity = _identity(path)
-        if identity in seen or isinstance(info, Exception):
+        key = identity(path)
+        if key in seen or isinstance(info, Exception):
             continue
-        seen.add(identity)
+        seen.add(key)
         out.append(Candidate(name, path, info))
     return out
 
@@ -393,7 +393,7 @@ def draft_pairs(target: Candidate, pool: list[Candidate]) -> list[Pair]:
     pairs = []
     for c in pool:
         if (not c.info.fingerprint or not c.info.parameters or c.info.file_size >= size
-                or _identity(c.path) == _identity(target.path)):      # no weights (a vocabulary alone), or no smaller
+                or identity(c.path) == identity(target.path)):      # no weights (a vocabulary alone), or no smaller
             continue
         ratio = c.info.parameters / target.info.parameters if target.info.parameters else 0.0
         pairs.append(Pair(c, ratio, c.info.fingerprint == target.info.fingerprint))

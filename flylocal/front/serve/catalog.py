@@ -63,12 +63,12 @@ def found_models(chosen: tuple[str, ...], log: Callable[[str], None]) -> list[Fo
     from flylocal.models import library
 
     pool = [c for c in library.candidates() if c.info.parameters]
-    seen = {library._identity(c.path): c for c in pool}
+    seen = {library.identity(c.path): c for c in pool}
     if chosen:
         out = []
         for spec in chosen:
             path = models.resolve(spec, log)
-            c = seen.get(library._identity(path))
+            c = seen.get(library.identity(path))
             if c is None:
                 info = library.describe([path])[0]
                 if isinstance(info, Exception):
