@@ -32,9 +32,10 @@ from pathlib import Path
 
 import httpx
 
+from flylocal.models import local_path
+
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = "/tmp/lcppsrc/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
-MODELS = Path.home() / ".cache" / "flylocal" / "models"
 PROMPT = "Name one color of the sky."
 FIRST = "smollm2-135m-instruct"
 HTTP = httpx.Client(trust_env=False, timeout=600)    # loopback only: no proxy from the environment
@@ -132,7 +133,7 @@ def main() -> None:
         folder = Path(tmp, "models")
         folder.mkdir()
         for m in [FIRST, *args.models]:
-            (folder / f"{m}.gguf").symlink_to(MODELS / f"{m}.gguf")
+            (folder / f"{m}.gguf").symlink_to(local_path(m))
         llama = [args.llama_server, "--host", "127.0.0.1", "--port", "{port}", "--models-dir", str(folder),
                  "--models-max", str(1 + len(args.models)), "-c", str(args.ctx), "-np", "1", "-t", str(args.threads),
                  "--no-webui"]
