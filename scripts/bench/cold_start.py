@@ -32,6 +32,7 @@ from pathlib import Path
 
 import httpx
 
+from flylocal.front.bench.serve import stop_all
 from flylocal.models import local_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,14 +68,7 @@ def started(command: list[str], env: dict, log, startup: float = 300):
             time.sleep(0.25)
         yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_all([proc])            # SIGTERM to its group; SIGKILL after a minute
         with contextlib.suppress(ProcessLookupError):       # a child left behind in the group
             os.killpg(proc.pid, signal.SIGKILL)
 

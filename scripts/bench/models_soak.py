@@ -34,7 +34,6 @@ import contextlib
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from flylocal.front.bench.serve import stop_all
 
 MODELS = ["smollm2-135m-instruct", "gemma-3-270m", "smollm2-135m-instruct-q4_0"]
 KEEPS = [None, "0", "2s", -1]
@@ -82,14 +83,7 @@ def server(options: list[str], log, wait_for: str = "health"):
             time.sleep(0.2)
         yield url, proc
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_all([proc])            # SIGTERM to its group; SIGKILL after a minute
 
 
 def log_lines(path) -> list[str]:

@@ -207,7 +207,7 @@ def fleet(servers: list[Server], clients: int, ctx: int, startup: float, say):
                 time.sleep(0.25)
         yield urls
     finally:
-        _stop(list(procs.values()))
+        stop_all(list(procs.values()))
         for log in logs.values():
             log.close()
 
@@ -218,7 +218,7 @@ def _fill(part: str, fill: dict) -> str:
     return part
 
 
-def _stop(procs) -> None:
+def stop_all(procs) -> None:
     """SIGTERM each process's group, then wait (a minute at most, then SIGKILL)."""
     for p in procs:
         if p.poll() is None:
