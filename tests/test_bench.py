@@ -408,6 +408,24 @@ def test_the_standin_presets_prompts_are_questions_for_a_base_model():
         assert p.raw and p.text.startswith("Question: ") and p.text.endswith("\nAnswer:") and not p.turns
 
 
+def test_the_instruct_standin_presets_prompts_go_through_the_chat_template():
+    base, chat = b.prompts.standin_prompts(2), b.prompts.standin_prompts(2, base_model=False)
+    assert [p.id for p in chat] == [p.id for p in base]
+    for p, q in zip(chat, base):
+        assert not p.raw and q.text == f"Question: {p.text}\nAnswer:"
+
+
+@pytest.mark.slow
+def test_the_instruct_standin_preset_runs_with_its_draft(tmp_path):
+    out = tmp_path / "o"
+    done = bench("--preset", "standin-instruct", "--target", SMOL, "--per-category", "1", "--methods",
+                 "autoregressive,strict-mla", "--max-tokens", "4", "--repeat", "1", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    c = json.loads((out / "results.json").read_text())["config"]
+    assert c["preset"] == "standin-instruct" and c["target"] == SMOL
+    assert c["draft"] == "smollm2-135m-instruct-q4_0"
+
+
 @pytest.mark.slow
 def test_the_standin_preset_runs_and_the_command_line_wins(tmp_path):
     out = tmp_path / "o"

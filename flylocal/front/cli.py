@@ -153,12 +153,14 @@ def prompt_options(f):
               help="--execute where namespaces cannot be had: each program runs as you, with the network, under "
                    "the limits and a session alone. It guards against accidents, not attacks: it can reach any "
                    "path you can.")
-@click.option("--preset", type=click.Choice(["standin"]), default=None,
-              help="standin: the regime users live in, on this machine: the bandwidth-bound stand-in target "
-                   "(gemma-3-270m-f32) with its Q2_K draft, Spec-Bench's questions (--per-category, 2 by default; "
-                   "--prompts another copy) put as \"Question: ...\\nAnswer:\" for a base model, and one "
-                   "copy-heavy edit of each kind, 128 tokens, the methods autoregressive, strict-pld, fly-pld, "
-                   "strict-mla and fly-mla. Options given on the command line win.")
+@click.option("--preset", type=click.Choice(["standin", "standin-instruct"]), default=None,
+              help="The regime users live in, on this machine: standin, the bandwidth-bound stand-in target "
+                   "(gemma-3-270m-f32, a base model) with its Q2_K draft, Spec-Bench's questions (--per-category, 2 "
+                   "by default; --prompts another copy) put as \"Question: ...\\nAnswer:\", and one copy-heavy "
+                   "edit of each kind; standin-instruct, the same with a chat model of the same cost shape "
+                   "(smollm2-135m-instruct-f32, its Q4_0 draft), the questions through its chat template. 128 "
+                   "tokens, the methods autoregressive, strict-pld, fly-pld, strict-mla and fly-mla. Options "
+                   "given on the command line win.")
 @click.option("--tasks", default=None, metavar="NAME[,NAME...]|all",
               help="Score the answers of tasks a program checks, beside the speed, each method paired question by "
                    "question with plain decoding (strict's text): gsm8k (final number), translation (chrF), "
@@ -211,13 +213,12 @@ def bench(prompts_path, category, per_category, humaneval, humaneval_limit, exec
     from click.core import ParameterSource
 
     task_max_tokens = click.get_current_context().get_parameter_source("max_tokens") != ParameterSource.COMMANDLINE
-    if preset == "standin":           # its defaults, where the command line says nothing
-        from click.core import ParameterSource
-
-        from flylocal.settings import STANDIN_DRAFT, STANDIN_TARGET
+    if preset is not None:            # its defaults, where the command line says nothing
+        from flylocal.settings import PRESETS
 
         given = click.get_current_context().get_parameter_source
-        for name, value in (("target", STANDIN_TARGET), ("draft", STANDIN_DRAFT), ("max_tokens", 128)):
+        chosen = PRESETS[preset]
+        for name, value in (("target", chosen.target), ("draft", chosen.draft), ("max_tokens", 128)):
             if given(name) != ParameterSource.COMMANDLINE:
                 opts[name] = value
         methods = methods or "autoregressive,strict-pld,fly-pld,strict-mla,fly-mla"

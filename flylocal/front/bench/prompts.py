@@ -200,13 +200,18 @@ def data_dir() -> Path:
     return Path(__file__).resolve().parents[3] / "data"
 
 
-def standin_prompts(per_category: int = 2, spec_bench: str | None = None) -> list[Prompt]:
-    """The stand-in preset's prompts: the first turn of the first `per_category` Spec-Bench
+def standin_prompts(per_category: int = 2, spec_bench: str | None = None, base_model: bool = True) -> list[Prompt]:
+    """A stand-in preset's prompts: the first turn of the first `per_category` Spec-Bench
     questions of each group (from `spec_bench`, or the project's copy), and one copy-heavy edit
-    of each kind from the project's data/prompts.jsonl, each in BASE_FORM and used as is."""
+    of each kind from the project's data/prompts.jsonl; for a base model each in BASE_FORM and
+    used as is, for a chat model each as a user turn of its chat template."""
     data = data_dir()
     source = spec_bench or str(data / "spec_bench")
-    chosen = [Prompt(f"sb-{p.id}", BASE_FORM.format(p.text), raw=True, source=p.source, category=p.category)
+
+    def put(text: str) -> dict:
+        return {"text": BASE_FORM.format(text), "raw": True} if base_model else {"text": text}
+
+    chosen = [Prompt(f"sb-{p.id}", **put(p.text), source=p.source, category=p.category)
               for p in per_group(load_prompts(source), per_category)]
     own = data / "prompts.jsonl"
     if own.is_file():
@@ -214,6 +219,6 @@ def standin_prompts(per_category: int = 2, spec_bench: str | None = None) -> lis
         for p in load_prompts(str(own)):
             if p.category in COPY_HEAVY and p.category not in kinds:
                 kinds.add(p.category)
-                chosen.append(Prompt(p.id, BASE_FORM.format(p.text), raw=True, source=p.source, category=p.category))
+                chosen.append(Prompt(p.id, **put(p.text), source=p.source, category=p.category))
     return chosen
 

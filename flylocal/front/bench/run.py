@@ -31,6 +31,7 @@ from flylocal.front.bench.prompts import (Prompt, encode_all, humaneval_prompts,
 from flylocal.front.bench.tasks import TASKS, answer, cut, parse_tasks, task_prompts
 from flylocal.front.bench.report import COUNTS, Row, machine_info, metrics, per_prompt, write_results
 from flylocal.front.bench.sandbox import Sandbox
+from flylocal.settings import PRESETS
 
 if TYPE_CHECKING:
     from flylocal.loader import Models
@@ -237,8 +238,8 @@ def _prompts(prompts_path, humaneval, humaneval_limit, category, per_category, e
         raise FlylocalError("--execute runs model-written code: it goes with --humaneval or --tasks")
     if preset is not None:            # its own prompts: Spec-Bench's (--prompts, or the project's) as questions
         if humaneval:
-            raise FlylocalError("--preset standin has prompts of its own; it takes no --humaneval")
-        prompts = standin_prompts(per_category or 2, prompts_path)
+            raise FlylocalError(f"--preset {preset} has prompts of its own; it takes no --humaneval")
+        prompts = standin_prompts(per_category or 2, prompts_path, base_model=PRESETS[preset].base_model)
         source = f"the {preset} preset ({prompts_path or 'data/spec_bench'} as questions, and copy-heavy edits)"
     else:
         if (prompts_path is None) == (not humaneval):
@@ -322,7 +323,7 @@ def main(settings: Settings, *, prompts_path: str | None, humaneval: bool, human
     notes = []                        # said once every check has passed, so that an error stays one line
     if tasks is not None:
         prompts, source = _task_prompts(settings, tasks, per_task, seeds, execute, task_max_tokens,
-                                        base=raw or preset is not None, others=dict(
+                                        base=raw or (preset is not None and PRESETS[preset].base_model), others=dict(
                                             prompts_path=prompts_path, humaneval=humaneval, category=category,
                                             per_category=per_category), say=notes.append)
     else:
