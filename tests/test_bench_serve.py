@@ -151,6 +151,32 @@ def test_questions_take_the_groups_in_turn_with_turns_words_and_repeats(tmp_path
         sb.conversations(str(mine), None, None, 9, 1, None, 1)
 
 
+def test_context_pads_with_other_questions_whole_texts_to_about_n_tokens():
+    from flylocal.front.bench.prompts import data_dir, load_prompts
+
+    texts = {p.text for p in load_prompts(str(data_dir() / "spec_bench"))}
+    words = lambda text: len(text.split())                               # noqa: E731
+    for n in (1000, 6000):
+        convs = sb.conversations(None, None, 1, 2, 1, None, 1, n, words)
+        backgrounds = set()
+        for label, (turn,) in convs:
+            assert n - 60 <= words(turn) <= n + 5 or words(turn.split("\n\n")[-1]) > n - 60, label
+            docs = turn.split("\n\n")
+            assert docs[0] == "Background:"
+            question, others = docs[-1], docs[1:-1]
+            whole = [d for d in others if d in texts]
+            assert len(whole) >= len(others) - 1                           # only the last may be cut
+            assert len(set(others)) == len(others) and question not in others
+            backgrounds.add(others[0])
+        assert len(backgrounds) == len(convs)        # no two questions share a prefix a cache could reuse
+    with pytest.raises(FlylocalError, match="give one"):
+        sb.main(server_specs=["a=http://127.0.0.1:9"], base=None, target="smollm2-135m-instruct", draft=None,
+                llama_server=None, model=None, prompts=None, category=None, per_category=None, skip=0, turns=1,
+                prompt_words=10, context=100, clients=[1], per_client=1, max_tokens=8, repeat=1, raw=False,
+                natural=True, ctx=4096, threads=None, pause=0, stagger=0, fixed_order=False, api_key=None,
+                timeout=5, json_out=None, say=print)
+
+
 def test_a_conversation_sends_each_turn_after_the_answers_before_it(fakes):
     fake = fakes(words=3)
     server = sb.Server("x", url=fake.url, model="m", own_model=True)

@@ -291,6 +291,11 @@ def _counts(ctx, param, value):
 @click.option("--prompt-words", type=click.IntRange(min=1), default=None, metavar="N",
               help="Make every first turn at least N words long, with other questions' words before it as "
                    "background: a long prompt's cost.")
+@click.option("--context", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Pad every first turn to about N tokens (the target's tokenizer) with other questions' whole "
+                   "texts before it as background: real documents, none repeated, as a RAG prompt or a pasted "
+                   "file would be. --ctx then defaults to room for it and --max-tokens. Use --repeat 1 to time "
+                   "prefills: a repeated prompt is served from the servers' caches.")
 @click.option("--clients", default="1", show_default=True, callback=_counts, metavar="C[,C...]",
               help="Clients at once; each count is a run of its own, its servers started for it (flylocal "
                    "--parallel C, llama-server -np C).")
@@ -328,7 +333,8 @@ def bench_serve(**opts):
     from flylocal.settings import DEFAULT_TARGET
 
     target = opts.pop("target") or DEFAULT_TARGET
-    opts["ctx"] = opts["ctx"] or 4096
+    room = -(-(opts["context"] + opts["max_tokens"] + 256) // 1024) * 1024 if opts["context"] else 0
+    opts["ctx"] = opts["ctx"] or max(4096, room)
     opts["prompts"] = opts.pop("prompts_path")
     click.echo(bench_serve.main(**opts, target=target, say=lambda m: click.echo(f"flylocal bench serve: {m}", err=True)),
                nl=False)

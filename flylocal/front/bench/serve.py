@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flylocal.errors import FlylocalError
@@ -473,15 +474,18 @@ def report(plan: Plan, results: dict, turns: int) -> str:
 # -- from the command line ----------------------------------------------------------------------
 
 def conversations(path: str | None, category: str | None, per_category: int | None, skip: int, turns: int,
-                  prompt_words: int | None, repeat: int) -> list[tuple[str, list[str]]]:
+                  prompt_words: int | None, repeat: int, context: int | None = None,
+                  count: Callable[[str], int] | None = None) -> list[tuple[str, list[str]]]:
     """(label, user turns) of the questions asked: Spec-Bench's (the project's copy) or the
     file's, `per_category` of each group after its first `skip` (2 of Spec-Bench's by default,
     every one of a file's), the groups in turn; the first `turns` turns of each; a first turn
-    under `prompt_words` words preceded by other questions' words as background; `repeat` times."""
+    under `prompt_words` words preceded by other questions' words as background, or padded to
+    about `context` tokens (`count` counts them) with other questions' whole texts; `repeat`
+    times."""
     from flylocal.front.bench.prompts import data_dir, load_prompts, of_categories, per_group
 
     source = path or str(data_dir() / "spec_bench")
-    prompts = load_prompts(source)
+    everything = prompts = load_prompts(source)
     if category:
         prompts = of_categories(prompts, category, source)
     if per_category is None and path is None:
@@ -497,16 +501,49 @@ def conversations(path: str | None, category: str | None, per_category: int | No
         groups.setdefault(p.group, []).append(p)
     ordered = [g[i] for i in range(max(map(len, groups.values()))) for g in groups.values() if i < len(g)]
     words = [w for p in ordered for w in p.text.split()]
+    documents = sorted({p.text for p in everything}, key=len, reverse=True)     # the longest first: fewer seams
     out = []
     for p in ordered:
         asked = list(p.turns or [p.text])[:turns]
         short = prompt_words - len(asked[0].split()) if prompt_words else 0
-        if short > 0:
+        if context:
+            others = [d for d in documents if d != asked[0]]
+            asked[0] = padded(asked[0], others, (len(out) * 7) % len(others), context, count or _words)
+        elif short > 0:
             start = (len(out) * 97) % len(words)
             filler = [words[(start + i) % len(words)] for i in range(short)]
             asked[0] = "Background:\n" + " ".join(filler) + "\n\n" + asked[0]
         out.append((f"{p.group or p.category or 'question'} {p.id}", asked))
     return out * repeat
+
+
+def _words(text: str) -> int:
+    """Tokens of `text` where no tokenizer is at hand: about 1.3 a word."""
+    return round(len(text.split()) * 1.3)
+
+
+def padded(question: str, documents: list[str], start: int, tokens: int, count: Callable[[str], int]) -> str:
+    """`question` after other documents, whole and in turn from `documents[start]`, as
+    background, until the whole is about `tokens` tokens (`count` counts them); the last one cut
+    at a word to fit. Real text, none of it repeated, so prompt lookup finds in it only what
+    it would find in a real long prompt."""
+    have = count(question) + 8                  # the framing and a chat template's own tokens
+    chosen: list[str] = []
+    for i in range(len(documents)):
+        if have >= tokens:
+            break
+        doc = documents[(start + i) % len(documents)]
+        n = count(doc) + 2
+        if have + n > tokens:
+            cut = doc.split()
+            doc = " ".join(cut[: max(0, len(cut) * (tokens - have) // n - 1)])
+            n = count(doc) + 2 if doc else 0
+        if doc:
+            chosen.append(doc)
+            have += n
+    if not chosen:
+        return question
+    return "Background:\n\n" + "\n\n".join(chosen) + "\n\n" + question
 
 
 def default_servers(draft: bool, llama_server: str | None) -> list[str]:
@@ -524,6 +561,16 @@ def default_base(servers: list[Server]) -> str:
     return next((s.name for s in servers if not s.flylocal), fallback)
 
 
+def token_counter(path: str) -> Callable[[str], int]:
+    """How many tokens the model at `path` makes of a text (its vocabulary alone is loaded)."""
+    from flylocal.llama.model import Model
+    from flylocal.llama.runtime import RuntimeConfig
+    from flylocal.llama.vocab import Vocabulary
+
+    vocab = Vocabulary(Model(path, RuntimeConfig(n_ctx=256, n_threads=1), vocab_only=True))
+    return lambda text: len(vocab.tokenize(text, add_special=False))
+
+
 def end_tokens(path: str) -> tuple[int, ...]:
     """The end-of-generation ids of the model at `path` (banned: every answer full length)."""
     import numpy as np
@@ -538,8 +585,8 @@ def end_tokens(path: str) -> tuple[int, ...]:
 
 
 def main(*, server_specs, base, target, draft, llama_server, model, prompts, category, per_category, skip, turns,
-         prompt_words, clients, per_client, max_tokens, repeat, raw, natural, ctx, threads, pause, stagger,
-         fixed_order, api_key, timeout, json_out, say) -> str:
+         prompt_words, context, clients, per_client, max_tokens, repeat, raw, natural, ctx, threads, pause,
+         stagger, fixed_order, api_key, timeout, json_out, say) -> str:
     """`flylocal bench serve`: the plan from the options, the run, the report (and the JSON)."""
     import shutil
 
@@ -564,7 +611,16 @@ def main(*, server_specs, base, target, draft, llama_server, model, prompts, cat
     base = base or default_base(servers)
     if base not in names:
         raise FlylocalError(f"--base {base!r} is none of the servers: {', '.join(names)}")
-    convs = conversations(prompts, category, per_category, skip, turns, prompt_words, repeat)
+    if context and prompt_words:
+        raise FlylocalError("--context pads prompts to a length in tokens, --prompt-words in words: give one")
+    count = token_counter(str(models.resolve(target))) if context else None
+    convs = conversations(prompts, category, per_category, skip, turns, prompt_words, repeat, context, count)
+    if context:
+        lengths = sorted(count(turns[0]) for _, turns in convs)
+        if lengths[-1] + max_tokens > ctx:
+            raise FlylocalError(f"--context {context}: the longest prompt is {lengths[-1]:,} tokens, and with "
+                                f"--max-tokens {max_tokens} it needs --ctx {lengths[-1] + max_tokens + 64} or more")
+        say(f"--context {context}: first turns of {lengths[0]:,} to {lengths[-1]:,} tokens ({target}'s tokenizer)")
     banned = () if natural or not any(s.own_model for s in servers) else end_tokens(target_path)
     plan = Plan(servers, convs, clients=clients, per_client=per_client, max_tokens=max_tokens, ctx=ctx, raw=raw,
                 banned=banned, base=base, pause=pause, stagger=stagger, taking_turns=not fixed_order,
