@@ -334,7 +334,8 @@ def bench_serve(**opts):
 
     target = opts.pop("target") or DEFAULT_TARGET
     room = -(-(opts["context"] + opts["max_tokens"] + 256) // 1024) * 1024 if opts["context"] else 0
-    opts["ctx"] = opts["ctx"] or max(4096, room)
+    given = click.get_current_context().get_parameter_source("ctx") == click.core.ParameterSource.COMMANDLINE
+    opts["ctx"] = opts["ctx"] if given and opts["ctx"] else max(opts["ctx"] or 4096, room)
     opts["prompts"] = opts.pop("prompts_path")
     click.echo(bench_serve.main(**opts, target=target, say=lambda m: click.echo(f"flylocal bench serve: {m}", err=True)),
                nl=False)
