@@ -314,7 +314,7 @@ def _fingerprint(buf: mmap.mmap, kv: dict) -> str:
 @dataclass(frozen=True)
 class Layout:
     """What placing a model's layers on a GPU, and sizing its context, need from its header
-    (flylocal.llama.placement, flylocal.llama.context.sequences_that_fit)."""
+    (flylocal.llama.placement, flylocal.llama.model.sequences_that_fit)."""
     n_layer: int                   # {arch}.block_count
     layer_bytes: tuple[int, ...]   # the weights of blk.0 .. blk.{n_layer-1}
     output_bytes: int              # the output layer: output.weight (token_embd.weight where tied) and the norm

@@ -57,7 +57,7 @@ class Models:
         settings = settings or self.settings
         corpus = self.corpus.copy() if private and self.corpus is not None else self.corpus
         key = (settings.drafter_name, settings.verifier, settings.draft_length, settings.k is None,
-               settings.pld_ngram, settings.pld_tokens, settings.draft_p_min_value)
+               settings.pld_ngram, settings.pld_tokens, settings.draft_p_min_value, settings.draft_window)
         target, draft = self.target, self.draft
         if seq is not None:
             target = target.sequence(seq)
@@ -243,7 +243,7 @@ def auto_slots(settings: Settings, target_path, config: RuntimeConfig) -> int:
     """--parallel auto: as many sequences of --ctx cells as memory holds for the target of
     `config`, up to AUTO_SLOTS and to the slots whose drafts fit a decode (so that company
     never cuts a draft verified whole: `check`)."""
-    from flylocal.llama.context import sequences_that_fit
+    from flylocal.llama.model import sequences_that_fit
 
     fit = max(settings.batch_size // settings.round_rows, 1)
     return sequences_that_fit(target_path, config, min(AUTO_SLOTS, fit))
@@ -284,7 +284,7 @@ def build_engine(settings: Settings, target: Runtime, draft: Runtime | None, cor
     drafter = make_drafter(settings.drafter_name, target, draft, pld_ngram=settings.pld_ngram,
                            pld_tokens=settings.pld_tokens, k_max=settings.draft_length, adaptive=settings.k is None,
                            p_min=settings.draft_p_min_value, corpus=corpus, recalibrate=settings.recalibrate,
-                           through_text=through_text, learned=learned,
+                           through_text=through_text, learned=learned, window=settings.draft_window or None,
                            # the draft model's curve as the target's: in slices, unless seeded or asked for
                            calibration_wait=None if settings.sampling.seed is not None or settings.recalibrate
                            else settings.calibration_wait)

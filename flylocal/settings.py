@@ -53,6 +53,7 @@ PRESETS = {"standin": Preset(STANDIN_TARGET, STANDIN_DRAFT, True),
            "standin-instruct": Preset(STANDIN_INSTRUCT_TARGET, STANDIN_INSTRUCT_DRAFT, False)}
 DEFAULT_K = 8
 CACHE_TYPE_NAMES = ("f16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "bf16", "f32")   # flylocal.llama.memory.CELL_BYTES
+DEFAULT_DRAFT_WINDOW = 1024   # docs/benchmarks.md, "Long contexts": acceptance against the whole context
 DEFAULT_P_MIN = 0.5     # a draft model's token it gives less than this ends its draft (adaptive runs)
 
 
@@ -79,6 +80,7 @@ class Settings:
     gpu_layers: int | None = None     # None: auto (what fits, flylocal.llama.placement); -1: all; 0: none
     pld_ngram: int = 4
     pld_tokens: int | None = None
+    draft_window: int = DEFAULT_DRAFT_WINDOW   # a draft model keeps the sinks and this many last tokens; 0: all
     draft_p_min: float | None = None  # None: 0.5 when the draft length adapts, 0 with an explicit --k
     recalibrate: bool = False         # measure the cost curves again instead of reading the cache
     calibration_wait: float | None = None   # seconds of the target curve's calibration a request waits
@@ -356,6 +358,11 @@ OPTIONS = {o.name: o for o in [
            type=click.IntRange(min=1)),
     Option("pld_tokens", ("--pld-tokens",),
            "Most tokens one prompt lookup proposes. Default: --k for pld, 6 for mla.", type=click.IntRange(min=1)),
+    Option("draft_window", ("--draft-window",),
+           f"A draft model reads the context's first 4 tokens and its last W (default {DEFAULT_DRAFT_WINDOW}), the "
+           "window moving on as the context grows without evaluating anything again: its prefill and each draft "
+           "step cost the same at any context length. 0: the whole context. What the draft sees changes only "
+           "speed: the target verifies every token.", type=click.IntRange(min=0), metavar="W"),
     Option("max_tokens", ("--max-tokens",), "Most tokens to generate (per turn).", type=click.IntRange(min=1)),
     # llama.cpp
     Option("ctx", ("--ctx",), "Context size in tokens (prompt + output).", type=click.IntRange(min=16)),
@@ -455,7 +462,7 @@ REQUEST_FIELDS = {o.name: o for o in [
 
 MODEL = ("target", "draft", "draft_vocab", "target_rpc", "draft_rpc", "tensor_split", "rpc_output", "rpc_timeout")
 METHOD = ("drafter", "verifier")
-DRAFTING = ("k", "draft_p_min", "lookup_corpus", "pld_ngram", "pld_tokens", "max_tokens")
+DRAFTING = ("k", "draft_p_min", "draft_window", "lookup_corpus", "pld_ngram", "pld_tokens", "max_tokens")
 LLAMA = ("ctx", "batch_size", "gpu_layers", "flash_attn", "cache_type_k", "cache_type_v", "threads", "exact", "recalibrate")
 VERIFIER_PARAMS = ("fly_window", "fly_entropy", "fly_topk", "fly_echo", "fly_no_window", "fly_within_round", "fly_any_token", "asd_gate", "asd_cap",
                    "asd_budget")

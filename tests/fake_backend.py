@@ -139,6 +139,9 @@ class FakeTarget(Target):
         self._hash = [0] * n_ctx
         self.high_water = 0
         self.decodes = 0
+        self.can_shift = True
+        self.dropped = 0                             # cells removed by `drop`
+        self.evaluated = 0                           # tokens decoded, all told
 
     @property
     def eog_mask(self) -> np.ndarray:  # [n_vocab] bool
@@ -181,6 +184,7 @@ class FakeTarget(Target):
         self.n_past = p0 + n
         self.high_water = max(self.high_water, self.n_past)
         self.decodes += 1
+        self.evaluated += n
         if self.machine is not None and n:
             self.machine.decode(n)
         if start >= n:
@@ -195,6 +199,26 @@ class FakeTarget(Target):
         if n_keep < 0:
             raise ValueError("n_keep must be >= 0")
         self.n_past = n_keep
+
+    def drop(self, start: int, count: int) -> bool:
+        """Remove cells start..start+count-1, the later ones moved back; their hashes are those
+        of the kept tokens alone (as a decode of them alone would give). With `can_shift` off,
+        the Target contract's fallback: a rollback to `start`."""
+        if not self.can_shift:
+            return Target.drop(self, start, count)
+        end = self.n_past
+        count = min(count, end - start)
+        if count <= 0:
+            return True
+        kept = self._tokens[start + count : end].copy()
+        h = self._hash[start - 1] if start else 0
+        for i, t in enumerate(kept.tolist()):
+            h = mix(h, t)
+            self._hash[start + i] = h
+        self._tokens[start : start + len(kept)] = kept
+        self.n_past = start + len(kept)
+        self.dropped += count
+        return True
 
     def reset(self) -> None:
         self.n_past = 0

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import prompt
 from flylocal.decoding.drafters import make_drafter
+from flylocal.decoding.drafters.model import SINKS
 from flylocal.decoding.engine import Engine, EngineConfig, generate_all
 from flylocal.decoding.verifiers.strict import Strict
 from flylocal.loader import encode_prompt
@@ -230,7 +231,7 @@ def test_model_drafters_that_choose_their_length_stay_exact(smol, smol_draft, dr
 def test_a_draft_model_reads_what_its_prefill_pays_for_and_stays_exact(smol, smol_draft, drafter):
     """On a GPU-like machine a draft model's drafts pay, and its prefill is weighed against what
     they save over the answer: a long prompt with a long budget gets the whole context, with a
-    short one a window of its last tokens (after its first), with a tiny one nothing (prompt
+    short one a window of its last tokens (after its first SINKS), with a tiny one nothing (prompt
     lookup alone, the draft model untouched). Every way strict equals plain decoding, and the
     stats say what was chosen."""
     import test_costs
@@ -258,11 +259,55 @@ def test_a_draft_model_reads_what_its_prefill_pays_for_and_stays_exact(smol, smo
                 assert held[: len(ids)].tolist() == ids.tolist()
             elif given["chosen"] == "window":
                 w = given["pays_for"]
-                assert 32 <= w < len(ids) - 1 and given["tokens"] == w + 1
-                assert held[0] == ids[0] and held[1 : w + 1].tolist() == ids[-w:].tolist()
-                assert smol_draft.n_past > w + 1           # the draft model was asked, after its window
+                assert 32 <= w < len(ids) - 1 and given["tokens"] == w + SINKS
+                assert held[:SINKS].tolist() == ids[:SINKS].tolist()
+                assert held[SINKS : w + SINKS].tolist() == ids[-w:].tolist()
+                assert smol_draft.n_past > w + SINKS       # the draft model was asked, after its window
             else:
                 assert given["pays_for"] < 32 and smol_draft.n_past == 0
         assert seen == {"lookup": 2, "window": 8, "full": 64}
+    finally:
+        smol.costs, smol_draft.costs = saved
+
+
+@pytest.mark.parametrize("drafter,k", [("model", 6), ("mla", 8), ("model", None), ("mla", None)])
+def test_a_draft_window_moves_on_and_strict_stays_exact(smol, smol_draft, drafter, k):
+    """--draft-window: the draft model reads the first SINKS tokens and the last W, the window
+    moving on by dropping cells and moving the rest back (never evaluating them again). What the
+    draft sees changes only speed: strict equals plain decoding. The draft's cells are the sinks
+    and the context's last tokens, never more than SINKS + 1.25 W and the round's draft."""
+    import test_costs
+
+    ids, _ = encode_prompt(smol, LONG_TYPOS, raw=False)
+    expected = plain(smol, ids, max_tokens=120)
+    w = 32
+    saved = smol.costs, smol_draft.costs
+    try:
+        if k is None:
+            smol.costs, smol_draft.costs = test_costs.gpu_like()
+        smol_draft.reset()
+        made = make_drafter(drafter, smol, smol_draft, k_max=8, adaptive=k is None, p_min=0.3, window=w)
+        seen = []
+        propose = made.propose
+
+        def checked(context, k_round):
+            draft = propose(context, k_round)
+            if draft.source == "pld":                  # lookup alone: the draft model untouched
+                return draft
+            held = smol_draft.tokens
+            assert len(held) <= SINKS + w + w // 4 + k_round + 1
+            assert held[:SINKS].tolist() == context[:SINKS].tolist()
+            tail = context[made.offset:] if made.offset > SINKS else context[SINKS:]
+            kept = held[SINKS:]
+            assert kept[: len(tail)].tolist() == tail[: len(kept)].tolist()
+            seen.append(made.offset)
+            return draft
+
+        made.propose = checked
+        engine = Engine(smol, made, Strict(), EngineConfig(max_tokens=120, k=8 if k is None else k))
+        tokens, stats, _ = generate_all(engine, ids)
+        assert tokens == expected
+        assert made.slid > 0 and len(set(seen)) > 2          # the window moved on, more than once
+        exercised(stats, k)
     finally:
         smol.costs, smol_draft.costs = saved

@@ -308,7 +308,7 @@ def test_llama_cpp_imported_first_cannot_pass_for_the_exact_build():
 @pytest.mark.parametrize("fixture", ["smol", "smol_draft", "gemma_q8", "gemma_q4km"])
 def test_parallel_auto_reads_the_shape_the_loaded_model_checks(request, fixture):
     """--parallel auto is resolved by the loader from the model's header, before the model loads
-    (flylocal.llama.context.sequences_that_fit): the shape it reads there is the one the loaded
+    (flylocal.llama.model.sequences_that_fit): the shape it reads there is the one the loaded
     model's own memory check reads, so both judge a number of sequences alike."""
     from flylocal.gguf_info import read_layout
     from flylocal.llama import placement
@@ -319,7 +319,8 @@ def test_parallel_auto_reads_the_shape_the_loaded_model_checks(request, fixture)
 
 def test_parallel_auto_takes_what_memory_holds(smol, monkeypatch):
     """As many sequences as fit, from the most asked for down; one when none more do."""
-    from flylocal.llama import context, memory
+    from flylocal.llama import memory
+    from flylocal.llama import model as context
 
     fits = {1, 2, 3}
     monkeypatch.setattr(context, "memory_problem", lambda shape, config, flash, name, n: None if n in fits else "no")

@@ -118,6 +118,13 @@ class Target(Protocol):
         tokens[kept:] still need decoding."""
         ...
 
+    def drop(self, start: int, count: int) -> bool:
+        """Remove the cells of tokens start..start+count-1, the later ones moved back to follow
+        the first `start` (a draft model's bounded context): True. A cache that cannot move
+        positions rolls back to `start` instead: False."""
+        self.truncate(start)
+        return False
+
     def cost_key(self) -> dict:
         """What the cost of a decode depends on (model file, build, device, threads, batch):
         the key its cost curve is cached under."""

@@ -28,7 +28,6 @@ import hashlib
 import math
 import mmap
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -38,24 +37,12 @@ from flylocal.llama import kernels
 from flylocal.llama.binding import KERNELS, interrupts_deferred, last_error, llama_cpp, logits_address
 from flylocal.llama.config import RuntimeConfig, cell_types
 from flylocal.llama.devices import gpu_offload, system_info
-from flylocal.llama.model import Model, footprint, memory_problem
-from flylocal.gguf_info import read_layout
-from flylocal.llama import placement
+from flylocal.llama.model import Model, flash_attn_type, footprint
 from flylocal.host import MIN_WALL, CpuLoad, usable_cores
 from flylocal.llama.threads import auto
 
 CONTROL_ROWS = 32     # decodes up to this many rows steer --threads auto (a round, a draft step)
 LOAD_PERIOD = 1.0     # seconds over which --threads auto reads how busy other processes keep the cores
-
-
-def flash_attn_type(mode: str, remote: bool = False) -> int:
-    """auto: off in the exact build (batch invariance), and on rpc servers, whose device types
-    the protocol does not tell; llama.cpp's own choice otherwise."""
-    if mode == "on":
-        return llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-    if mode == "off" or remote or KERNELS == kernels.EXACT:
-        return llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    return llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
 
 
 def held(model: Model, config: RuntimeConfig, flash: bool, n_vocab: int, n_seq: int) -> tuple[int, int]:
@@ -66,20 +53,6 @@ def held(model: Model, config: RuntimeConfig, flash: bool, n_vocab: int, n_seq: 
         return 0, 0
     model.check_memory(flash, n_vocab, n_seq)
     return footprint(model, config, flash, n_vocab, n_seq)
-
-
-def sequences_that_fit(path, config: RuntimeConfig, most: int) -> int:
-    """`--parallel auto`, as the loader resolves it (flylocal.loader): the most sequences of
-    `config.n_ctx` cells each, up to `most`, that this machine has memory for (Model.check_memory's
-    rule, on the shape the model's header gives, before it loads); 1 when no more fit. On rpc
-    servers, `most`: their memory is theirs to judge."""
-    if most <= 1:
-        return 1
-    if config.rpc:
-        return most
-    flash = flash_attn_type(config.flash_attn) != llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    shape = placement.shape(read_layout(Path(path)))
-    return next((n for n in range(most, 1, -1) if not memory_problem(shape, config, flash, Path(path).name, n)), 1)
 
 
 def cost_key(model: Model, config: RuntimeConfig, threads: int, n_batch: int) -> dict:
@@ -499,6 +472,37 @@ class Context:
             # sequence again and re-evaluate the kept tokens, so the state stays consistent.
             self._rebuild(seq, n_keep)
         self._unsynced.discard(seq)
+
+    def drop(self, start: int, count: int, *, seq: int = 0) -> bool:
+        """Remove cells start..start+count-1 of sequence `seq` and move the later ones `count`
+        positions back (llama_memory_seq_add: their keys are rotated in place, nothing is
+        evaluated again): the cache then holds the kept tokens, as decoding them alone would
+        have left it up to rounding. A draft model's bounded context (docs/design.md, "The
+        draft window"). Where this memory cannot move positions, the sequence is rolled back to
+        `start` instead, and False says so."""
+        self._check_seq(seq)
+        self._sync(seq)
+        end = self.past[seq]
+        count = min(count, end - start)
+        if count <= 0:
+            return True
+        self._check_open()
+        if not llama_cpp.llama_memory_can_shift(self._mem):
+            self.truncate(start, seq=seq)
+            return False
+        self._unsynced.add(seq)
+        self.past[seq] = start                      # cut short, the cells past `start` go (`_sync`)
+        if not llama_cpp.llama_memory_seq_rm(self._mem, seq, start, start + count):
+            return False
+        llama_cpp.llama_memory_seq_add(self._mem, seq, start + count, -1, -count)
+        held = self._seq_tokens[seq]
+        held[start : end - count] = held[start + count : end].copy()
+        if llama_cpp.llama_memory_seq_pos_max(self._mem, seq) + 1 != end - count:
+            self._rebuild(seq, end - count)         # positions not where they belong: evaluated again
+            return False
+        self.past[seq] = end - count
+        self._unsynced.discard(seq)
+        return True
 
     def _rebuild(self, seq: int, n_keep: int) -> None:
         kept = self._seq_tokens[seq, :n_keep].copy()

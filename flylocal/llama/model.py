@@ -10,11 +10,12 @@ from pathlib import Path
 
 from flylocal.errors import FlylocalError, ModelError
 from flylocal.llama import memory
-from flylocal.llama.binding import clear_log, interrupts_deferred, last_error, llama_cpp
+from flylocal.llama import kernels, placement
+from flylocal.llama.binding import KERNELS, clear_log, interrupts_deferred, last_error, llama_cpp
 from flylocal.llama.config import RuntimeConfig
 from flylocal.llama.devices import Device, cpu_buffer_type, gpu_offload, local_devices, rpc_devices
 from flylocal.host import usable_cores
-from flylocal.gguf_info import check_gguf_file
+from flylocal.gguf_info import check_gguf_file, read_layout
 
 
 class _Override(ctypes.Structure):
@@ -156,3 +157,27 @@ def quantize(src: Path, dst: Path, qtype: str, threads: int = 0) -> None:
         rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst), ctypes.byref(params))
     if rc != 0:
         raise FlylocalError(f"quantizing {src.name} to {qtype} failed: {last_error()}")
+
+
+def flash_attn_type(mode: str, remote: bool = False) -> int:
+    """auto: off in the exact build (batch invariance), and on rpc servers, whose device types
+    the protocol does not tell; llama.cpp's own choice otherwise."""
+    if mode == "on":
+        return llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    if mode == "off" or remote or KERNELS == kernels.EXACT:
+        return llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    return llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
+
+
+def sequences_that_fit(path, config: RuntimeConfig, most: int) -> int:
+    """`--parallel auto`, as the loader resolves it (flylocal.loader): the most sequences of
+    `config.n_ctx` cells each, up to `most`, that this machine has memory for (Model.check_memory's
+    rule, on the shape the model's header gives, before it loads); 1 when no more fit. On rpc
+    servers, `most`: their memory is theirs to judge."""
+    if most <= 1:
+        return 1
+    if config.rpc:
+        return most
+    flash = flash_attn_type(config.flash_attn) != llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    shape = placement.shape(read_layout(Path(path)))
+    return next((n for n in range(most, 1, -1) if not memory_problem(shape, config, flash, Path(path).name, n)), 1)

@@ -247,6 +247,11 @@ class RemoteContext:
             raise ValueError("n_keep must be >= 0")
         self.n_past = min(self.n_past, n_keep)
 
+    def drop(self, start: int, count: int, *, seq: int = 0) -> bool:
+        """The worker's cache cannot move positions: rolled back to `start` (Context.drop)."""
+        self.truncate(start, seq=seq)
+        return False
+
     def reuse_prefix(self, tokens: np.ndarray, *, seq: int = 0) -> int:
         keep = reusable_prefix(self._tokens[: self.n_past], tokens)
         self.truncate(keep, seq=seq)

@@ -102,6 +102,9 @@ class Runtime(Target, contracts.Vocabulary):
     def truncate(self, n_keep: int) -> None:
         self.context.truncate(n_keep)
 
+    def drop(self, start: int, count: int) -> bool:
+        return self.context.drop(start, count)
+
     def reuse_prefix(self, tokens: np.ndarray) -> int:
         return self.context.reuse_prefix(tokens)
 
@@ -255,6 +258,9 @@ class Sequence(Target, contracts.Vocabulary):
 
     def truncate(self, n_keep: int) -> None:
         self.runtime.context.truncate(n_keep, seq=self.seq)
+
+    def drop(self, start: int, count: int) -> bool:
+        return self.runtime.context.drop(start, count, seq=self.seq)
 
     def reuse_prefix(self, tokens: np.ndarray) -> int:
         return self.runtime.context.reuse_prefix(tokens, seq=self.seq)

@@ -34,7 +34,8 @@ class NoDraft(Drafter):
 def make_drafter(name: str, target: Target, draft_model: Target | None = None, *, pld_ngram: int = 4,
                  pld_tokens: int | None = None, k_max: int = 8, adaptive: bool = False, p_min: float = 0.0,
                  corpus=None, recalibrate: bool = False, through_text: bool = False,
-                 learned: Learned | None = None, calibration_wait: float | None = None) -> Drafter:
+                 learned: Learned | None = None, calibration_wait: float | None = None,
+                 window: int | None = None) -> Drafter:
     """Build a drafter by name. With `adaptive`, draft lengths follow measured cost and
     acceptance on the target's cost curve: prompt lookup's under LengthControl, and the model
     drafters weigh the draft model against prompt lookup alone each round
@@ -42,7 +43,8 @@ def make_drafter(name: str, target: Target, draft_model: Target | None = None, *
     the same settings, to take over. With `through_text` a model drafter drafts in the draft
     model's own vocabulary and its drafts reach the target through their text
     (flylocal.decoding.drafters.text). `calibration_wait`: a draft model's cost curve is measured
-    in slices of at most this many seconds, one before each request, as the target's is."""
+    in slices of at most this many seconds, one before each request, as the target's is. `window`:
+    a draft model reads the context's first tokens and its last `window` (None: all of it)."""
     from flylocal.decoding.drafters.length import LengthControl
     from flylocal.decoding.drafters.mla import MLADrafter
     from flylocal.decoding.drafters.model import ModelDrafter
@@ -66,7 +68,7 @@ def make_drafter(name: str, target: Target, draft_model: Target | None = None, *
     vocab = (draft_model.n_vocab, draft_model.eog_mask) if through_text else (target.n_vocab, target.eog_mask)
     common = dict(k_max=k_max, p_min=p_min, target_costs=target.costs if adaptive else None,
                   corpus=None if through_text else corpus, recalibrate=recalibrate, max_ngram=pld_ngram,
-                  learned=learned, wait=calibration_wait)
+                  learned=learned, wait=calibration_wait, window=window)
     if name == "model":
         drafter = ModelDrafter(draft_model, *vocab, **common)
     else:

@@ -26,6 +26,7 @@ from flylocal.decoding.contracts import NO_DRAFT, Draft, Drafter, Target
 from flylocal.decoding.drafters.pld import PromptLookup, level_prior
 
 MIN_WINDOW = 32      # context tokens: a draft model given fewer than this is not asked (prompt lookup alone)
+SINKS = 4            # the context's first tokens a draft model always keeps (attention sinks)
 
 
 class ModelBased(Drafter):
@@ -36,7 +37,7 @@ class ModelBased(Drafter):
 
     def __init__(self, model: Target, target_vocab: int, eog: np.ndarray, *, k_max: int = 8, p_min: float = 0.0,
                  target_costs=None, max_ngram: int = 4, corpus=None, recalibrate: bool = False,
-                 learned: Learned | None = None, wait: float | None = None):
+                 learned: Learned | None = None, wait: float | None = None, window: int | None = None):
         self.model = model                # the draft model
         self.target_vocab = target_vocab
         self.eog = eog                    # [n_vocab] bool, the target's end-of-generation ids
@@ -46,9 +47,13 @@ class ModelBased(Drafter):
         self.recalibrate = recalibrate
         self.wait = wait                  # the draft's cost curve measured in slices of this (None: whole)
         self._costs_ready = False
-        # The draft's cache holds the context's first token and the tokens from `offset` on (a
-        # window), or all of it (offset 0); `given` says what this request's prefill chose.
+        # The draft's cache holds the context's first SINKS tokens and the tokens from `offset`
+        # on (a window), or all of it (offset 0); `given` says what this request's prefill chose.
+        # With `window` (--draft-window) it never holds more than the sinks and the last
+        # `window` + `window` // 4 tokens: the window moves on as the context grows (`_slide`).
         self.offset = 0
+        self.window = window
+        self.slid = 0                     # tokens the window has moved on by, without evaluating them again
         self.budget: int | None = None    # tokens the request may emit
         self.given: dict | None = None
         self.asked = True                 # whether this request drafts with the model at all
@@ -64,7 +69,7 @@ class ModelBased(Drafter):
 
     def begin(self, budget: int | None = None) -> None:
         super().begin(budget)
-        self.budget, self.given, self.asked, self.streak = budget, None, True, False
+        self.budget, self.given, self.asked, self.streak, self.slid = budget, None, True, False, 0
 
     def end(self, output: list[int]) -> None:
         if self.corpus is not None:
@@ -73,16 +78,32 @@ class ModelBased(Drafter):
             self.plan.answered(len(output))
 
     def report(self) -> dict | None:
-        return self.given
+        if self.given is None or self.window is None:
+            return self.given
+        return self.given | {"window": self.window, "slid": self.slid}
 
     def _view(self, context: np.ndarray) -> np.ndarray:
-        """What the draft model reads of `context`: all of it, or with a window its first token
-        (a BOS, where the model has one) and the tokens from `offset` on."""
-        return context if self.offset <= 1 else np.concatenate([context[:1], context[self.offset:]])
+        """What the draft model reads of `context`: all of it, or with a window its first SINKS
+        tokens (a BOS and what follows, the attention sinks) and the tokens from `offset` on."""
+        return context if self.offset <= SINKS else np.concatenate([context[:SINKS], context[self.offset:]])
+
+    def _slide(self, context: np.ndarray) -> None:
+        """--draft-window W: once the draft would hold more than the sinks and W + W // 4 of the
+        last tokens, move the window on to the last W, dropping the oldest cells and moving the
+        rest back (`Target.drop`): nothing is evaluated again, and each draft step attends over
+        at most SINKS + 1.25 W cells at any context length (docs/design.md, "The draft window")."""
+        w = self.window
+        start = max(self.offset, SINKS)
+        if w is None or len(context) - start <= w + w // 4:
+            return
+        new = len(context) - w
+        self.model.drop(SINKS, new - start)
+        self.offset, self.slid = new, self.slid + new - start
 
     def _catch_up(self, context: np.ndarray) -> np.ndarray:
         """Roll the draft's cache back to what it shares with `context` (its view of it); return
         the tokens it has not seen (at least the last one)."""
+        self._slide(context)
         view = self._view(context)
         return view[self.model.reuse_prefix(view):]
 
@@ -106,16 +127,17 @@ class ModelBased(Drafter):
         with prompt lookup alone. The catch-up is timed: what a prefill costs here."""
         n = len(context)
         pays = self.plan.window(k, self.budget if self.budget is not None else self.model.n_ctx)
-        if self.offset > 1 and (n <= pays or self.offset >= n):
+        if self.offset > SINKS and (n <= pays or self.offset >= n):
             self.offset = 0                           # the whole context pays, or is not the one held
+        self._slide(context)
         view = self._view(context)
         unseen = len(view) - self.model.reuse_prefix(view)
-        chosen = "full" if self.offset <= 1 else "window"
+        chosen = "full" if self.offset <= SINKS else "window"
         if pays <= 0 or (unseen > pays and pays < MIN_WINDOW):
             self.asked = False
             self.given = {"chosen": "lookup", "tokens": 0, "evaluated": 0, "pays_for": pays, "seconds": 0.0}
             return
-        if unseen > pays:                             # the last `pays` tokens, after the first one
+        if unseen > pays:                             # the last `pays` tokens, after the sinks
             self.offset, chosen = n - pays, "window"
             view = self._view(context)
             unseen = len(view) - self.model.reuse_prefix(view)
