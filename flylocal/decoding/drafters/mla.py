@@ -21,7 +21,7 @@ import numpy as np
 from flylocal.decoding.adaptive import DraftLength, Learned, ModelDraftLength, streak_after, top_probability
 from flylocal.decoding.contracts import Draft
 from flylocal.decoding.drafters.model import ModelBased
-from flylocal.decoding.drafters.pld import confidence_level, find_match, level_prior, stop_at_eog
+from flylocal.decoding.drafters.pld import ContextIndex, joined_level, level_prior, span, stop_at_eog
 from flylocal.decoding.verifiers.base import native_prefix
 
 
@@ -38,6 +38,7 @@ class MLADrafter(ModelBased):
         self.guess_length = (learned.keep("guess", DraftLength(max_tokens, level_prior(max_ngram), model.costs))
                              if adaptive_lookup else None)
         self.guess_streak = False         # the draft model accepted the whole last guess (this request's)
+        self.index = ContextIndex()       # the context's token positions, kept across rounds
 
     def controllers(self) -> tuple:
         return super().controllers() + ((self.guess_length,) if self.guess_length is not None else ())
@@ -46,14 +47,18 @@ class MLADrafter(ModelBased):
         super().begin(budget)
         self.guess_streak = False
 
-    def _lookup(self, seq: np.ndarray, room: int) -> tuple[np.ndarray, int]:
-        end, n = find_match(seq, self.max_ngram)
-        if n == 0 or room <= 0:
-            return seq[:0], 0
-        guess = stop_at_eog(seq[end + 1 : end + 1 + room], self.eog)
+    def _lookup(self, context: np.ndarray, draft: np.ndarray, room: int) -> tuple[np.ndarray, int]:
+        """(guess, level): prompt lookup after context + draft (the draft so far), up to `room`
+        tokens; the context is looked up in the index, not copied."""
+        if room <= 0:
+            return draft[:0], 0
+        end, n = self.index.match(context, self.max_ngram, extra=draft)
+        if n == 0:
+            return draft[:0], 0
+        guess = stop_at_eog(span(context, draft, end + 1, end + 1 + room), self.eog)
         if len(guess) and self.eog[guess[-1]]:
             guess = guess[:-1]                                  # let the model choose EOG itself
-        return guess, confidence_level(seq, end, n, self.max_ngram)
+        return guess, joined_level(context, draft, end, n, self.max_ngram)
 
     def _draft(self, context: np.ndarray, k: int, keep) -> Draft:
         draft = np.zeros(0, dtype=np.int32)
@@ -63,7 +68,7 @@ class MLADrafter(ModelBased):
         feed = self._catch_up(context)
         while len(draft) < k:
             room = min(self.max_tokens, k - len(draft) - 1)   # one slot for the model's own token
-            guess, level = self._lookup(np.concatenate([context, draft]), room)
+            guess, level = self._lookup(context, draft, room)
             if self.guess_length is not None and len(guess):
                 guess = guess[: self.guess_length.choose(self.guess_length.row(level, self.guess_streak), len(guess))]
             t0 = time.perf_counter()
