@@ -186,7 +186,8 @@ def test_p_min_ends_a_draft_and_keep_going_weighs_the_next_token():
 def test_the_model_drafter_weighs_the_model_against_lookup(smol, smol_draft):
     """The round's choice, on real models with fake cost curves: on a CPU-like curve the draft
     model is never asked and prompt lookup (or a plain step) drafts; on a GPU-like curve the
-    model drafts, long."""
+    model drafts, long, from the request's second round on (the first never waits for the
+    draft's prefill)."""
     from flylocal.decoding.drafters.model import ModelDrafter
 
     ids = smol.tokenize_chat([{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}])
@@ -199,6 +200,9 @@ def test_the_model_drafter_weighs_the_model_against_lookup(smol, smol_draft):
             drafter = ModelDrafter(smol_draft, smol.n_vocab, smol.eog_mask, k_max=8, p_min=0.0,
                                    target_costs=smol.costs)
             draft = drafter.propose(ids, 8)
+            if expect == "model":           # the request's first round: no draft prefill before its first token
+                assert draft.source == "pld" and smol_draft.n_past == 0
+                draft = drafter.propose(ids, 8)
             assert draft.source == expect
             if expect == "model":
                 assert len(draft.tokens) >= 5 and len(draft.levels) == len(draft.tokens)

@@ -145,3 +145,34 @@ def test_drop_removes_a_range_and_moves_the_rest_back(model, request):
     rt.reset()
     rt.decode(ids[:200])
     assert after_drop.tobytes() == rt.decode(ids[300:310], logits_from=0).tobytes()
+
+
+def test_the_prefill_never_delays_the_first_token_and_comes_a_chunk_a_round():
+    """A draft model's prefill (here the whole of a 1,500-token prompt, which pays on this cheap
+    draft) is not evaluated before the request's first token: the first round drafts with prompt
+    lookup; from the second the draft reads CHUNK tokens a round, lookup drafting meanwhile, then
+    drafts itself. Strict equals greedy throughout."""
+    from flylocal.decoding.drafters.model import CHUNK
+
+    prompt = np.random.default_rng(5).integers(1, LM.n_vocab, size=1500).astype(np.int32)
+    target, draft = FakeTarget(LM, n_ctx=4096), FakeTarget(LM, n_ctx=4096)
+    target.costs, draft.costs = fixed_costs(0.0), fixed_costs(0.0, single=0.0005)
+    drafter = make_drafter("model", target, draft, k_max=8, adaptive=True, p_min=0.0)
+    rounds = []
+    propose = drafter.propose
+
+    def counted(context, k):
+        before = draft.evaluated
+        out = propose(context, k)
+        rounds.append((out.source, draft.evaluated - before))
+        return out
+
+    drafter.propose = counted
+    engine = Engine(target, drafter, Strict(), EngineConfig(max_tokens=120, k=8))
+    tokens, stats, _ = generate_all(engine, prompt)
+    assert tokens == greedy(LM, prompt, 120, 4096)[0]
+    assert rounds[0] == ("pld", 0)                                     # nothing before the first token
+    first_model = next(i for i, (source, _) in enumerate(rounds) if source == "model")
+    assert first_model >= -(-(len(prompt) - 1 - 16) // CHUNK)          # the prefill took its rounds
+    assert all(n <= CHUNK for _, n in rounds[1:first_model])          # ... a chunk each
+    assert stats.draft_context["chosen"] == "full" and stats.draft_context["evaluated"] >= len(prompt) - 17

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import prompt
 from flylocal.decoding.drafters import make_drafter
-from flylocal.decoding.drafters.model import SINKS
+from flylocal.decoding.drafters.model import FEW, SINKS
 from flylocal.decoding.engine import Engine, EngineConfig, generate_all
 from flylocal.decoding.verifiers.strict import Strict
 from flylocal.loader import encode_prompt
@@ -255,7 +255,8 @@ def test_a_draft_model_reads_what_its_prefill_pays_for_and_stays_exact(smol, smo
             seen[given["chosen"]] = max_tokens
             held = smol_draft.tokens
             if given["chosen"] == "full":
-                assert given["evaluated"] == len(ids) - 1 <= given["pays_for"]
+                assert len(ids) - 1 - FEW <= given["evaluated"] < len(ids) + max_tokens     # with the answer's
+                assert len(ids) - 1 <= given["pays_for"]
                 assert held[: len(ids)].tolist() == ids.tolist()
             elif given["chosen"] == "window":
                 w = given["pays_for"]

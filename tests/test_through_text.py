@@ -169,8 +169,10 @@ def test_engines_through_text_keep_what_the_last_measured(smol, gemma_q8, drafte
 
 def test_a_draft_through_text_reads_the_window_its_prefill_pays_for(smol, gemma_q8):
     """On a GPU-like machine with a long prompt and a short answer, a draft model in another
-    vocabulary reads a window of the context too (its first token, then its last ones, in its
-    own tokens), and strict still equals plain decoding."""
+    vocabulary reads a window of the context too (its first SINKS tokens, then its last ones, in
+    its own tokens), and strict still equals plain decoding."""
+    from flylocal.decoding.drafters.model import SINKS
+
     import test_costs
 
     text = "Summarize this text in one sentence. " + " ".join(
@@ -186,7 +188,7 @@ def test_a_draft_through_text_reads_the_window_its_prefill_pays_for(smol, gemma_
         expected, _, _ = generate_all(build_engine(Settings(drafter="none", max_tokens=8), smol, None), ids)
         assert tokens == expected
         given = stats.draft_context
-        assert given["chosen"] == "window" and 32 <= given["pays_for"] == given["tokens"] - 1
+        assert given["chosen"] == "window" and 32 <= given["pays_for"] == given["tokens"] - SINKS
         assert gemma_q8.n_past > given["tokens"]                 # it was asked after its window
     finally:
         smol.costs, gemma_q8.costs = saved

@@ -7,12 +7,15 @@ bonus token of the last round, or a new chat turn).
 With draft-length control (the default; docs/design.md, "Cost model") each round weighs the
 draft model against prompt lookup alone and a plain step, from the measured costs of both
 models and the measured acceptance, and drafts with the one expected to commit the most
-tokens per second. Before a request's first draft the draft model's prefill is weighed too: it
-evaluates the whole context only where what its drafts are expected to save over the answer
-pays for that; else the context's last tokens (a window, after the context's first token), or
-nothing, and the request drafts with prompt lookup alone (`report` says which). A model draft then ends at a token the draft gives less than `p_min`, or
-where one more token is not expected to pay for itself. With an explicit --k the model drafts
-k tokens (ending early only at p_min).
+tokens per second. At a request's first proposal the draft model's prefill is weighed too: it
+reads the whole context only where what its drafts are expected to save over the answer pays
+for that; else the context's last tokens (a window, after its first SINKS), or nothing, and the
+request drafts with prompt lookup alone (`report` says which). --draft-window bounds the window
+whatever pays, and moves it on as the context grows (`_slide`). The prefill never delays the
+first token: it is evaluated CHUNK tokens a round from the second round on, lookup drafting
+meanwhile. A model draft then ends at a token the draft gives less than `p_min`, or where one
+more token is not expected to pay for itself. With an explicit --k the model drafts k tokens
+(ending early only at p_min), its prefill with its first draft.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from flylocal.decoding.drafters.pld import PromptLookup, level_prior
 
 MIN_WINDOW = 32      # context tokens: a draft model given fewer than this is not asked (prompt lookup alone)
 SINKS = 4            # the context's first tokens a draft model always keeps (attention sinks)
+CHUNK = 256          # context tokens a draft model's prefill evaluates a round, after the request's first
+FEW = 16             # ... or fewer, left to its next draft step
 
 
 class ModelBased(Drafter):
@@ -140,14 +145,31 @@ class ModelBased(Drafter):
         if unseen > pays:                             # the last `pays` tokens, after the sinks
             self.offset, chosen = n - pays, "window"
             view = self._view(context)
-            unseen = len(view) - self.model.reuse_prefix(view)
+        self.given = {"chosen": chosen, "tokens": len(view), "evaluated": 0, "pays_for": pays, "seconds": 0.0}
+
+    def _caught_up(self, context: np.ndarray, first: bool) -> bool:
+        """Whether the draft model holds its view of `context` but for a few last tokens (which
+        its next draft step evaluates); else evaluate up to CHUNK more of it, timed (what a
+        prefill costs here), and say whether that was the rest. Nothing is evaluated in a
+        request's `first` round, so its first token comes as soon as plain decoding's: the
+        draft's prefill is spread over the rounds after it, which draft with prompt lookup
+        meanwhile (docs/design.md, "The draft window")."""
+        self._slide(context)
+        view = self._view(context)
+        left = len(view) - 1 - self.model.reuse_prefix(view)
+        if left <= FEW:
+            return True
+        if first:
+            return False
+        n = min(left, CHUNK)
+        start = len(view) - 1 - left
         t0 = time.perf_counter()
-        if unseen > 1:
-            self.model.decode(view[len(view) - unseen : -1])
+        self.model.decode(view[start : start + n])
         seconds = time.perf_counter() - t0
-        self.plan.prefilled(unseen - 1, seconds)
-        self.given = {"chosen": chosen, "tokens": len(view), "evaluated": unseen - 1, "pays_for": pays,
-                      "seconds": round(seconds, 6)}
+        self.plan.prefilled(n, seconds)
+        self.given["evaluated"] += n
+        self.given["seconds"] = round(self.given["seconds"] + seconds, 6)
+        return left - n <= FEW
 
     def propose(self, context: np.ndarray, k: int) -> Draft:
         k = min(k, self.model.n_ctx - len(context))
@@ -155,10 +177,12 @@ class ModelBased(Drafter):
             return NO_DRAFT
         if self.plan is None:           # an explicit --k: k tokens, ended early only by p_min
             return self._draft(context, k, (lambda levels, p: p >= self.p_min) if self.p_min > 0 else None)
-        if self.given is None:
+        first = self.given is None
+        if first:
             self._ensure_costs(context, self.wait)
             self._fit(context, k)
-        model_rate, model_k = self.plan.best(k) if self.asked else (0.0, 0)
+        ready = self.asked and self._caught_up(context, first)
+        model_rate, model_k = self.plan.best(k) if ready else (0.0, 0)
         guess = self.lookup.propose(context, k)
         rates = self.lookup_length.rates(self.lookup_length.row(guess.level, self.streak), len(guess.tokens))
         j = int(np.argmax(rates))
