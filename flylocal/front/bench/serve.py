@@ -178,7 +178,8 @@ def answers(url: str, timeout: float = 2.0) -> bool:
 
 @contextlib.contextmanager
 def fleet(servers: list[Server], clients: int, ctx: int, startup: float, say):
-    """Start every server that has a command, for `clients` clients, and wait until all answer;
+    """Start every server that has a command, for `clients` clients, one after another, each
+    answering before the next starts;
     yield {name: url} of those that came up (a server that fails is left out, said in one line);
     every started one is stopped on the way out."""
     procs, logs, urls = {}, {}, {}
@@ -191,19 +192,21 @@ def fleet(servers: list[Server], clients: int, ctx: int, startup: float, say):
             fill = {"{port}": str(port), "{clients}": str(clients), "{ctx_all}": str(ctx * clients)}
             command = [_fill(part, fill) for part in s.command]
             logs[s.name] = tempfile.TemporaryFile()    # a pipe nobody reads would stall the server
-            procs[s.name] = subprocess.Popen(command, stdout=logs[s.name], stderr=logs[s.name],
-                                             stdin=subprocess.DEVNULL, cwd=s.cwd, env={**os.environ, **s.env},
-                                             start_new_session=True)
+            procs[s.name] = proc = subprocess.Popen(command, stdout=logs[s.name], stderr=logs[s.name],
+                                                    stdin=subprocess.DEVNULL, cwd=s.cwd,
+                                                    env={**os.environ, **s.env}, start_new_session=True)
             urls[s.name] = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + startup
-        for name, proc in procs.items():
-            while not answers(urls[name]):
+            # One at a time: a server that measures its cost curves as it starts does so on a
+            # quiet machine, not beside the others loading (a curve measured under load is
+            # measured again before its requests, which then wait for it).
+            deadline = time.monotonic() + startup
+            while not answers(urls[s.name]):
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    logs[name].seek(0)
-                    tail = logs[name].read().decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+                    logs[s.name].seek(0)
+                    tail = logs[s.name].read().decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
                     why = f"exited ({proc.returncode})" if proc.poll() is not None else f"not ready in {startup:g} s"
-                    say(f"{name}: {why}, left out: {tail[0][:200]}")
-                    del urls[name]
+                    say(f"{s.name}: {why}, left out: {tail[0][:200]}")
+                    del urls[s.name]
                     break
                 time.sleep(0.25)
         yield urls
