@@ -416,25 +416,16 @@ def test_the_instruct_standin_presets_prompts_go_through_the_chat_template():
 
 
 @pytest.mark.slow
-def test_the_instruct_standin_preset_runs_with_its_draft(tmp_path):
+@pytest.mark.parametrize("preset,method,draft", [("standin", "strict-pld", "gemma-3-270m-q2_k"),
+                                                  ("standin-instruct", "strict-mla", "smollm2-135m-instruct-q4_0")])
+def test_the_standin_presets_run_and_the_command_line_wins(tmp_path, preset, method, draft):
     out = tmp_path / "o"
-    done = bench("--preset", "standin-instruct", "--target", SMOL, "--per-category", "1", "--methods",
-                 "autoregressive,strict-mla", "--max-tokens", "4", "--repeat", "1", "--out", str(out))
-    assert done.returncode == 0, done.stderr
-    c = json.loads((out / "results.json").read_text())["config"]
-    assert c["preset"] == "standin-instruct" and c["target"] == SMOL
-    assert c["draft"] == "smollm2-135m-instruct-q4_0"
-
-
-@pytest.mark.slow
-def test_the_standin_preset_runs_and_the_command_line_wins(tmp_path):
-    out = tmp_path / "o"
-    done = bench("--preset", "standin", "--target", SMOL, "--per-category", "1", "--methods",
-                 "autoregressive,strict-pld", "--max-tokens", "4", "--repeat", "1", "--out", str(out))
+    done = bench("--preset", preset, "--target", SMOL, "--per-category", "1", "--methods",
+                 f"autoregressive,{method}", "--max-tokens", "4", "--repeat", "1", "--out", str(out))
     assert done.returncode == 0, done.stderr
     results = json.loads((out / "results.json").read_text())
     c = results["config"]
-    assert c["preset"] == "standin" and c["target"] == SMOL and c["max_tokens"] == 4
-    assert c["draft"] == "gemma-3-270m-q2_k"          # the preset's, where the command line gave none
-    assert c["prompts"] == 9 and [r["method"] for r in results["methods"]] == ["autoregressive", "strict-pld"]
-    assert "standin preset" in (out / "report.md").read_text()
+    assert c["preset"] == preset and c["target"] == SMOL and c["max_tokens"] == 4
+    assert c["draft"] == draft                        # the preset's, where the command line gave none
+    assert c["prompts"] == 9 and [r["method"] for r in results["methods"]] == ["autoregressive", method]
+    assert f"{preset} preset" in (out / "report.md").read_text()
