@@ -124,6 +124,7 @@ def positions(rt) -> tuple[int, int]:
     return llama_cpp.llama_memory_seq_pos_min(mem, 0), llama_cpp.llama_memory_seq_pos_max(mem, 0)
 
 
+@pytest.mark.slow                                   # real models (by name: conftest marks fixtures it sees)
 @pytest.mark.parametrize("model", ["smol", "gemma_q8"])
 def test_drop_removes_a_range_and_moves_the_rest_back(model, request):
     """Context.drop on llama.cpp's cache (Gemma's has a sliding-window part too): the tokens and

@@ -25,7 +25,6 @@ import numpy as np
 
 from flylocal import models
 from flylocal.front.bench.prompts import data_dir, load_prompts
-from flylocal.llama.runtime import Runtime, RuntimeConfig
 
 SETTINGS = {   # name: RuntimeConfig fields
     "batch 512 (default)": {},
@@ -49,6 +48,8 @@ def main() -> None:
     ap.add_argument("--rows", default="", help="also: a decode of each of these row counts after each length "
                     "(the cost curve's shape by context), the default setting, median of 7")
     args = ap.parse_args()
+    from flylocal.llama.runtime import Runtime, RuntimeConfig   # llama.cpp once asked to run (--help needs none)
+
     lengths = [int(n) for n in args.lengths.split(",")]
     chosen = [s for s in args.settings.split(",") if s in SETTINGS]
     path = models.resolve(args.model)
@@ -84,6 +85,8 @@ def main() -> None:
 
 def by_context(path, text: str, lengths: list[int], rows: list[int], threads: int) -> None:
     """A decode of r rows after n cached tokens, for each n and r: ms, and in single steps at n."""
+    from flylocal.llama.runtime import Runtime, RuntimeConfig
+
     rt = Runtime(path, RuntimeConfig(n_ctx=max(lengths) + max(rows) + 64, n_threads=threads))
     ids = rt.tokenize(text)
     print("\n| cached | " + " | ".join(f"{r} rows ms (steps)" for r in rows) + " |")
