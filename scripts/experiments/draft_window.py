@@ -25,7 +25,7 @@ import numpy as np
 
 from flylocal import loader
 from flylocal.decoding.engine import generate_all
-from flylocal.front.bench import serve as bench_serve
+from flylocal.front.bench.questions import conversations
 from flylocal.front.bench.prompts import BASE_FORM
 from flylocal.settings import PRESETS, Settings
 
@@ -69,7 +69,7 @@ def main() -> None:
           "prefill s | draft step ms |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for n in contexts:
-        convs = bench_serve.conversations(None, None, args.per_category, args.skip, 1, None, 1, n, count)
+        convs = conversations(None, None, args.per_category, args.skip, 1, None, 1, n, count)
         prompts = []
         for _, (turn,) in convs:
             text = BASE_FORM.format(turn) if preset.base_model else turn
