@@ -59,6 +59,7 @@ class ModelBased(Drafter):
         self.offset = 0
         self.window = window
         self.slid = 0                     # tokens the window has moved on by, without evaluating them again
+        self.caught = False
         self.budget: int | None = None    # tokens the request may emit
         self.given: dict | None = None
         self.asked = True                 # whether this request drafts with the model at all
@@ -75,6 +76,7 @@ class ModelBased(Drafter):
     def begin(self, budget: int | None = None) -> None:
         super().begin(budget)
         self.budget, self.given, self.asked, self.streak, self.slid = budget, None, True, False, 0
+        self.caught = False               # its prefill done: what it lacks later, its drafts catch up
 
     def end(self, output: list[int]) -> None:
         if self.corpus is not None:
@@ -158,6 +160,7 @@ class ModelBased(Drafter):
         view = self._view(context)
         left = len(view) - 1 - self.model.reuse_prefix(view)
         if left <= FEW:
+            self.caught = True
             return True
         if first:
             return False
@@ -169,7 +172,8 @@ class ModelBased(Drafter):
         self.plan.prefilled(n, seconds)
         self.given["evaluated"] += n
         self.given["seconds"] = round(self.given["seconds"] + seconds, 6)
-        return left - n <= FEW
+        self.caught = left - n <= FEW
+        return self.caught
 
     def propose(self, context: np.ndarray, k: int) -> Draft:
         k = min(k, self.model.n_ctx - len(context))
@@ -181,7 +185,7 @@ class ModelBased(Drafter):
         if first:
             self._ensure_costs(context, self.wait)
             self._fit(context, k)
-        ready = self.asked and self._caught_up(context, first)
+        ready = self.asked and (self.caught or self._caught_up(context, first))
         model_rate, model_k = self.plan.best(k) if ready else (0.0, 0)
         guess = self.lookup.propose(context, k)
         rates = self.lookup_length.rates(self.lookup_length.row(guess.level, self.streak), len(guess.tokens))
