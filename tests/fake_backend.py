@@ -10,15 +10,18 @@ flylocal.llama.runtime, flylocal.loader or llama_cpp).
   peaked, and a share of rows have an end-of-generation (EOG) token as their argmax.
 - `FakeTarget`: a Target (flylocal.decoding.contracts) over a FakeLM, with `tokens` and
   `reset` besides.
-- `Machine`: a simulated machine's clock. A decode of n tokens takes `step * (1 + row_cost *
-  (n - 1))` seconds, times `stall` in a share `p_stall` of decodes, times `slow` while a load
-  lasts. Given to a FakeTarget and to the Engine as its clock, it makes timings deterministic.
+- `Machine`: a simulated machine's clock. A decode of n tokens after c cached cells takes
+  `step * (1 + row_cost * (n - 1) + attend * c * sqrt(n - 1))` seconds, times `stall` in a share `p_stall`
+  of decodes, times `slow` while a load lasts. Given to a FakeTarget and to the Engine as its
+  clock, it makes timings deterministic.
 - `greedy`: the reference, plain greedy decoding one token at a time on a fresh FakeTarget.
 - `NoisyOracle`: a test drafter proposing the LM's greedy continuation with random
   corruptions, random lengths and EOG tokens inside.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -97,8 +100,9 @@ class Machine:
     a decode of n tokens takes. Deterministic given `seed`."""
 
     def __init__(self, step: float = 0.01, row_cost: float = 0.4, p_stall: float = 0.0, stall: float = 100.0,
-                 noise: float = 0.0, seed: int = 0):
+                 noise: float = 0.0, seed: int = 0, attend: float = 0.0):
         self.step, self.row_cost = step, row_cost
+        self.attend = attend                  # single steps per cached cell, times sqrt(n - 1): attention
         self.p_stall, self.stall, self.noise = p_stall, stall, noise
         self.slow = 1.0                       # a load: every decode this many times slower
         self.rng = np.random.default_rng(seed)
@@ -109,11 +113,11 @@ class Machine:
     def __call__(self) -> float:
         return self.now
 
-    def shape(self, n: int) -> float:
-        return 1 + self.row_cost * (n - 1)
+    def shape(self, n: int, cells: int = 0) -> float:
+        return 1 + self.row_cost * (n - 1) + self.attend * math.sqrt(n - 1) * cells
 
-    def decode(self, n: int) -> None:
-        t = self.step * self.shape(n) * self.slow * (1 + self.noise * self.rng.uniform(-1, 1))
+    def decode(self, n: int, cells: int = 0) -> None:
+        t = self.step * self.shape(n, cells) * self.slow * (1 + self.noise * self.rng.uniform(-1, 1))
         if self.p_stall and self.rng.random() < self.p_stall:
             t *= self.stall
             self.stalls += 1
@@ -186,7 +190,7 @@ class FakeTarget(Target):
         self.decodes += 1
         self.evaluated += n
         if self.machine is not None and n:
-            self.machine.decode(n)
+            self.machine.decode(n, p0)
         if start >= n:
             return None
         states = [self._hash[p] % self.lm.n_states for p in range(p0 + start, p0 + n)]

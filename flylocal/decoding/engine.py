@@ -321,6 +321,8 @@ class Engine:
         max_tokens is waste."""
         cfg, clock, n, constraint = self.config, self.clock, req.n, req.constraint
         t0 = clock()
+        if self.costs is not None:
+            self.costs.at(n)                # the round's decisions and its cost follow its context
         k = max(0, min(cfg.k, self.target.n_ctx - n, cfg.max_tokens - req.produced - 1))
         forced = constraint.forced(k) if constraint is not None and cfg.forced and self.drafter.drafts else EMPTY
         f = len(forced)

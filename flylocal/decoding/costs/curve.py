@@ -1,24 +1,19 @@
 """What a decode of n rows costs on one loaded model (docs/design.md, "Cost model").
 
-    t(n) = shape(n) * speed
+    t(n) = shape(n) * speed        (after a long context, plus its share: costs/context.py)
 
-- `shape(n) = t(n) / t(1)` is a property of the model, the build and the device. It is
-  calibrated once per key (model file, build, device, threads, batch size), only from
-  measurements that agree with each other on a quiet machine (flylocal.decoding.costs.calibration),
-  and cached on disk (flylocal.decoding.costs.store).
-- `speed` is the seconds of a single-row step now. It follows the load of the moment, so it is
-  measured from every round (a median: one stalled round is not a change of load) and never
-  saved.
+- `shape(n) = t(n) / t(1)`, a property of the model, the build and the device, is calibrated
+  once per key (model file, build, device, threads, batch size) from measurements that agree on
+  a quiet machine (costs/calibration.py), and cached on disk (costs/store.py).
+- `speed`, the seconds of a single-row step now, follows the load of the moment: the median of
+  the last rounds, never saved.
 
-Rounds refine the shape: a round of n rows, divided by the single-row rounds just before it,
-is a sample of shape(n). One that breaks physics or lies FAR from a trusted calibration is a
-stall and is dropped. Fresh samples (3 within STALE seconds of decoding) correct the shape;
-older ones expire, so a load that has gone leaves no evidence. Rounds that contradict the curve
-beyond noise drop it, and it is measured again (flylocal.decoding.costs.check).
-
-Draft-length control may try a size whose evidence is stale (`explore`), when the round is
-expected to lose at most what the exploration budget has left: EXPLORE of the decoding time
-observed. A wrong curve, however it got there, is corrected that way within a generation.
+Rounds refine the shape: a round of n rows over the single-row rounds just before it is a
+sample of shape(n); one that breaks physics or lies FAR from a trusted calibration is a stall.
+Fresh samples (3 within STALE seconds of decoding) correct the shape; older ones expire. Rounds
+that contradict the curve beyond noise drop it, and it is measured again (costs/check.py).
+Draft-length control may try a size whose evidence is stale (`explore`), losing at most EXPLORE
+of the decoding time observed: a wrong curve is corrected within a generation.
 """
 
 from __future__ import annotations
@@ -35,6 +30,7 @@ from flylocal import host
 from flylocal.decoding.costs import store
 from flylocal.decoding.costs.calibration import BUDGET, CALIBRATION_SIZES, Measuring, calibrate
 from flylocal.decoding.costs.check import STALE, Check
+from flylocal.decoding.costs.context import LONG, ByContext
 from flylocal.decoding.costs.shape import (FLOOR, PHYSICS, SWITCH_MAX, consistent, distortion, fill, interpolate,
                                            plausible, prior_shape)
 from flylocal.statistics import middle
@@ -136,6 +132,8 @@ class CostCurve:
         self._shape: np.ndarray | None = None                # memo: the effective shape ...
         self._until = math.inf                               # ... until this decoded_s (evidence expires)
         self._speed: float | None = None                     # memo: the speed, until the next round
+        self.cells = 0                                       # the context the rounds now follow (`at`)
+        self.by_context = ByContext()                        # its share of a decode's cost (costs/context.py)
 
     def _set_base(self, seconds, whole: bool = False) -> None:
         """t(1..m) calibrated: `seconds` [m] over the first sizes, or the `whole` calibration."""
@@ -240,12 +238,17 @@ class CostCurve:
         steps = float(measured) / self.calibrated_step()
         return steps if 0 <= steps <= SWITCH_MAX else SWITCH_PRIOR      # beyond physics: a stall
 
+    def at(self, cells: int) -> None:
+        self.cells = cells          # the rounds from now on follow `cells` cached cells
+
     def cost(self, rows: int) -> np.ndarray:
-        """Seconds of a round of 1..rows rows: t(1..rows), with the single step back after a
-        draft counted to the draft (its rounds come between single-row ones): [rows] float64."""
+        """Seconds of a round of 1..rows rows after `cells` cells: t(1..rows), with the step back
+        to one row counted to the draft, and a long context's share (costs/context.py): [rows]."""
         frozen = self.pinned or self.fixed
         step = self.calibrated_step() if frozen else self.speed()
         out = (self.calibrated_shape(rows) if frozen else self.shape_of(rows)) * step
+        if not frozen and (extra := self.by_context.extra(self.decoded_s, self.cells, rows)) is not None:
+            out += extra * step
         out[1:] += self.switch() * step
         return out
 
@@ -296,6 +299,11 @@ class CostCurve:
         if self._period is None and self.key is not None:
             self._period = host.CpuLoad()
             self._period.start()
+        if self.cells >= LONG:      # the context's share, never the shape's evidence
+            self.by_context.update(self.decoded_s, self.cells, rows, seconds, shape := self.shape(rows))
+            extra = self.by_context.extra(self.decoded_s, self.cells, rows)
+            self.recent = (self.recent + [seconds / (shape + (extra[-1] if extra is not None else 0.0))])[-RECENT:]
+            return
         calibrated = float(self.calibrated_shape(rows)[-1])
         if self.on_key and self.trusted() and (
                 why := self.check.round(rows, seconds, calibrated, self.calibrated_step(), self.decoded_s)):
