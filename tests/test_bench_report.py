@@ -107,3 +107,18 @@ def test_strict_below_full_agreement_is_explained_in_the_fast_build_only():
             "strict-pld": row("strict-pld", {p.id: 30.0 for p in ps}, 0.5, outputs={"p0": ([7, 7, 7, 7], "x")})}
     assert "near-ties" in report_md(results(rows, ps))
     assert "near-ties" not in report_md(results(rows, ps, kernels="exact"))
+
+
+def test_a_rounds_time_splits_into_draft_target_decide_and_host_work():
+    """Two generations of 11 rounds each: the first round of each is the prompt's (its decode is
+    the prefill's time, not a round's); the 20 rounds after them share the decoding time."""
+    ps = prompts(1)
+    ref = row("autoregressive", {"p0": 20.0})
+    ref.per_prompt["p0"].update(rounds=0, generations=2)      # as plain decoding's runs count
+    mine = row("strict-pld", {"p0": 40.0})
+    mine.per_prompt["p0"].update(rounds=22, generations=2, decode_s=2.0, prefill_s=3.0, target_s=3.0 + 20 * 0.06,
+                                 draft_s=22 * 0.01, verify_s=22 * 0.005)
+    r = next(m for m in b.metrics({"autoregressive": ref, "strict-pld": mine}, ps) if m["method"] == "strict-pld")
+    assert r["round_ms"] == {"draft": 10.0, "target": 60.0, "decide": 5.0, "host": 25.0}
+    assert "10.0, 60.0, 5.0, 25.0" in report_md(results({"autoregressive": ref, "strict-pld": mine}, ps))
+    assert next(m for m in b.metrics({"autoregressive": ref}, ps))["round_ms"] is None      # plain has no rounds

@@ -97,12 +97,28 @@ def metrics(rows: dict[str, Row], prompts: list[Prompt]) -> list[dict]:
             "target_nll": round(nll, 4) if nll is not None else None,
             "budget_spent": round(_mean(row.spent.values()), 4) if row.spent else None,
             "verify_share": round(mine["verify_s"] / mine["decode_s"], 4) if mine["rounds"] and mine["decode_s"] else None,
+            "round_ms": round_ms(mine),
             "wall_s": round(mine["wall_s"], 3),
             "completed": len(done),
             "categories": categories,
             "failures": list(row.failures),
         })
     return out
+
+
+def round_ms(c: dict) -> dict | None:
+    """Where a decoding round's time goes, in ms per round after the first (whose decode also
+    evaluated the prompt): drafting, the target's decode and rollback, the verifier's decision,
+    and the rest (host work between them: the engine, streaming, the bench's own). The target's
+    share excludes the first round's decode as the prefill's time (its few ms of drafting there
+    counted to the target)."""
+    n = c["rounds"] - c["generations"]
+    if n <= 0 or not c["decode_s"]:
+        return None
+    draft, decide = c["draft_s"] / c["rounds"], c["verify_s"] / c["rounds"]
+    target = max(c["target_s"] - c["prefill_s"], 0.0) / n
+    host = c["decode_s"] / n - draft - target - decide
+    return {k: round(1e3 * v, 2) for k, v in (("draft", draft), ("target", target), ("decide", decide), ("host", host))}
 
 
 def _rounded(v: float | None, digits: int) -> float | None:
@@ -236,7 +252,7 @@ def report_md(results: dict) -> str:
     first = ["method", "e2e_speedup", "speedup", "e2e_tokens_per_s", "mean_accepted_length", "changed", "loose_rate",
              "repeated_4grams", "target_nll", "accuracy", "pass_at_1", "valid"]
     later = ["tokens_per_s", "acceptance", "agreement", "first_divergence", "forced_per_round", "mask_ms_per_round",
-             "budget_spent", "verify_share", "wall_s"]
+             "budget_spent", "verify_share", "round_ms", "wall_s"]
     names = {"e2e_speedup": "end to end ×plain (95% interval)", "speedup": "decode ×plain (95% interval)",
              "e2e_tokens_per_s": "end-to-end tok/s", "mean_accepted_length": "mean accepted length",
              "changed": "answers changed", "loose_rate": "loose per 100 tokens", "repeated_4grams": "repeated 4-grams",
@@ -244,7 +260,8 @@ def report_md(results: dict) -> str:
              "tokens_per_s": "decode tok/s", "acceptance": "acceptance", "agreement": "agreement",
              "first_divergence": "first divergence", "forced_per_round": "forced / round",
              "mask_ms_per_round": "mask ms / round", "budget_spent": "ASD budget spent",
-             "verify_share": "verify share", "wall_s": "wall s", "failed": "failed"}
+             "verify_share": "verify share", "round_ms": "ms / round: draft, target, decide, host",
+             "wall_s": "wall s", "failed": "failed"}
     failures = [(r["method"], f) for r in results["methods"] for f in r.get("failures", [])]
 
     def shown(cols):
@@ -260,6 +277,8 @@ def report_md(results: dict) -> str:
             return f"{100 * v:.2f}"
         if v is None:
             return "–"
+        if key == "round_ms":
+            return ", ".join(f"{x:.1f}" for x in v.values())
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 
     def table(cols):
@@ -282,7 +301,8 @@ def report_md(results: dict) -> str:
              "", "## Details", "", *table(detail_cols),
              "", "acceptance: committed draft tokens over drafted ones. agreement: the share of answers identical "
                  "to plain decoding's; first divergence: the median token where the others first differ. "
-                 "verify share: the verifier's share of decoding time."]
+                 "verify share: the verifier's share of decoding time. ms / round: a decoding round's "
+                 "drafting, the target's decode and rollback, the decision, and the host work around them."]
     lines += category_tables(results)
     rows = results.get("prompts", [])
     if rows:

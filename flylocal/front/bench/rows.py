@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from flylocal.statistics import bootstrap
 
-COUNTS = ("tokens", "emitted_in_rounds", "decode_tokens", "decode_s", "wall_s", "rounds", "loose", "verify_s", "drafted", "accepted", "forced", "mask_s")    # summed per prompt over turns, repeats
+COUNTS = ("tokens", "emitted_in_rounds", "decode_tokens", "decode_s", "wall_s", "rounds", "loose", "verify_s", "drafted", "accepted", "forced", "mask_s",
+          "draft_s", "target_s", "prefill_s", "generations")    # summed per prompt over turns, repeats
 
 
 @dataclass

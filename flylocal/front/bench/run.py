@@ -103,7 +103,8 @@ class _Turns:
             text, n, _, decode_s = self.baselines[m].generate(ids, s.max_tokens, s.sampling, reuse=not fresh)
             tokens = list(target.tokenize(text, add_special=False, parse_special=False)) if text else []
             return tokens, text, dict(tokens=n, emitted_in_rounds=n, decode_tokens=max(n - 1, 0), decode_s=decode_s, rounds=0, loose=0, verify_s=0.0,
-                                      drafted=0, accepted=0, forced=0, mask_s=0.0), None, []
+                                      drafted=0, accepted=0, forced=0, mask_s=0.0, draft_s=0.0, target_s=0.0, prefill_s=0.0,
+                                      generations=1), None, []
         s = dataclasses.replace(s, verifier=method.verifier, drafter=method.drafter)
         if method.within_round:
             fly = dataclasses.replace(s.verifiers.fly, across=False, candidates=False)
@@ -126,7 +127,8 @@ class _Turns:
             tokens, text, loose = tokens[:keep], done, [j for j in loose if j < keep]
         counts = dict(tokens=stats.emitted, emitted_in_rounds=stats.emitted_in_rounds, decode_tokens=stats.decode_tokens, decode_s=stats.decode_s, rounds=stats.rounds, loose=stats.loose,
                       verify_s=stats.verify_s, drafted=stats.drafted, accepted=stats.accepted, forced=stats.forced,
-                      mask_s=stats.mask_s)
+                      mask_s=stats.mask_s, draft_s=stats.draft_s, target_s=stats.target_s, prefill_s=stats.prefill_s,
+                      generations=1)
         return list(tokens), text, counts, stats.budget_spent, loose
 
     def all(self, m: str, p: Prompt, first_ids) -> tuple[list, dict, float | None, list]:
