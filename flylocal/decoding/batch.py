@@ -354,6 +354,7 @@ class Batch:
             n[s] = given[s]
         if drafts:
             own = {s: self._fixed(m) - len(m.req.head) for s, m in plans.items()}
+            self.target.costs.at(max(m.req.n for m in plans.values()))    # the longest context's rows cost most
             n |= allot(self.target, self.target.costs.cost(limit), fixed, drafts, limit, decoding=len(plans),
                        uneven=self.uneven(), own=own)
         parts = []
