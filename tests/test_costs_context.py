@@ -61,6 +61,7 @@ def test_after_a_long_context_drafts_follow_its_cost_and_the_shape_stays(seed):
     cost = curve.cost(9)
     truth = machine.shape(9, 5000)
     assert cost[-1] / cost[0] == pytest.approx(truth, rel=0.1)
+    assert curve.report()["context_share_counts"] is True
     # ... and left the curve's own shape, the short context's, alone.
     assert np.allclose(curve.shape_of(9), SHORT[:9], rtol=0.05)
     assert np.allclose(short_curve.shape_of(9), SHORT[:9], rtol=0.05)
@@ -77,3 +78,16 @@ def test_without_the_context_term_a_long_context_runs_slower(seed, monkeypatch):
     monkeypatch.setattr(by_context.ByContext, "extra", lambda self, now, cells, rows: None)
     *_, without = run(5000, seed)
     assert with_term > 1.15 * without
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_small_share_is_measured_and_reported_but_leaves_the_drafts_alone(seed, monkeypatch):
+    """Below ACTS single steps on 2 rows (here 0.4 after 5,000 cells) the share is measured and
+    reported, and the drafts are those the curve's own shape gives, round for round."""
+    monkeypatch.setattr(__import__(__name__), "ATTEND", 8e-5)
+    curve, machine, drafts, _ = run(5000, seed)
+    report = curve.report()
+    assert report["context_share_steps"] == pytest.approx(8e-5 * 5000, rel=0.25)
+    assert report["context_share_counts"] is False
+    monkeypatch.setattr(by_context.ByContext, "extra", lambda self, now, cells, rows: None)
+    assert run(5000, seed)[2] == drafts

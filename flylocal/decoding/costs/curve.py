@@ -299,11 +299,11 @@ class CostCurve:
         if self._period is None and self.key is not None:
             self._period = host.CpuLoad()
             self._period.start()
-        if self.cells >= LONG:      # the context's share, never the shape's evidence
+        if self.cells >= LONG:      # the context's share; once it counts, never the shape's evidence
             self.by_context.update(self.decoded_s, self.cells, rows, seconds, shape := self.shape(rows))
-            extra = self.by_context.extra(self.decoded_s, self.cells, rows)
-            self.recent = (self.recent + [seconds / (shape + (extra[-1] if extra is not None else 0.0))])[-RECENT:]
-            return
+            if (extra := self.by_context.extra(self.decoded_s, self.cells, rows)) is not None:
+                self.recent = (self.recent + [seconds / (shape + extra[-1])])[-RECENT:]
+                return
         calibrated = float(self.calibrated_shape(rows)[-1])
         if self.on_key and self.trusted() and (
                 why := self.check.round(rows, seconds, calibrated, self.calibrated_step(), self.decoded_s)):
@@ -597,4 +597,4 @@ class CostCurve:
                 **{k: self.meta[k] for k in ("measured", "passes", "spread", "busy_cores") if k in self.meta},
                 "explored": self.explored, "rejected": self.rejected, "contradicted": self.contradicted,
                 "explore_share": round(self.spent / self.decoded_s, 4) if self.decoded_s else 0.0,
-                **({"problem": self.problem} if self.problem else {})}
+                **({"problem": self.problem} if self.problem else {}), **self.by_context.report(self.decoded_s, self.cells)}
