@@ -291,6 +291,16 @@ class NoisyOracle(Drafter):
         return Draft(np.array(draft, dtype=np.int32), level=int(rng.integers(len(self.level_prior))))
 
 
+class QuietLoad:
+    """A load meter (flylocal.host.CpuLoad) that says nothing else ran."""
+
+    def start(self):
+        pass
+
+    def stop(self):
+        return 0.0
+
+
 def controlled(oracle: NoisyOracle, k: int, target: FakeTarget, learned=None):
     """`oracle` under draft-length control on `target`'s cost curve, as prompt lookup runs."""
     from flylocal.decoding.drafters.length import LengthControl

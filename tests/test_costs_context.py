@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fake_backend import FakeLM, FakeTarget, Machine, NoisyOracle, controlled
+from fake_backend import FakeLM, FakeTarget, Machine, NoisyOracle, QuietLoad, controlled
 from flylocal import host
 from flylocal.decoding.costs import CostCurve
 from flylocal.decoding.costs import context as by_context
@@ -24,18 +24,10 @@ SHORT = 1 + 0.1 * np.arange(17)       # the machine's t(n)/t(1) after a short co
 ATTEND = 2.4e-4                       # after 5,000 cells n rows cost 1.2 sqrt(n - 1) steps more: no draft pays
 
 
-class Quiet:
-    def start(self):
-        pass
-
-    def stop(self):
-        return 0.0
-
-
 @pytest.fixture(autouse=True)
 def quiet(monkeypatch, tmp_path):
     monkeypatch.setenv("FLYLOCAL_COSTS", str(tmp_path / "costs"))
-    monkeypatch.setattr(host, "CpuLoad", Quiet)
+    monkeypatch.setattr(host, "CpuLoad", QuietLoad)
 
 
 def run(cells: int, seed: int = 0, tokens: int = 400):

@@ -16,7 +16,7 @@ import math
 import numpy as np
 import pytest
 
-from fake_backend import FakeLM, FakeTarget, Machine, NoisyOracle, controlled
+from fake_backend import FakeLM, FakeTarget, Machine, NoisyOracle, QuietLoad, controlled
 from flylocal import host
 from flylocal.decoding.costs import curve as costs_module
 from flylocal.decoding.costs import store
@@ -31,20 +31,10 @@ KEY = {"model": "/sim.gguf", "threads": 2}
 TRUE_SHAPE = 1 + 0.4 * np.arange(17)          # the machine's t(n)/t(1), n = 1..17
 
 
-class Quiet:
-    """A load meter that says nothing else ran."""
-
-    def start(self):
-        pass
-
-    def stop(self):
-        return 0.0
-
-
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FLYLOCAL_COSTS", str(tmp_path / "costs"))
-    monkeypatch.setattr(host, "CpuLoad", Quiet)
+    monkeypatch.setattr(host, "CpuLoad", QuietLoad)
     return tmp_path / "costs"
 
 
@@ -235,7 +225,7 @@ def test_calibration_repeats_until_its_passes_agree_and_keeps_the_lowest():
         return t * 100 if stalls.get(len(calls)) else t
 
     curve = CostCurve(key=None)
-    curve.calibrate(probe, max_rows=9, meter=Quiet())
+    curve.calibrate(probe, max_rows=9, meter=QuietLoad())
     assert curve.state == "settled" and curve.meta["passes"] == 4      # size 2 stalled twice in 3
     assert np.allclose(curve.shape_of(9), TRUE_SHAPE[:9])
 
@@ -251,7 +241,7 @@ def test_calibration_measures_what_changing_the_row_count_back_costs():
         return t
 
     curve = CostCurve(key=None)
-    curve.calibrate(probe, max_rows=9, meter=Quiet())
+    curve.calibrate(probe, max_rows=9, meter=QuietLoad())
     assert curve.state == "settled"
     assert curve.calibrated_step() == pytest.approx(0.01)                 # a steady single step
     assert curve.switch() == pytest.approx(0.1)                           # 1 ms of a 10 ms step
@@ -378,7 +368,7 @@ def test_a_provisional_curve_takes_the_one_another_process_cached(cache, monkeyp
 
 
 def test_a_calibration_while_other_work_keeps_the_cores_busy_is_provisional(cache):
-    class Busy(Quiet):
+    class Busy(QuietLoad):
         def stop(self):
             return 1.6
 
@@ -427,7 +417,7 @@ def refine(curve: CostCurve, nine: float = 3.0, times: int = 9) -> None:
 
 
 def test_a_refinement_measured_while_other_work_was_busy_is_used_but_not_saved(cache, monkeypatch):
-    class Busy(Quiet):
+    class Busy(QuietLoad):
         def stop(self):
             return 1.2
 
@@ -440,7 +430,7 @@ def test_a_refinement_measured_while_other_work_was_busy_is_used_but_not_saved(c
     curve.save()
     again = CostCurve(key=KEY)
     assert again.load() and again.shape(9) == pytest.approx(TRUE_SHAPE[8])
-    monkeypatch.setattr(host, "CpuLoad", Quiet)
+    monkeypatch.setattr(host, "CpuLoad", QuietLoad)
     refine(again)
     again.save()
     third = CostCurve(key=KEY)
@@ -593,7 +583,7 @@ def test_a_switch_measured_beyond_physics_is_not_believed():
         return t
 
     curve = CostCurve(key=None)
-    curve.calibrate(probe, max_rows=9, meter=Quiet())
+    curve.calibrate(probe, max_rows=9, meter=QuietLoad())
     assert curve.switch() == costs_module.SWITCH_PRIOR
 
 
