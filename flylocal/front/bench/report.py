@@ -246,6 +246,17 @@ def category_tables(results: dict) -> list[str]:
     return lines
 
 
+COLUMNS = {"e2e_speedup": "end to end ×plain (95% interval)", "speedup": "decode ×plain (95% interval)",
+           "e2e_tokens_per_s": "end-to-end tok/s", "mean_accepted_length": "mean accepted length",
+           "changed": "answers changed", "loose_rate": "loose per 100 tokens", "repeated_4grams": "repeated 4-grams",
+           "target_nll": "target NLL", "accuracy": "accuracy", "pass_at_1": "pass@1", "valid": "valid JSON",
+           "tokens_per_s": "decode tok/s", "acceptance": "acceptance", "agreement": "agreement",
+           "first_divergence": "first divergence", "forced_per_round": "forced / round",
+           "mask_ms_per_round": "mask ms / round", "budget_spent": "ASD budget spent",
+           "verify_share": "verify share", "round_ms": "ms / round: draft, target, decide, host",
+           "wall_s": "wall s", "failed": "failed"}   # report_md's column headings
+
+
 def report_md(results: dict) -> str:
     from flylocal.front.bench.scores import quality_md       # it reads this module's figures
 
@@ -253,15 +264,6 @@ def report_md(results: dict) -> str:
              "repeated_4grams", "target_nll", "accuracy", "pass_at_1", "valid"]
     later = ["tokens_per_s", "acceptance", "agreement", "first_divergence", "forced_per_round", "mask_ms_per_round",
              "budget_spent", "verify_share", "round_ms", "wall_s"]
-    names = {"e2e_speedup": "end to end ×plain (95% interval)", "speedup": "decode ×plain (95% interval)",
-             "e2e_tokens_per_s": "end-to-end tok/s", "mean_accepted_length": "mean accepted length",
-             "changed": "answers changed", "loose_rate": "loose per 100 tokens", "repeated_4grams": "repeated 4-grams",
-             "target_nll": "target NLL", "accuracy": "accuracy", "pass_at_1": "pass@1", "valid": "valid JSON",
-             "tokens_per_s": "decode tok/s", "acceptance": "acceptance", "agreement": "agreement",
-             "first_divergence": "first divergence", "forced_per_round": "forced / round",
-             "mask_ms_per_round": "mask ms / round", "budget_spent": "ASD budget spent",
-             "verify_share": "verify share", "round_ms": "ms / round: draft, target, decide, host",
-             "wall_s": "wall s", "failed": "failed"}
     failures = [(r["method"], f) for r in results["methods"] for f in r.get("failures", [])]
 
     def shown(cols):
@@ -282,7 +284,7 @@ def report_md(results: dict) -> str:
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 
     def table(cols):
-        return (["| " + " | ".join(names.get(c, c) for c in cols) + " |", "|" + " --- |" * len(cols)]
+        return (["| " + " | ".join(COLUMNS.get(c, c) for c in cols) + " |", "|" + " --- |" * len(cols)]
                 + ["| " + " | ".join(cell(r, k) for k in cols) + " |" for r in results["methods"]])
 
     c = results["config"]
