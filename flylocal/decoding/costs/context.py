@@ -10,25 +10,21 @@ The rounds measure it. Model: a decode of n rows after c cells takes
 
     t = S * (shape(n) + sigma * c * sqrt(n - 1))
 
-with shape the curve's own (the short context's), S the single step there, and sigma the
-attention share: single steps per cached cell, growing as the root of the rows past the first.
-The root, not a line: after 8,192 cells the excess over the short curve measured 0.29, 0.66,
-0.87 and 1.62 steps for 2, 4, 8 and 16 rows, a power of about 0.6 in n - 1. A share linear in
-the rows, fitted from the short rounds that dominate, overstated long drafts' cost and shortened
-them: strict-pld decoded 0.94x as fast paired at ~8k.
-
-S and sigma come from a least-squares fit over the fresh rounds (within STALE seconds of
-decoding) that followed about as many cells (half to twice), once they span two sizes or more;
-a round far off the fit (a stall) is dropped and the fit made again. Between the lengths the rounds saw, the model is
-linear in the cells. Before such evidence, and once it has expired, the curve's own shape holds.
-Long rounds are not the curve's evidence: they never refine, contradict or save its shape.
+with shape the curve's own, S the single step, and sigma the attention share beyond what the
+shape already says, growing as the root of the rows past the first. The root, not a line: after
+8,192 cells the excess over the short curve measured 0.29, 0.66, 0.87 and 1.62 steps for 2, 4,
+8 and 16 rows, a power of about 0.6 in n - 1. S and sigma come from a least-squares fit over the
+fresh rounds (within STALE seconds of decoding) that followed about as many cells (half to
+twice), once they span two sizes; a round far off the fit (a stall) is dropped and the fit made
+again. Before such evidence, and once it has expired, the curve's own shape holds.
 
 The share counts in the cost only once it adds ACTS single steps or more to a decode of 2 rows
-(sigma * c >= 1). Below that, sized on the true cost, drafts came out shorter than the
-acceptance they would have had repays: at ~8k cells on the stand-in, where the share is about
-0.3 steps, strict-pld decoded 0.92x as fast with it (median of 6 questions, the root form) and
-0.94x (the linear one). The acceptance estimates err low for what drafts no longer try, and a
-small share does not outweigh that; a large one, where a draft no longer pays at all, does.
+(sigma * c >= 1); from there on long rounds are not the shape's evidence (they never refine,
+contradict or save it). Below that the rounds go on as at a short context, and the share is only
+reported. Sized on a small share, drafts came out shorter than their acceptance repays: at ~8k
+cells on the stand-in (a share of about 0.3 steps) strict-pld decoded 0.92x as fast with the
+root form, 0.94x with a share linear in the rows. The acceptance estimates err low for what
+drafts no longer try; a small share does not outweigh that, a large one (no draft pays) does.
 """
 
 from __future__ import annotations
