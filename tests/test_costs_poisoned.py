@@ -15,16 +15,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fake_backend import FakeTarget, Machine, NoisyOracle, controlled
+from fake_backend import FakeTarget, Machine, NoisyOracle, QuietLoad, controlled
 from flylocal import host
 from flylocal.decoding.adaptive import timed_decode
 from flylocal.decoding.costs import CostCurve, store
 from flylocal.decoding.engine import Engine, EngineConfig, generate_all
 from flylocal.decoding.verifiers.strict import Strict
-from test_costs_under_load import KEY, LM, TRUE_SHAPE, Quiet, Steady, cache, prompt  # noqa: F401  (cache: autouse)
+from test_costs_under_load import KEY, LM, TRUE_SHAPE, Steady, cache, prompt  # noqa: F401  (cache: autouse)
 
 
-class Busy(Quiet):
+class Busy(QuietLoad):
     """A load meter that says other work kept both cores busy."""
 
     def stop(self):
@@ -172,7 +172,7 @@ def test_a_curve_learned_under_load_never_outlives_the_load(monkeypatch):
     assert not store.path_for(KEY).exists()
     assert store.read(KEY)[0]["meta"]["provisional"]                   # marked, in a file of its own
 
-    monkeypatch.setattr(host, "CpuLoad", Quiet)
+    monkeypatch.setattr(host, "CpuLoad", QuietLoad)
     idle = Machine(step=0.01, seed=6)
     curve, target, engine = process(idle)
     before = idle()
