@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # scr
 import harness  # noqa: F401 - puts the project on the import path
 
 from flylocal import models
+from flylocal.errors import FlylocalError
 from flylocal.front.bench.prompts import data_dir
 from flylocal.front.bench.questions import padded, token_counter
 
@@ -47,7 +48,10 @@ def servers(args, ctx: int, path: str) -> dict[str, tuple[list[str], dict]]:
         own = [args.llama_server, "-m", path, "-np", "1", "-c", str(ctx), "-t", str(args.threads), "--no-webui"]
         out["llama-server"] = (own, {})
         if args.ggml_cpu:
+            if not list(Path(args.ggml_cpu).glob("libggml-cpu.so*")):
+                raise SystemExit(f"--ggml-cpu {args.ggml_cpu}: no libggml-cpu.so there")
             lib = tempfile.mkdtemp(prefix="first-token-")
+            args.made.append(lib)
             for f in Path(args.llama_server).resolve().parent.glob("*.so*"):
                 os.symlink(f, Path(lib) / f.name)
             for f in Path(args.ggml_cpu).glob("libggml-cpu.so*"):
@@ -77,8 +81,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ready(port: int) -> None:
+def ready(port: int, proc: subprocess.Popen) -> None:
     for _ in range(1200):
+        if proc.poll() is not None:
+            raise SystemExit(f"port {port}: the server exited ({proc.returncode}) before it answered")
         try:
             c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
             c.request("GET", "/health")
@@ -100,7 +106,13 @@ def main() -> None:
     ap.add_argument("--llama-server", default=shutil.which("llama-server"))
     ap.add_argument("--ggml-cpu", default="")
     args = ap.parse_args()
-    path = str(models.resolve(args.target))
+    args.made = []
+    if args.llama_server and not os.access(args.llama_server, os.X_OK):
+        raise SystemExit(f"--llama-server {args.llama_server}: no such program")
+    try:
+        path = str(models.resolve(args.target))
+    except FlylocalError as e:
+        raise SystemExit(f"--target {args.target}: {e}") from None
     texts = [json.loads(line)["turns"][0] for line in open(data_dir() / "spec_bench" / "question.jsonl")]
     count = token_counter(path)
     prompts = [padded(texts[i], texts, i * 41 + 11, args.context, count) for i in range(20, 21 + args.prompts)]
@@ -111,8 +123,8 @@ def main() -> None:
             ports[name] = free_port()
             procs.append(subprocess.Popen(command + ["--port", str(ports[name])], env={**os.environ, **env},
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        for port in ports.values():
-            ready(port)
+        for port, proc in zip(ports.values(), procs):
+            ready(port, proc)
         names, got = list(specs), {name: [] for name in specs}
         for i, text in enumerate(prompts):
             turn = names[i % len(names):] + names[: i % len(names)]
@@ -128,7 +140,12 @@ def main() -> None:
     finally:
         for p in procs:
             p.terminate()
+        for lib in args.made:
+            shutil.rmtree(lib, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)
