@@ -169,6 +169,14 @@ def test_context_pads_with_other_questions_whole_texts_to_about_n_tokens():
             assert len(set(others)) == len(others) and question not in others
             backgrounds.add(others[0])
         assert len(backgrounds) == len(convs)        # no two questions share a prefix a cache could reuse
+    again = sb.conversations(None, None, 1, 2, 1, None, 3, 2000, words)
+    once = sb.conversations(None, None, 1, 2, 1, None, 1, 2000, words)
+    assert len(again) == 3 * len(once) and again[:len(once)] == once
+    assert [label for label, _ in again] == [label for label, _ in once] * 3
+    assert [t[0].split("\n\n")[-1] for _, t in again] == [t[0].split("\n\n")[-1] for _, t in once] * 3
+    firsts = [t[0].split("\n\n")[1] for _, t in again]
+    assert len(set(firsts)) == len(again)                # a repeat is a fresh prefill, never a cached one
+    assert all(2000 - 60 <= words(t[0]) <= 2000 + 5 for _, t in again)
     with pytest.raises(FlylocalError, match="give one"):
         sb.main(server_specs=["a=http://127.0.0.1:9"], base=None, target="smollm2-135m-instruct", draft=None,
                 llama_server=None, model=None, prompts=None, category=None, per_category=None, skip=0, turns=1,
@@ -247,6 +255,20 @@ def test_the_report_sets_each_server_against_the_base_wave_by_wave():
     assert "fly-pld: 1 request failed, the first: HTTP 500: boom" in text
     assert text.startswith("3 waves of 1 client x 1 conversation of 1 turn")
     assert "interrupted" in sb.report(plan, {1: got, "interrupted": True}, 1)
+
+
+def test_a_question_asked_again_is_judged_by_the_median_of_its_waves():
+    servers = [sb.Server("plain", command=["--drafter", "none"], flylocal=True),
+               sb.Server("fly-pld", command=["--drafter", "pld"], flylocal=True)]
+    plan = sb.Plan(servers, [], base="plain")
+    got = {"labels": ["qa 1", "rag 2", "qa 1", "rag 2", "qa 1", "rag 2"],
+           "plain": [wave_fig(10)] * 6,
+           "fly-pld": [wave_fig(r) for r in (12, 11, 8, 10.5, 13, 10.8)]}
+    row = next(line for line in sb.report(plan, {1: got}, 1).splitlines() if line.startswith("| fly-pld"))
+    assert "worst 1.08 (rag 2, the median of 3)" in row            # not the one slow wave of qa 1 (0.80)
+    once = {"labels": got["labels"][:2], "plain": got["plain"][:2], "fly-pld": got["fly-pld"][:2]}
+    row = next(line for line in sb.report(plan, {1: once}, 1).splitlines() if line.startswith("| fly-pld"))
+    assert "worst 1.10 (rag 2) |" in row
 
 
 def bench_serve(*args, **kw):

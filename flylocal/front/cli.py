@@ -294,15 +294,16 @@ def _counts(ctx, param, value):
 @click.option("--context", type=click.IntRange(min=1), default=None, metavar="N",
               help="Pad every first turn to about N tokens (the target's tokenizer) with other questions' whole "
                    "texts before it as background: real documents, none repeated, as a RAG prompt or a pasted "
-                   "file would be. --ctx then defaults to room for it and --max-tokens. Use --repeat 1 to time "
-                   "prefills: a repeated prompt is served from the servers' caches.")
+                   "file would be. --ctx then defaults to room for it and --max-tokens. Each --repeat pads with "
+                   "other documents: every request is a fresh prefill, none served from a cache.")
 @click.option("--clients", default="1", show_default=True, callback=_counts, metavar="C[,C...]",
               help="Clients at once; each count is a run of its own, its servers started for it (flylocal "
                    "--parallel C, llama-server -np C).")
 @click.option("--per-client", type=click.IntRange(min=1), default=1, show_default=True, metavar="Q",
               help="Conversations each client sends in a wave, back to back.")
 @options("max_tokens")
-@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help="Ask every question this often.")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Ask every question this often (the worst question is then the median of its waves).")
 @options("raw")
 @click.option("--natural", is_flag=True,
               help="Let answers end where the model ends them. By default the end-of-generation tokens of "

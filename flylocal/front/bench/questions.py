@@ -4,6 +4,7 @@ conversation's user turns, and a first turn made long: other questions' words be
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from flylocal.errors import FlylocalError
@@ -17,7 +18,8 @@ def conversations(path: str | None, category: str | None, per_category: int | No
     every one of a file's), the groups in turn; the first `turns` turns of each; a first turn
     under `prompt_words` words preceded by other questions' words as background, or padded to
     about `context` tokens (`count` counts them) with other questions' whole texts; `repeat`
-    times."""
+    times, each repeat of a padded turn after background of its own (no server's cache holds
+    it: every request is a fresh prefill of the same length)."""
     from flylocal.front.bench.prompts import data_dir, load_prompts, of_categories, per_group
 
     source = path or str(data_dir() / "spec_bench")
@@ -39,18 +41,19 @@ def conversations(path: str | None, category: str | None, per_category: int | No
     words = [w for p in ordered for w in p.text.split()]
     documents = sorted({p.text for p in everything}, key=len, reverse=True)     # the longest first: fewer seams
     out = []
-    for p in ordered:
+    for p in ordered * (repeat if context else 1):
         asked = list(p.turns or [p.text])[:turns]
         short = prompt_words - len(asked[0].split()) if prompt_words else 0
-        if context:
+        if context:                 # a step prime to the documents' count: no start twice in a run
             others = [d for d in documents if d != asked[0]]
-            asked[0] = padded(asked[0], others, (len(out) * 7) % len(others), context, count or _words)
+            step = next(s for s in range(7, 8 + len(others)) if math.gcd(s, len(others)) == 1)
+            asked[0] = padded(asked[0], others, (len(out) * step) % len(others), context, count or _words)
         elif short > 0:
             start = (len(out) * 97) % len(words)
             filler = [words[(start + i) % len(words)] for i in range(short)]
             asked[0] = "Background:\n" + " ".join(filler) + "\n\n" + asked[0]
         out.append((f"{p.group or p.category or 'question'} {p.id}", asked))
-    return out * repeat
+    return out if context else out * repeat
 
 
 def _words(text: str) -> int:

@@ -12,7 +12,7 @@ speed drifts moves every server alike. A wave's rate is all its completion token
 wall time; with one client and one conversation a wave is one question and its rate the
 question's end-to-end tokens/s. Each server's rate is set against the base server's, wave by
 wave, and reported as the median of those ratios with a 95% bootstrap interval (waves
-resampled) and the worst wave.
+resampled) and the worst question (the median of its waves, where --repeat asked it again).
 """
 
 from __future__ import annotations
@@ -394,13 +394,20 @@ def paired(got: dict, name: str, other: str, key: str = "rate") -> list[tuple[fl
 
 
 def ratio_text(pairs: list[tuple[float, str]], worst: bool = True) -> str:
-    """'M (LO-HI)' and ', worst W (LABEL)': the median ratio with its interval, the lowest."""
+    """'M (LO-HI)' and ', worst W (LABEL)': the median ratio with its interval, and the lowest
+    question's: the median of its waves where it was asked more than once (--repeat), so that
+    one noisy request does not stand for it."""
     if not pairs:
         return "-"
     values = [v for v, _ in pairs]
     lo, hi = median_interval(values)
-    low = min(pairs)
-    return f"{median(values):.2f} ({lo:.2f}-{hi:.2f})" + (f", worst {low[0]:.2f} ({low[1]})" if worst else "")
+    by_label: dict[str, list[float]] = {}
+    for v, label in pairs:
+        by_label.setdefault(label, []).append(v)
+    low, label = min((median(vs), label) for label, vs in by_label.items())
+    times = len(by_label[label])
+    of = f", the median of {times}" if times > 1 else ""
+    return f"{median(values):.2f} ({lo:.2f}-{hi:.2f})" + (f", worst {low:.2f} ({label}{of})" if worst else "")
 
 
 def _drafts_nothing(server: Server) -> bool:
