@@ -163,6 +163,25 @@ def test_a_draft_models_prefill_must_be_paid_for_by_the_answer():
     assert abs(measured.window(8, 64) - before * 0.3 * 0.0005 / 0.001) <= 1
 
 
+def test_a_draft_models_prefill_pays_only_for_what_prompt_lookup_does_not_do_already():
+    """The model saves only in rounds where it beats prompt lookup alone (or a plain step):
+    where lookup has offered as much as the model's drafts, its prefill does not pay; where it
+    offered plain steps, the prefill pays as before; half and half, half as much."""
+    plan = ModelDraftLength(8, *gpu_like())
+    rate, _ = plan.best(8)
+    before = plan.window(8, 64)
+    assert before > 0
+    for _ in range(64):
+        plan.looked(np.array([100.0, 80.0]))           # lookup's drafts worse than a plain step: plain
+    assert plan.window(8, 64) == before
+    for _ in range(64):
+        plan.looked(np.array([100.0, rate * 1.01]))    # lookup as fast as the model: nothing to save
+    assert plan.window(8, 64) == 0
+    for i in range(64):
+        plan.looked(np.array([100.0, 90.0 if i % 2 else rate]))
+    assert abs(plan.window(8, 64) - before / 2) <= 1
+
+
 def test_a_draft_model_not_measured_yet_costs_a_target_step():
     """A draft curve whose first slice is still to come is no cheaper than the target: the
     model is not asked (prompt lookup alone) until its cost is measured."""

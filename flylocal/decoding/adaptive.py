@@ -141,6 +141,7 @@ PAYBACK = 2.0            # the prefill must be expected to be paid back twice ov
 ANSWERS = 5              # an answer's expected length: the median of the last 5 (at most the budget left)
 MIN_PREFILL = 16         # a catch-up of fewer tokens says little of the prefill's cost per token
 PREFILLS = 3             # the draft's prefill per token: the median of its last 3 (relative to the target's step)
+LOOKUPS = 64             # what prompt lookup alone offers: its speed-up over a plain step in the last 64 rounds
 
 # Confidence levels of a draft model's token: buckets of its own top-1 probability.
 P_EDGES = np.array([0.3, 0.5, 0.7, 0.85, 0.95])                  # level = searchsorted(P_EDGES, p)
@@ -184,6 +185,9 @@ class ModelDraftLength:
         # lengths of the last answers: what a request's prefill is weighed against (`window`).
         self._prefills: list[float] = []
         self.answers: list[int] = []
+        # What prompt lookup alone offered in the last rounds (its best rate over a plain
+        # step's, at least 1): the model saves only where it beats that.
+        self.lookups: list[float] = []
 
     @staticmethod
     def level(p: float) -> int:
@@ -240,19 +244,26 @@ class ModelDraftLength:
         """A request ended with an answer of `tokens` tokens."""
         self.answers = (self.answers + [tokens])[-ANSWERS:]
 
+    def looked(self, rates: np.ndarray) -> None:
+        """Record a round's rates for prompt lookup alone ([0]: a plain step's)."""
+        if len(rates) and rates[0] > 0:
+            self.lookups = (self.lookups + [max(float(rates.max() / rates[0]), 1.0)])[-LOOKUPS:]
+
     def window(self, k: int, remaining: int) -> int:
         """How many context tokens the draft model's prefill may evaluate for a request that
-        may still emit `remaining` tokens: what drafting with it is expected to save over a plain
-        step, across the answer (the median of the last answers' lengths, at most `remaining`),
-        pays for PAYBACK times over at `prefill_s` a token. 0 when its drafts are not expected
-        to beat a plain step at all."""
+        may still emit `remaining` tokens: what drafting with it is expected to save across the
+        answer (the median of the last answers' lengths, at most `remaining`) pays for PAYBACK
+        times over at `prefill_s` a token. It saves only where it beats what a round would do
+        without it, prompt lookup alone or a plain step (the last rounds' lookup speed-ups; a
+        plain step before any): 0 when its drafts are not expected to beat that at all."""
         rate, length = self.best(k)
         plain = 1.0 / float(self.target_costs.cost(1)[0])
         if length == 0 or not rate > plain:
             return 0
         answer = min(remaining, middle(self.answers)) if self.answers else remaining
-        saved = max(answer, 0) * (1.0 / plain - 1.0 / rate)
-        return int(saved / (PAYBACK * self.prefill_s()))
+        without = np.asarray(self.lookups or [1.0])                    # speed-ups over a plain step
+        per_token = np.maximum(1.0 / without - plain / rate, 0.0).mean() / plain
+        return int(max(answer, 0) * per_token / (PAYBACK * self.prefill_s()))
 
     def reach(self, levels: list[int]) -> np.ndarray:
         """[k] float64: the chance that the first j+1 tokens of a model draft with these levels are accepted."""

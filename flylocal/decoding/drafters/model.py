@@ -189,6 +189,7 @@ class ModelBased(Drafter):
         model_rate, model_k = self.plan.best(k) if ready else (0.0, 0)
         guess = self.lookup.propose(context, k)
         rates = self.lookup_length.rates(self.lookup_length.row(guess.level, self.streak), len(guess.tokens))
+        self.plan.looked(rates)
         j = int(np.argmax(rates))
         if rates[j] >= model_rate or model_k == 0:
             j = self.lookup_length.curve.explore(rates, j)     # now and then a length with old evidence
