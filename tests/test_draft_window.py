@@ -177,3 +177,39 @@ def test_the_prefill_never_delays_the_first_token_and_comes_a_chunk_a_round():
     assert first_model >= -(-(len(prompt) - 1 - 16) // CHUNK)          # the prefill took its rounds
     assert all(n <= CHUNK for _, n in rounds[1:first_model])          # ... a chunk each
     assert stats.draft_context["chosen"] == "full" and stats.draft_context["evaluated"] >= len(prompt) - 17
+
+
+@pytest.mark.parametrize("again", [True, False])
+def test_a_request_on_lookup_alone_weighs_the_draft_again_on_its_own_rounds(monkeypatch, again):
+    """Earlier requests' rounds say prompt lookup alone gave 10x (as much as any draft): the
+    draft model's prefill would save nothing, so the request starts on lookup alone. After
+    REFIT rounds in which lookup gave this request little, the prefill is weighed again on
+    them, for the budget left, and pays: the model reads the context and drafts. Without the
+    second weighing it is never asked. Strict equals greedy either way."""
+    from flylocal.decoding.drafters import model
+
+    if not again:
+        monkeypatch.setattr(model, "REFIT", 10**9)
+    prompt = np.random.default_rng(5).integers(1, LM.n_vocab, size=400).astype(np.int32)
+    target, draft = FakeTarget(LM, n_ctx=4096), FakeTarget(LM, n_ctx=4096)
+    target.costs, draft.costs = fixed_costs(0.0), fixed_costs(0.0, single=0.0005)
+    drafter = make_drafter("model", target, draft, k_max=8, adaptive=True, p_min=0.0)
+    drafter.plan.lookups = [10.0] * 64
+    sources = []
+    propose = drafter.propose
+    drafter.propose = lambda context, k: _noted(propose(context, k), sources)
+    tokens, stats, _ = generate_all(Engine(target, drafter, Strict(), EngineConfig(max_tokens=120, k=8)), prompt)
+    assert tokens == greedy(LM, prompt, 120, 4096)[0]
+    given = stats.draft_context
+    if again:
+        assert given["after"] == model.REFIT and given["chosen"] == "full" and given["evaluated"] >= 400 - 17
+        assert set(sources[: model.REFIT + 1]) == {"pld"} and "model" in sources
+        assert max(drafter.own) < 10.0
+    else:
+        assert given["chosen"] == "lookup" and given["pays_for"] == 0 and draft.n_past == 0
+        assert "model" not in sources
+
+
+def _noted(draft, sources: list):
+    sources.append(draft.source)
+    return draft

@@ -244,24 +244,28 @@ class ModelDraftLength:
         """A request ended with an answer of `tokens` tokens."""
         self.answers = (self.answers + [tokens])[-ANSWERS:]
 
-    def looked(self, rates: np.ndarray) -> None:
-        """Record a round's rates for prompt lookup alone ([0]: a plain step's)."""
-        if len(rates) and rates[0] > 0:
-            self.lookups = (self.lookups + [max(float(rates.max() / rates[0]), 1.0)])[-LOOKUPS:]
+    def looked(self, rates: np.ndarray) -> float:
+        """Record a round's rates for prompt lookup alone ([0]: a plain step's); its speed-up."""
+        if not (len(rates) and rates[0] > 0):
+            return 1.0
+        speedup = max(float(rates.max() / rates[0]), 1.0)
+        self.lookups = (self.lookups + [speedup])[-LOOKUPS:]
+        return speedup
 
-    def window(self, k: int, remaining: int) -> int:
+    def window(self, k: int, remaining: int, lookups: list[float] | None = None) -> int:
         """How many context tokens the draft model's prefill may evaluate for a request that
         may still emit `remaining` tokens: what drafting with it is expected to save across the
         answer (the median of the last answers' lengths, at most `remaining`) pays for PAYBACK
         times over at `prefill_s` a token. It saves only where it beats what a round would do
-        without it, prompt lookup alone or a plain step (the last rounds' lookup speed-ups; a
-        plain step before any): 0 when its drafts are not expected to beat that at all."""
+        without it, prompt lookup alone or a plain step (`lookups`, the request's own rounds'
+        speed-ups, else the last rounds'; a plain step before any): 0 when its drafts are not
+        expected to beat that at all."""
         rate, length = self.best(k)
         plain = 1.0 / float(self.target_costs.cost(1)[0])
         if length == 0 or not rate > plain:
             return 0
         answer = min(remaining, middle(self.answers)) if self.answers else remaining
-        without = np.asarray(self.lookups or [1.0])                    # speed-ups over a plain step
+        without = np.asarray(lookups or self.lookups or [1.0])         # speed-ups over a plain step
         per_token = np.maximum(1.0 / without - plain / rate, 0.0).mean() / plain
         return int(max(answer, 0) * per_token / (PAYBACK * self.prefill_s()))
 

@@ -29,6 +29,7 @@ from flylocal.decoding.contracts import NO_DRAFT, Draft, Drafter, Target
 from flylocal.decoding.drafters.pld import PromptLookup, level_prior
 
 MIN_WINDOW = 32      # context tokens: a draft model given fewer than this is not asked (prompt lookup alone)
+REFIT = 8            # rounds of lookup alone after which a request weighs the draft's prefill again, once
 SINKS = 4            # the context's first tokens a draft model always keeps (attention sinks)
 CHUNK = 256          # context tokens a draft model's prefill evaluates a round, after the request's first
 FEW = 16             # ... or fewer, left to its next draft step
@@ -63,6 +64,8 @@ class ModelBased(Drafter):
         self.budget: int | None = None    # tokens the request may emit
         self.given: dict | None = None
         self.asked = True                 # whether this request drafts with the model at all
+        self.own: list[float] = []        # what prompt lookup alone offered in this request's rounds
+        self.start = 0                    # the context's length at the request's first proposal
         self.streak = False               # its last lookup round accepted its whole draft
         learned = learned if learned is not None else Learned()
         if target_costs is not None:      # draft-length control
@@ -76,6 +79,7 @@ class ModelBased(Drafter):
     def begin(self, budget: int | None = None) -> None:
         super().begin(budget)
         self.budget, self.given, self.asked, self.streak, self.slid = budget, None, True, False, 0
+        self.own = []
         self.caught = False               # its prefill done: what it lacks later, its drafts catch up
 
     def end(self, output: list[int]) -> None:
@@ -127,13 +131,18 @@ class ModelBased(Drafter):
                                 limit=self.model.n_batch, recalibrate=self.recalibrate, wait=wait)
         self._costs_ready = True
 
-    def _fit(self, context: np.ndarray, k: int) -> None:
+    def _fit(self, context: np.ndarray, k: int, again: bool = False) -> None:
         """The request's first proposal: how much of the context the draft model evaluates
         (`ModelDraftLength.window`): what it has not seen of it, where that pays; else a window
         of the last tokens that pays, from MIN_WINDOW on; else nothing, and the request drafts
-        with prompt lookup alone. The catch-up is timed: what a prefill costs here."""
+        with prompt lookup alone. `again`: after REFIT rounds of that, weighed once more on
+        what lookup offered in them, for what is left of the budget. The catch-up is timed: what
+        a prefill costs here."""
         n = len(context)
-        pays = self.plan.window(k, self.budget if self.budget is not None else self.model.n_ctx)
+        if not again:
+            self.start = n
+        budget = self.budget if self.budget is not None else self.model.n_ctx
+        pays = self.plan.window(k, budget - (n - self.start), self.own if again else None)
         if self.offset > SINKS and (n <= pays or self.offset >= n):
             self.offset = 0                           # the whole context pays, or is not the one held
         self._slide(context)
@@ -142,12 +151,15 @@ class ModelBased(Drafter):
         chosen = "full" if self.offset <= SINKS else "window"
         if pays <= 0 or (unseen > pays and pays < MIN_WINDOW):
             self.asked = False
-            self.given = {"chosen": "lookup", "tokens": 0, "evaluated": 0, "pays_for": pays, "seconds": 0.0}
+            self.given = {"chosen": "lookup", "tokens": 0, "evaluated": 0, "pays_for": pays, "seconds": 0.0,
+                          "after": len(self.own)}
             return
+        self.asked = True
         if unseen > pays:                             # the last `pays` tokens, after the sinks
             self.offset, chosen = n - pays, "window"
             view = self._view(context)
-        self.given = {"chosen": chosen, "tokens": len(view), "evaluated": 0, "pays_for": pays, "seconds": 0.0}
+        self.given = {"chosen": chosen, "tokens": len(view), "evaluated": 0, "pays_for": pays, "seconds": 0.0,
+                      "after": len(self.own)}
 
     def _caught_up(self, context: np.ndarray, first: bool) -> bool:
         """Whether the draft model holds its view of `context` but for a few last tokens (which
@@ -185,11 +197,15 @@ class ModelBased(Drafter):
         if first:
             self._ensure_costs(context, self.wait)
             self._fit(context, k)
+        elif not self.asked and len(self.own) == REFIT and not self.given["after"]:
+            self._fit(context, k, again=True)
         ready = self.asked and (self.caught or self._caught_up(context, first))
         model_rate, model_k = self.plan.best(k) if ready else (0.0, 0)
         guess = self.lookup.propose(context, k)
         rates = self.lookup_length.rates(self.lookup_length.row(guess.level, self.streak), len(guess.tokens))
-        self.plan.looked(rates)
+        speedup = self.plan.looked(rates)
+        if len(self.own) < REFIT:
+            self.own.append(speedup)
         j = int(np.argmax(rates))
         if rates[j] >= model_rate or model_k == 0:
             j = self.lookup_length.curve.explore(rates, j)     # now and then a length with old evidence
