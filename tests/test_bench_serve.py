@@ -185,6 +185,15 @@ def test_context_pads_with_other_questions_whole_texts_to_about_n_tokens():
                 timeout=5, json_out=None, say=print)
 
 
+def test_a_request_past_the_training_context_is_said_before_the_run():
+    # llama-server caps its context at the model's training context and refuses longer
+    # requests (HTTP 400 on every one at --context 8192 for an 8,192-token model): said first.
+    line = sb.past_training(8208, 128, 8192, "smollm2")
+    assert "8,336 tokens" in line and "8,192 smollm2 was trained on" in line and "--context 8000 or less" in line
+    assert sb.past_training(8000, 128, 8192, "smollm2") is None          # 8,128: within it
+    assert sb.past_training(8208, 128, None, "x") is None                # no training context given
+
+
 def test_a_conversation_sends_each_turn_after_the_answers_before_it(fakes):
     fake = fakes(words=3)
     server = sb.Server("x", url=fake.url, model="m", own_model=True)

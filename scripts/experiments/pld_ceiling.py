@@ -15,9 +15,11 @@ It also prints the acceptance each confidence level really had when every propos
 verified (per position, and right after a fully accepted round), the evidence the drafter's
 priors (flylocal.decoding.drafters.pld.level_prior) are set from. `--skip N` leaves out the
 first N prompts of each group, the ones `flylocal bench serve` answers, so that priors are
-measured on prompts held apart from the benchmark that judges them.
+measured on prompts held apart from the benchmark that judges them. `--context N` pads each
+question to about N tokens with other questions' texts (as `flylocal bench serve --context`
+does), and adds a table end to end: each prompt's prefill, timed here, before its decode.
 
-    .venv/bin/python scripts/experiments/pld_ceiling.py [--target NAME] [--raw] [--per-category 16] [--skip 8] [--max-tokens 128] [--exact]
+    .venv/bin/python scripts/experiments/pld_ceiling.py [--target NAME] [--raw] [--per-category 16] [--skip 8] [--max-tokens 128] [--exact] [--context 1024]
 
 Answered (docs/benchmarks.md, "How far prompt lookup, and trees, can go", 2026-11-30): on the default
 target flylocal's controller reached 1.047x plain decoding, the best fixed length per level in
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +51,7 @@ def main() -> None:
     ap.add_argument("--raw", action="store_true", help="ask 'Question: ...\\nAnswer:' (a base model)")
     ap.add_argument("--k", type=int, default=8, help="the controller's longest draft")
     ap.add_argument("--skip", type=int, default=0, help="leave out the first N prompts of each group")
+    ap.add_argument("--context", type=int, help="pad each question to about N tokens with other questions' texts")
     ap.add_argument("--answers", help="a .npz file the greedy answers are kept in (read when it exists)")
     ap.add_argument("--exact", action="store_true", help="the batch-invariant build")
     args = ap.parse_args()
@@ -60,20 +64,32 @@ def main() -> None:
     from flylocal.loader import load
     from flylocal.settings import Settings
 
-    models = load(Settings(target=args.target, drafter="none", verifier="strict", max_tokens=args.max_tokens))
+    ctx = (args.context or 0) + args.max_tokens + 512
+    models = load(Settings(target=args.target, drafter="none", verifier="strict", max_tokens=args.max_tokens,
+                           **({"ctx": ctx} if args.context else {})))
     target = models.target
-    items = replay.answers(models, args.prompts, args.per_category, args.skip, args.raw, args.answers)
+    items = replay.answers(models, args.prompts, args.per_category, args.skip, args.raw, args.answers, args.context)
     target.reset()
     probe = items[0][1]
-    target.decode(probe[:-1][:256])
+    target.decode(probe[:-1][: items[0][2] if args.context else 256])      # the curve at the prompts' length
     target.costs.ensure(lambda rows: timed_decode(target, int(probe[0]), rows), max_rows=17, limit=target.n_batch)
     cost = target.costs.cost(17)                                      # [17] t(1..17)
     lookup = PromptLookup(np.zeros(target.n_vocab, dtype=bool))
     prior = level_prior(lookup.max_ngram)                              # [levels]
 
-    def run(choose, update=lambda *a: None):
+    prefill = np.zeros(len(items))                                     # [prompts] seconds, with --context
+    if args.context:
+        for i, (_, full, n0) in enumerate(items):
+            target.reset()
+            started = time.perf_counter()
+            target.decode(full[:n0])
+            prefill[i] = time.perf_counter() - started
+        target.reset()
+
+    def run(choose, update=lambda *a: None, first=np.zeros(len(items))):
+        """({group: speedup}, overall) of a policy; `first`: seconds before decoding, per prompt."""
         per = collections.defaultdict(lambda: [0.0, 0.0])             # group -> plain seconds, seconds
-        for group, full, n0 in items:
+        for (group, full, n0), before in zip(items, first):
             state = {}
             pos, t = n0, 0.0
             while pos < len(full):
@@ -88,8 +104,8 @@ def main() -> None:
                 update(state, prop, kk, accepted)
                 t += cost[kk]
                 pos += accepted + 1
-            per[group][0] += (len(full) - n0) * cost[0]
-            per[group][1] += t
+            per[group][0] += (len(full) - n0) * cost[0] + before
+            per[group][1] += t + before
         overall = sum(a for a, _ in per.values()) / sum(b for _, b in per.values())
         return {g: a / b for g, (a, b) in per.items()}, overall
 
@@ -136,6 +152,12 @@ def main() -> None:
             (f"best fixed length per level {best}", run(lambda s, p, a: min(best.get(p.level, 0), len(p.tokens)))),
             ("oracle: drafts exactly what will be accepted", run(lambda s, p, a: a))]
     replay.table(rows, cost, len(items), kernels.mode())
+    if args.context:            # the prompt's prefill, timed here, is the same for every policy
+        print(f"prefill: {np.median(prefill):.2f} s a prompt (median), {np.median(prefill) / cost[0]:.0f} plain steps")
+        rows = [(name, run(choose, update, prefill)) for name, (choose, update) in
+                (("controller (flylocal)", (controller, controller_update)),
+                 ("oracle: drafts exactly what will be accepted", (lambda s, p, a: a, lambda *a: None)))]
+        replay.table(rows, cost, len(items), kernels.mode(), what="end-to-end")
     models.close()
 
 

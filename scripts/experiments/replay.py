@@ -18,10 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # scr
 import harness
 
 
-def answers(models, prompts_path: str, per_category: int, skip: int, raw: bool, path: str | None):
+def answers(models, prompts_path: str, per_category: int, skip: int, raw: bool, path: str | None,
+            context: int | None = None):
     """[(group, prompt + greedy answer token ids, prompt length)] for `per_category` prompts of
     each Spec-Bench group after its first `skip`, asked through the chat template or, `raw`, as
-    'Question: ...\\nAnswer:' (a base model)."""
+    'Question: ...\\nAnswer:' (a base model); with `context`, each padded to about that many
+    tokens with other questions' texts, as `flylocal bench serve --context` pads them."""
     from flylocal.decoding.engine import generate_all
     from flylocal.front.bench.prompts import BASE_FORM
     from flylocal.loader import encode_prompt
@@ -31,7 +33,15 @@ def answers(models, prompts_path: str, per_category: int, skip: int, raw: bool, 
         return [(str(g), kept[f"t{i}"], int(n)) for i, (g, n) in enumerate(zip(kept["groups"], kept["n0"]))]
     items = []
     target = models.target
-    for group, text in harness.spec_bench_questions(per_category, skip, prompts_path):
+    if context:
+        from flylocal.front.bench.questions import conversations
+
+        count = lambda text: len(target.tokenize(text, add_special=False))         # noqa: E731
+        asked = [(label.rsplit(" ", 1)[0], turns[0]) for label, turns in
+                 conversations(prompts_path, None, per_category, skip, 1, None, 1, context, count)]
+    else:
+        asked = harness.spec_bench_questions(per_category, skip, prompts_path)
+    for group, text in asked:
         ids, _ = encode_prompt(target, BASE_FORM.format(text) if raw else text, raw=raw)
         target.reset()
         tokens, _, _ = generate_all(models.engine(), ids)
@@ -60,10 +70,10 @@ def curve(target, probe: np.ndarray, rows: int, repeat: int = 7) -> np.ndarray:
 GROUPS = ("multi-turn", "translation", "summarization", "qa", "math_reasoning", "rag")
 
 
-def table(rows, cost: np.ndarray, n_items: int, mode: str, sizes=(1, 2, 3, 5, 9, 17)) -> None:
-    """Print decode speedups over plain decoding: `rows` [(policy, ({group: speedup}, overall))]."""
+def table(rows, cost: np.ndarray, n_items: int, mode: str, sizes=(1, 2, 3, 5, 9, 17), what: str = "decode") -> None:
+    """Print speedups over plain decoding: `rows` [(policy, ({group: speedup}, overall))]."""
     groups = [g for g in GROUPS if g in rows[0][1][0]]
-    print(f"decode speedup over plain decoding, {n_items} prompts, {mode} build, cost curve (ms): "
+    print(f"{what} speedup over plain decoding, {n_items} prompts, {mode} build, cost curve (ms): "
           + ", ".join(f"{n}: {1000 * cost[n - 1]:.1f}" for n in sizes if n <= len(cost)))
     print("| policy | " + " | ".join(groups) + " | overall |")
     print("|" + " --- |" * (len(groups) + 2))

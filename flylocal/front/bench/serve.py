@@ -498,6 +498,17 @@ def default_base(servers: list[Server]) -> str:
     return next((s.name for s in servers if not s.flylocal), fallback)
 
 
+def past_training(longest: int, max_tokens: int, trained: int | None, target: str) -> str | None:
+    """A line when the longest request runs past the context `target` was trained on:
+    llama-server refuses such a request (its context is at most that), and answers may fall
+    apart past it."""
+    if not trained or longest + max_tokens <= trained:
+        return None
+    return (f"--context: the longest request reaches {longest + max_tokens:,} tokens with --max-tokens {max_tokens}, "
+            f"past the {trained:,} {target} was trained on: llama-server refuses such requests, and answers may "
+            f"fall apart (--context {trained - max_tokens - 64} or less keeps within it)")
+
+
 def end_tokens(path: str) -> tuple[int, ...]:
     """The end-of-generation ids of the model at `path` (banned: every answer full length)."""
     import numpy as np
@@ -548,6 +559,11 @@ def main(*, server_specs, base, target, draft, llama_server, model, prompts, cat
             raise FlylocalError(f"--context {context}: the longest prompt is {lengths[-1]:,} tokens, and with "
                                 f"--max-tokens {max_tokens} it needs --ctx {lengths[-1] + max_tokens + 64} or more")
         say(f"--context {context}: first turns of {lengths[0]:,} to {lengths[-1]:,} tokens ({target}'s tokenizer)")
+        from flylocal.gguf_info import read_info
+
+        line = past_training(lengths[-1], max_tokens, read_info(models.resolve(target)).context_length, target)
+        if line:
+            say(line)
     banned = () if natural or not any(s.own_model for s in servers) else end_tokens(target_path)
     plan = Plan(servers, convs, clients=clients, per_client=per_client, max_tokens=max_tokens, ctx=ctx, raw=raw,
                 banned=banned, base=base, pause=pause, stagger=stagger, taking_turns=not fixed_order,
