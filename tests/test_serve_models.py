@@ -288,6 +288,35 @@ def test_a_models_config_gives_a_model_its_own_settings(tmp_path):
         stop(proc)
 
 
+GEMMA_Q2_K = "gemma-3-270m-q2_k"    # the smallest Gemma: no draft of its vocabulary is smaller
+
+
+def test_under_drafter_mla_a_model_without_a_draft_drafts_by_lookup_and_the_others_are_served():
+    # Before, the whole server refused to start ("model gemma-3-270m-q2_k: --drafter mla needs
+    # a draft model"), SmolLM2 with its draft included.
+    port = free_port()
+    proc = start("--model", SMOL, "--model", GEMMA_Q2_K, "--drafter", "mla", "--draft", SMOL_Q4_0, *COMMON, port=port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url)
+        assert f"{GEMMA_Q2_K}: no draft model shares its vocabulary: it drafts by prompt lookup" in log(proc)
+        assert f"{SMOL}: no draft" not in log(proc)
+        assert ask(url, SMOL, [{"role": "user", "content": "Hi"}])["flylocal"]["drafter"] == "mla"
+        assert ask(url, GEMMA_Q2_K, [{"role": "user", "content": "Hi"}])["flylocal"]["drafter"] == "pld"
+    finally:
+        stop(proc)
+
+
+def test_a_models_own_drafter_without_a_draft_is_still_refused_naming_it(tmp_path):
+    config = tmp_path / "models.toml"
+    config.write_text(f'[models."{GEMMA_Q2_K}"]\ndrafter = "mla"\n')
+    r = subprocess.run([sys.executable, "-m", "flylocal", "serve", "--model", SMOL, "--model", GEMMA_Q2_K,
+                        "--models-config", str(config), "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert f"model {GEMMA_Q2_K}: --drafter mla needs a draft model" in r.stderr.strip().splitlines()[-1], r.stderr
+
+
 def test_pull_fetches_a_registry_model_and_delete_removes_only_what_flylocal_fetched(tmp_path):
     """A private models folder (never the user's): the base model linked in, its Q4_0 pulled
     (derived offline, as `flylocal models fetch` does), served, then deleted; a file of another

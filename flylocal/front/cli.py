@@ -465,7 +465,8 @@ def serve(host, port, api_key, api_key_file, cache_share, slots, max_queue, cors
 
     def member_of(found_models, first_keep):
         return catalog.members(settings, found_models, config, later, lambda s: Session(load(s, log=note)),
-                               first_keep=first_keep, draft_given=draft_given, drafts=pool)
+                               first_keep=first_keep, draft_given=draft_given, drafts=pool,
+                               lookup_instead=None if given else note)
 
     def adopt(name, path):          # a model /api/pull fetched
         from flylocal.front.model_commands import describe_one

@@ -7,7 +7,9 @@ one server"): the members of its Roster (flylocal.front.serve.roster).
   target where it is found (or the first --model): loaded at start, named by requests that
   name none.
 - Each target gets the draft `flylocal models pairs` ranks first for it among the same
-  vocabulary's, unless its settings name one or its drafter needs none.
+  vocabulary's, unless its settings name one or its drafter needs none. Where the command
+  line's --drafter mla or model finds none for one of many models, that one drafts by prompt
+  lookup, said in one line, rather than keep the others from being served.
 - --models-config FILE (TOML) gives a model its own settings, by the command line's option
   names, the command line's values being the defaults:
 
@@ -165,13 +167,16 @@ def find(served: list[Found], name: str) -> Found | None:
 
 
 def members(settings: Settings, served: list[Found], config: dict[str, dict], keep: float, load,
-            first_keep: float = FOREVER, draft_given: bool = False, drafts: list[Found] | None = None) -> list[Member]:
+            first_keep: float = FOREVER, draft_given: bool = False, drafts: list[Found] | None = None,
+            lookup_instead: Callable[[str], None] | None = None) -> list[Member]:
     """The Roster's members: each found model with its settings (the command line's, its
     draft, its --models-config table), checked, and its expected size. `load(settings)` builds
     a member's Session; the first member is kept for good unless its table says otherwise
     (`first_keep`); the others for `keep` seconds. `draft_given`: the command line's --draft is
     every member's draft where it shares its vocabulary; `drafts`: the models drafts are
-    chosen among (default: `served`)."""
+    chosen among (default: `served`). With `lookup_instead`, a member that the command line's
+    --drafter model or mla finds no draft for drafts by prompt lookup, said through it (one
+    model of many, not the one the user named); without, it is refused."""
     from flylocal.loader import check
     from flylocal.models import library
 
@@ -185,6 +190,10 @@ def members(settings: Settings, served: list[Found], config: dict[str, dict], ke
             mine = dataclasses.replace(mine, draft=None if own["draft"].casefold() in NO_DRAFT else own["draft"])
         elif mine.drafter in (None, "mla", "model"):                # one that a draft speeds up
             mine = dataclasses.replace(mine, draft=pick_draft(f, pool, settings.draft if draft_given else None))
+            if mine.drafter in ("mla", "model") and not mine.draft and "drafter" not in own and lookup_instead:
+                lookup_instead(f"{f.name}: no draft model shares its vocabulary: it drafts by prompt lookup "
+                               f"instead of --drafter {mine.drafter}")
+                mine = dataclasses.replace(mine, drafter="pld")
         else:
             mine = dataclasses.replace(mine, draft=None)
         try:
