@@ -240,9 +240,9 @@ def test_a_wave_of_clients_runs_them_at_once(fakes):
     assert fig["rate"] == pytest.approx(32 / fig["wall"])
 
 
-def wave_fig(rate, decode=None, errors=()):
-    return {"tokens": 10, "wall": 10 / rate, "rate": rate, "decode": decode or rate, "ttft": [0.1], "errors":
-            list(errors), "requests": 1, "counted": True}
+def wave_fig(rate, decode=None, errors=(), first=0.1):
+    return {"tokens": 10, "wall": 10 / rate, "rate": rate, "decode": decode or rate, "ttft": [first], "first": first,
+            "errors": list(errors), "requests": 1, "counted": True}
 
 
 def test_the_report_sets_each_server_against_the_base_wave_by_wave():
@@ -278,6 +278,27 @@ def test_a_question_asked_again_is_judged_by_the_median_of_its_waves():
     once = {"labels": got["labels"][:2], "plain": got["plain"][:2], "fly-pld": got["fly-pld"][:2]}
     row = next(line for line in sb.report(plan, {1: once}, 1).splitlines() if line.startswith("| fly-pld"))
     assert "worst 1.10 (rag 2) |" in row
+
+
+def test_the_first_token_is_set_against_the_base_wave_by_wave_its_worst_the_latest():
+    servers = [sb.Server("llama-server", command=["x"]),
+               sb.Server("plain", command=["--drafter", "none"], flylocal=True),
+               sb.Server("fly-mla", command=["--drafter", "mla"], flylocal=True)]
+    plan = sb.Plan(servers, [], base="llama-server")
+    # each wave's question longer than the last, its first token later: the ratios are level but
+    # one wave's, though the two servers' times lie far apart from wave to wave
+    got = {"labels": ["qa 1", "rag 2", "math 3", "qa 4"],
+           "llama-server": [wave_fig(10, first=f) for f in (1.0, 2.0, 3.0, 4.0)],
+           "plain": [wave_fig(10, first=f) for f in (1.0, 2.0, 3.0, 4.0)],
+           "fly-mla": [wave_fig(10, first=f) for f in (1.0, 2.6, 3.0, 4.0)]}
+    text = sb.report(plan, {1: got}, 1)
+    row = next(line for line in text.splitlines() if line.startswith("| fly-mla"))
+    assert "| 1.00 (1.00-1.30), worst 1.30 (rag 2) |" in row            # the latest, not the lowest
+    assert "; first token 1.00 (1.00-1.30), worst 1.30 (rag 2)" in next(
+        line for line in text.splitlines() if line.startswith("fly-mla / plain: "))
+    fig = sb.rates([sb.Reply(start=0.0, first=t, last=t + 1.0, end=t + 1.0, tokens=8) for t in (0.5, 0.9, 0.7)])
+    assert fig["first"] == pytest.approx(0.7)                      # a wave's first token: its median request's
+    assert math.isnan(sb.rates([sb.Reply(start=0.0, error="HTTP 500")])["first"])
 
 
 def bench_serve(*args, **kw):

@@ -342,6 +342,7 @@ def rates(replies: list[Reply]) -> dict:
     whole = ok and len(ok) == len(replies) and wall > 0        # a wave with a failure has no rate
     return {"tokens": tokens, "wall": wall, "rate": tokens / wall if whole else float("nan"),
             "decode": median(decode), "ttft": [r.first - r.start for r in ok],
+            "first": median(r.first - r.start for r in ok) if ok else float("nan"),
             "errors": [r.error or "no text" for r in replies if r.error or r.last is None],
             "requests": len(replies), "counted": all(r.counted for r in ok)}
 
@@ -393,10 +394,11 @@ def paired(got: dict, name: str, other: str, key: str = "rate") -> list[tuple[fl
             if a[key] == a[key] and b[key] == b[key] and b[key] > 0]
 
 
-def ratio_text(pairs: list[tuple[float, str]], worst: bool = True) -> str:
-    """'M (LO-HI)' and ', worst W (LABEL)': the median ratio with its interval, and the lowest
-    question's: the median of its waves where it was asked more than once (--repeat), so that
-    one noisy request does not stand for it."""
+def ratio_text(pairs: list[tuple[float, str]], worst: str | None = "low") -> str:
+    """'M (LO-HI)' and ', worst W (LABEL)': the median ratio with its interval, and the worst
+    question's, the lowest (`worst` "low": a speed) or the highest ("high": a time): the median
+    of its waves where it was asked more than once (--repeat), so that one noisy request does
+    not stand for it."""
     if not pairs:
         return "-"
     values = [v for v, _ in pairs]
@@ -404,7 +406,7 @@ def ratio_text(pairs: list[tuple[float, str]], worst: bool = True) -> str:
     by_label: dict[str, list[float]] = {}
     for v, label in pairs:
         by_label.setdefault(label, []).append(v)
-    low, label = min((median(vs), label) for label, vs in by_label.items())
+    low, label = (min if worst == "low" else max)((median(vs), label) for label, vs in by_label.items())
     times = len(by_label[label])
     of = f", the median of {times}" if times > 1 else ""
     return f"{median(values):.2f} ({lo:.2f}-{hi:.2f})" + (f", worst {low:.2f} ({label}{of})" if worst else "")
@@ -444,8 +446,8 @@ def report(plan: Plan, results: dict, turns: int) -> str:
                   f"tokens an answer ({banned}), greedy, streamed{', raw completions' if plan.raw else ''}; "
                   f"ratios to {plan.base}, wave by wave: median (95% interval)", "",
                   f"| server | requests | tokens | tok/s | / {plan.base} | decode tok/s | / {plan.base} | "
-                  "all tokens / all time | TTFT p50 s | TTFT p95 s | failed |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  f"all tokens / all time | TTFT p50 s | TTFT p95 s | TTFT / {plan.base} | failed |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name in names:
             waves = got[name]
             ttft = [t for w in waves for t in w["ttft"]]
@@ -454,16 +456,18 @@ def report(plan: Plan, results: dict, turns: int) -> str:
                          f"{median(w['rate'] for w in waves):.1f} | "
                          f"{'1' if name == plan.base else ratio_text(paired(got, name, plan.base))} | "
                          f"{median(w['decode'] for w in waves):.1f} | "
-                         f"{'1' if name == plan.base else ratio_text(paired(got, name, plan.base, 'decode'), False)} | "
+                         f"{'1' if name == plan.base else ratio_text(paired(got, name, plan.base, 'decode'), None)} | "
                          f"{sum(w['tokens'] for w in waves) / wall if wall else float('nan'):.1f} | "
                          f"{_percentile(ttft, 0.5):.2f} | {_percentile(ttft, 0.95):.2f} | "
+                         f"{'1' if name == plan.base else ratio_text(paired(got, name, plan.base, 'first'), 'high')} | "
                          f"{sum(len(w['errors']) for w in waves)} |")
         lines.append("")
         ours = [m for m in names if by_name[m].flylocal]
         plain = next((m for m in sorted(ours, key=lambda m: m != "autoregressive")
                       if _drafts_nothing(by_name[m])), None)
         if plain and plain != plan.base:
-            lines += [f"{m} / {plain}: {ratio_text(paired(got, m, plain))}" for m in ours if m != plain]
+            lines += [f"{m} / {plain}: {ratio_text(paired(got, m, plain))}; first token "
+                      f"{ratio_text(paired(got, m, plain, 'first'), 'high')}" for m in ours if m != plain]
         others = [m for m in names if not by_name[m].flylocal]
         if ours and others:
             best = max(others, key=lambda m: median(v for v, _ in paired(got, m, plan.base)))
