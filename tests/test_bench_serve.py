@@ -29,10 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 class Fake:
     """An OpenAI-compatible streaming server on a loopback port: `words` chunks an answer, each
     after `delay` seconds; every request body is kept in `bodies`; `usage` False sends none;
-    `fail` answers every completion with 500."""
+    `fail` answers every completion with 500; its first `calibrating` answers say, as a flylocal
+    server's report does, that its cost curves are still being measured."""
 
-    def __init__(self, words=4, delay=0.0, usage=True, fail=False):
+    def __init__(self, words=4, delay=0.0, usage=True, fail=False, calibrating=0):
         self.words, self.delay, self.usage, self.fail, self.bodies = words, delay, usage, fail, []
+        self.calibrating = calibrating
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -69,6 +71,8 @@ class Fake:
                     self.wfile.flush()
                 if fake.usage:
                     usage = {"choices": [], "usage": {"completion_tokens": 2 * fake.words, "prompt_tokens": 5}}
+                    if len(fake.bodies) <= fake.calibrating:
+                        usage["usage"]["flylocal"] = {"rounds": 3, "calibrating": True}
                     self.wfile.write(f"data: {json.dumps(usage)}\n\n".encode())
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.close_connection = True
@@ -299,6 +303,25 @@ def test_the_first_token_is_set_against_the_base_wave_by_wave_its_worst_the_late
     fig = sb.rates([sb.Reply(start=0.0, first=t, last=t + 1.0, end=t + 1.0, tokens=8) for t in (0.5, 0.9, 0.7)])
     assert fig["first"] == pytest.approx(0.7)                      # a wave's first token: its median request's
     assert math.isnan(sb.rates([sb.Reply(start=0.0, error="HTTP 500")])["first"])
+
+
+def test_warm_up_goes_on_while_a_server_measures_its_cost_curves_and_no_longer(fakes, monkeypatch):
+    """A flylocal server whose curves are not yet cached measures them a slice before each
+    request: its first requests say so (`calibrating`). The timed waves start once it has
+    stopped, or, bounded, say that it has not."""
+    server = sb.Server("fly-pld", command=["x"], flylocal=True)
+    plan = sb.Plan([server], [], max_tokens=128)
+    said = []
+    fresh = fakes(calibrating=3)
+    assert sb.warm_up(plan, server, fresh.url, said.append) == 4 and not said
+    assert [body["max_tokens"] for _, body in fresh.bodies] == [sb.WARM_TOKENS] * 4      # short, uncounted
+    cached = fakes()
+    assert sb.warm_up(plan, server, cached.url, said.append) == 1 and not said
+    monkeypatch.setattr(sb, "WARM_S", 0.0)
+    stuck = fakes(calibrating=100)
+    assert sb.warm_up(plan, server, stuck.url, said.append) == 1
+    assert said == ["fly-pld: still measuring its cost curves after 1 warm-up request (0 s): its first timed "
+                    "requests wait up to 0.1 s each for a slice"]
 
 
 def bench_serve(*args, **kw):

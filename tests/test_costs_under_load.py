@@ -332,6 +332,33 @@ def test_a_request_waits_a_slice_of_the_calibration_and_the_rest_follows_in_slic
     assert np.allclose(whole.base[:9], curve.base[:9], equal_nan=True)
 
 
+def test_a_request_says_whether_its_curves_were_still_being_measured_when_it_ended(cache):
+    """A server's requests report `calibrating` while a slice waits before each of them (what a
+    benchmark warms up through), and not once the curve has settled and is cached; a process
+    that reads the cached curve never does."""
+    machine = Machine(step=0.01, row_cost=0.4)
+    curve = CostCurve(key=KEY)
+    curve.clock = machine
+    target = FakeTarget(LM, n_ctx=4096, costs=curve, machine=machine)
+    drafter = controlled(NoisyOracle(LM, seed=0, p_corrupt=0.1, p_eog=0.0, p_short=0.0), 8, target)
+    engine = Engine(target, drafter, Strict(), EngineConfig(max_tokens=8, k=8, calibration_wait=0.05), clock=machine)
+    said = []
+    while len(said) < 100 and (not said or said[-1]):
+        target.reset()
+        _, stats, _ = generate_all(engine, prompt(len(said)))
+        said.append(stats.calibrating)
+        assert stats.to_dict().get("calibrating", False) == stats.calibrating
+    assert said[0] and not said[-1] and len(said) > 3, said
+    assert curve.state == "settled" and store.read(KEY)[0] is not None
+    fresh = CostCurve(key=KEY)
+    fresh.clock = machine
+    target = FakeTarget(LM, n_ctx=4096, costs=fresh, machine=machine)
+    drafter = controlled(NoisyOracle(LM, seed=0, p_corrupt=0.1, p_eog=0.0, p_short=0.0), 8, target)
+    engine = Engine(target, drafter, Strict(), EngineConfig(max_tokens=8, k=8, calibration_wait=0.05), clock=machine)
+    assert not generate_all(engine, prompt(1))[1].calibrating
+    assert "calibrating" not in generate_all(engine, prompt(2))[1].to_dict()
+
+
 def test_a_provisional_curve_is_measured_again_at_most_retries_times(cache, monkeypatch):
     """Each retry keeps a request waiting for a calibration: under endless load they stop."""
     noisy = NeverAgreeing()

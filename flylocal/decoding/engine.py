@@ -265,6 +265,7 @@ class Engine:
         req.stats.wall_s = self.clock() - req.started
         self.drafter.end(req.out)
         req.stats.draft_context = self.drafter.report()
+        req.stats.calibrating = any(curve.measuring is not None for curve in self.curves)
         req.gen._end()
 
     # ----- before the first round -----

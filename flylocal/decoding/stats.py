@@ -48,6 +48,8 @@ class Stats:
     draft_context: dict | None = None   # what a draft model was given of the context (its prefill):
                                         # "chosen" ("full", "window" or "lookup": prompt lookup alone),
                                         # "tokens" it held, "evaluated", "pays_for", "seconds"; None: no model
+    calibrating: bool = False    # a cost curve of its models was still being measured, a slice before
+                                 # each request (docs/design.md, "Cost model"), when it ended
 
     def add(self, r: Round) -> None:
         """Count a finished round."""
@@ -102,6 +104,8 @@ class Stats:
             d[key] = round(d[key], 6)
         if self.draft_context is None:
             del d["draft_context"]
+        if not self.calibrating:
+            del d["calibrating"]
         if self.budget_spent is None:
             del d["budget_spent"], d["budget_left"]
         else:

@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flylocal.errors import FlylocalError
 from flylocal.front.bench.questions import conversations, token_counter
@@ -43,6 +43,8 @@ FLYLOCAL = {"autoregressive": "--drafter none --verifier strict",
 # llama.cpp's own server: plain, its speculation without a draft model, and with one.
 LLAMA_SERVER = {"llama-server": "", "llama-server-ngram": "--spec-type ngram-mod",
                 "llama-server-draft": "-md {draft} --spec-type draft-simple"}
+WARM_S = 120.0          # seconds of warm-up requests a server measuring its cost curves is given
+WARM_TOKENS = 8         # tokens a warm-up answer
 RAW_FORM = "Question: {}\nAnswer:"     # a base model's form of a question (the bench's BASE_FORM)
 
 
@@ -92,6 +94,7 @@ class Reply:
     text: str = ""
     error: str | None = None
     counted: bool = True            # tokens from the server's usage (else chunks of text)
+    calibrating: bool = False       # a flylocal server still measuring its cost curves, a slice a request
 
 
 # -- servers ------------------------------------------------------------------------------------
@@ -294,6 +297,7 @@ def request(url: str, path: str, body: dict, timeout: float, api_key: str | None
     finally:
         r.end = time.perf_counter()
     r.counted = bool(usage and "completion_tokens" in usage)
+    r.calibrating = bool(usage and (usage.get("flylocal") or {}).get("calibrating"))
     r.tokens = usage["completion_tokens"] if r.counted else chunks
     return r
 
@@ -311,6 +315,25 @@ def converse(plan: Plan, server: Server, url: str, turns: list[str]) -> list[Rep
             break
         history += [turn, reply.text]
     return replies
+
+
+def warm_up(plan: Plan, server: Server, url: str, say) -> int:
+    """Short requests, uncounted, before the waves: one, or, while a flylocal server says it is
+    still measuring its cost curves (a slice before each request's first token, until they
+    settle and are cached: docs/design.md, "Cost model"), more, for at most WARM_S seconds, so
+    that no timed request waits for a slice. Returns how many were sent."""
+    short = replace(plan, max_tokens=WARM_TOKENS)
+    deadline = time.monotonic() + WARM_S
+    sent = 0
+    while True:
+        replies = converse(short, server, url, ["Hello!"])
+        sent += 1
+        if not any(r.calibrating for r in replies):
+            return sent
+        if time.monotonic() > deadline:
+            say(f"{server.name}: still measuring its cost curves after {sent} warm-up request{'s' * (sent != 1)} "
+                f"({WARM_S:g} s): its first timed requests wait up to 0.1 s each for a slice")
+            return sent
 
 
 def wave(plan: Plan, server: Server, url: str, clients: int, convs: list[list[str]]) -> list[Reply]:
@@ -369,8 +392,8 @@ def run(plan: Plan, say) -> dict:
             with fleet(plan.servers, clients, plan.ctx, plan.startup, say) as urls:
                 if plan.base not in urls:
                     raise FlylocalError(f"the base server {plan.base!r} did not come up")
-                for name, url in urls.items():      # one short request each, uncounted
-                    converse(plan, by_name[name], url, ["Hello!"])
+                for name, url in urls.items():
+                    warm_up(plan, by_name[name], url, say)
                 names = list(urls)
                 for i, w in enumerate(waves):
                     order = names[i % len(names):] + names[:i % len(names)] if plan.taking_turns else names

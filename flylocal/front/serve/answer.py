@@ -125,4 +125,6 @@ def stats_report(done: Done, settings: Settings) -> dict:
               "budget_left": stats.budget_left, "stop": done.reason}
     if stats.draft_context is not None:
         report["draft_context"] = stats.draft_context
+    if stats.calibrating:         # its cost curves still measured in slices: a first token waits for one
+        report["calibrating"] = True
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in report.items()}
