@@ -333,9 +333,9 @@ def test_a_request_waits_a_slice_of_the_calibration_and_the_rest_follows_in_slic
 
 
 def test_a_request_says_whether_its_curves_were_still_being_measured_when_it_ended(cache):
-    """A server's requests report `calibrating` while a slice waits before each of them (what a
-    benchmark warms up through), and not once the curve has settled and is cached; a process
-    that reads the cached curve never does."""
+    """A server's requests report `calibrating` while the curve is still being measured (the
+    next request waits a slice: what a benchmark warms up through), and not once it has settled
+    and is cached; a process that reads the cached curve never does."""
     machine = Machine(step=0.01, row_cost=0.4)
     curve = CostCurve(key=KEY)
     curve.clock = machine
